@@ -1,0 +1,1 @@
+"""pdserve: LLM serving with disaggregated prefill and decode."""

@@ -1,0 +1,152 @@
+"""Typed, frozen configuration for the runtime, one dataclass per domain.
+
+Every field has a default and a docstring-like comment; CLI flags in
+`pdserve.cli` default to these values. Validation raises ValueError with a
+message a user can act on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder architecture, read from an HF config.json."""
+
+    path: str
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # "llama" | "qwen2"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has a bias on q, k and v
+    torch_dtype: str  # dtype the checkpoint was saved in
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        model_type = raw.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r} in {path}/config.json (supported: llama, qwen2)")
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        # transformers 5 keeps rope settings under rope_parameters; older files use rope_theta/rope_scaling.
+        rope = raw.get("rope_parameters") or {}
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_scaling = raw.get("rope_scaling")
+        if rope.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gen_path = path / "generation_config.json"
+        if gen_path.exists():
+            geos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if geos is not None:
+                eos_ids = tuple(dict.fromkeys(eos_ids + (tuple(geos) if isinstance(geos, list) else (geos,))))
+        return cls(
+            path=str(path),
+            architecture=archs[0],
+            model_type=model_type,
+            num_layers=raw["num_hidden_layers"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+        )
+
+    def identity(self) -> str:
+        """A short fingerprint of everything that shapes the KV cache and logits."""
+        keys = (self.architecture, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.vocab_size, self.rope_theta)
+        return f"{self.architecture}-{hashlib.sha1(repr(keys).encode()).hexdigest()[:10]}"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool."""
+
+    page_size: int = 16  # tokens per page
+    max_total_tokens: int = 65536  # pool capacity in tokens (rounded down to whole pages)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of {self.page_size}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy."""
+
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192  # new tokens per prefill batch
+    chunked_prefill_size: int = 2048  # longest chunk of one prompt per step; <= 0 disables chunking
+    policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"--schedule-policy must be fcfs or lpm, got {self.policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything a runtime process needs to load a model and serve it."""
+
+    model_path: str
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "cpu"
+    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
