@@ -6,6 +6,7 @@ message a user can act on.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -13,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+class Role(str, enum.Enum):
+    """What a runtime process does: both halves of serving, or one of them."""
+
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True)

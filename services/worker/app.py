@@ -1,0 +1,148 @@
+"""WorkerApp: wires one Engine to its gRPC services, its KV transfer and its HTTP probes.
+
+Lifecycle: load the model, start the engine thread, (decode) register with the
+listed prefill workers, serve until SIGTERM/SIGINT, then stop everything.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.worker.cli import install_signal_handlers, worker_name
+from pdserve.services.worker.convert import compat_to_proto
+from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
+from pdserve.services.worker.server import PrefillService, WorkerService
+from pdserve.shared.addresses import expand_hostports
+from pdserve.shared.compat import Compat
+from pdserve.shared.config import Role, RuntimeConfig
+from pdserve.shared.engine import Engine
+from pdserve.shared.model_runner import ModelRunner
+
+log = logging.getLogger("pdserve.worker")
+
+
+class WorkerApp:
+    def __init__(self, config: RuntimeConfig, role: Role, args: argparse.Namespace) -> None:
+        self.config = config
+        self.role = role
+        self.args = args
+        self.http_port = args.http_port or args.port + 1000
+        self.name = worker_name(role.value, args.host, args.port)
+        runner = ModelRunner(config)
+        self.transfer = None
+        backend = "none"
+        if role != Role.COLOCATED:
+            from pdserve.shared.transfer import available_backends, create_transfer
+
+            backend = args.transfer_backend
+            if backend == "auto":
+                backend = "nixl" if "nixl" in available_backends() else "tcp"
+            kwargs = {}
+            if backend == "tcp" and role == Role.DECODE:
+                kwargs = {"host": args.host, "port": args.transfer_port or args.port + 2000}
+            self.transfer = create_transfer(backend, self.name, runner.pool.buffer, **kwargs)
+        transfer_fn = self._write_kv if role == Role.PREFILL else None
+        poll_fn = self.transfer.poll if (self.transfer is not None and role == Role.DECODE) else None
+        self.engine = Engine(config, role, runner, transfer_fn=transfer_fn, poll_fn=poll_fn)
+        mc = runner.model_config
+        self.compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
+                             page_size=config.cache.page_size, num_layers=mc.num_layers,
+                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend)
+        self.info = pb.InfoReply(
+            role=role.value, model_path=config.model_path,
+            served_model_name=args.served_model_name or config.model_path,
+            compat=compat_to_proto(self.compat), max_total_tokens=config.cache.num_pages * config.cache.page_size,
+            context_length=runner.context_length, max_running_requests=config.scheduler.max_running_requests,
+            architecture=mc.architecture, model_type=mc.model_type,
+            attention_backend=runner.ops.name)
+        self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
+        self.ready = False
+
+    def _write_kv(self, req) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        num_pages = len(req.transfer.dst_pages)
+        self.transfer.write_pages(req.transfer.peer_name, req.pages[:num_pages], req.transfer.dst_pages)
+        return time.perf_counter() - t0
+
+    async def serve(self) -> int:
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        self.engine.start()
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_WorkerServicer_to_server(
+            WorkerService(self.engine, self.role, self.compat, self.info, self.peers), server)
+        if self.role == Role.PREFILL:
+            pb_grpc.add_PrefillServicer_to_server(PrefillService(self.engine, self.compat, self.transfer), server)
+        bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        if bound == 0:
+            log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
+            self.engine.stop()
+            return 1
+        await server.start()
+        http = await self._start_http()
+        if http is None:
+            await server.stop(0)
+            self.engine.stop()
+            return 1
+        code = 0
+        try:
+            if self.role == Role.DECODE and self.args.prefill:
+                addrs = [a for spec in self.args.prefill for a in expand_hostports(spec)]
+                await self.peers.register_all(addrs, deadline_s=120)
+            self.ready = True
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, attention %s", self.role.value, self.args.host,
+                     self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend)
+            await stop.wait()
+        except PeerError as exc:
+            log.error("%s", exc)
+            code = 1
+        finally:
+            self.ready = False
+            await server.stop(grace=2)
+            await http.cleanup()
+            self.engine.stop()
+            if self.transfer is not None:
+                self.transfer.close()
+        return code
+
+    async def _start_http(self) -> web.AppRunner | None:
+        registry = CollectorRegistry()
+        gauges = {name: Gauge(f"pdserve_worker_{name}", help_text, registry=registry) for name, help_text in (
+            ("running", "requests running"), ("waiting", "requests waiting"),
+            ("free_pages", "KV pages free or evictable"), ("total_pages", "KV pages in the pool"),
+            ("cached_pages", "KV pages held by the prefix cache"))}
+        tokens = Gauge("pdserve_worker_tokens_total", "tokens computed", ["kind"], registry=registry)
+
+        async def health(request: web.Request) -> web.Response:
+            ok = self.ready and self.engine.is_alive()
+            return web.Response(text="ok" if ok else "starting", status=200 if ok else 503)
+
+        async def metrics(request: web.Request) -> web.Response:
+            load = await asyncio.wrap_future(self.engine.call(self.engine.load))
+            for name, value in load.items():
+                gauges[name].set(value)
+            tokens.labels("prefill").set(self.engine.stats.prefill_tokens)
+            tokens.labels("decode").set(self.engine.stats.decode_tokens)
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.args.host, self.http_port).start()
+        except OSError as exc:
+            log.error("cannot listen on %s:%d for HTTP (%s); pass --http-port", self.args.host, self.http_port, exc)
+            await runner.cleanup()
+            return None
+        return runner

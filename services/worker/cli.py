@@ -1,0 +1,97 @@
+"""`pdserve colocated|prefill|decode`: one runtime worker serving gRPC, plus /health and /metrics over HTTP."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+
+from pdserve.shared.config import CacheConfig, Role, RuntimeConfig, SchedulerConfig
+
+DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
+log = logging.getLogger("pdserve.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    cache, sched = CacheConfig(), SchedulerConfig()
+    parser.add_argument("--model-path", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None, help="model name reported to clients")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and HTTP on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[command], help="gRPC port")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port for /health and /metrics (default: port + 1000)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="kernels: triton (default on CUDA) or torch (default on CPU)")
+    parser.add_argument("--context-length", type=int, default=None, help="longest sequence (default: the model's)")
+    parser.add_argument("--page-size", type=int, default=cache.page_size, help="tokens per KV page")
+    parser.add_argument("--max-total-tokens", type=int, default=cache.max_total_tokens, help="KV pool capacity in tokens")
+    parser.add_argument("--max-running-requests", type=int, default=sched.max_running_requests)
+    parser.add_argument("--max-prefill-tokens", type=int, default=sched.max_prefill_tokens,
+                        help="new prompt tokens per prefill batch")
+    parser.add_argument("--chunked-prefill-size", type=int, default=sched.chunked_prefill_size,
+                        help="longest prompt chunk per step; <= 0 disables chunking")
+    parser.add_argument("--schedule-policy", default=sched.policy, choices=["fcfs", "lpm"])
+    parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
+    parser.add_argument("--log-level", default="info")
+    if command in ("prefill", "decode"):
+        parser.add_argument("--transfer-backend", default="auto", choices=["auto", "nixl", "tcp"],
+                            help="how KV pages move between workers (auto: nixl when installed, else tcp)")
+        parser.add_argument("--transfer-port", type=int, default=None,
+                            help="tcp backend: port the decode worker receives KV on (default: port + 2000)")
+    if command == "decode":
+        parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                            help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
+
+
+def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
+    return RuntimeConfig(
+        model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        context_length=args.context_length,
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
+                                  max_prefill_tokens=args.max_prefill_tokens,
+                                  chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy),
+    )
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
+
+    try:
+        model_path = str(resolve_model_path(args.model_path))
+        config = runtime_config(args, model_path)
+    except (ModelNotFound, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    from pdserve.services.worker.app import WorkerApp
+
+    try:
+        app = WorkerApp(config, Role(command), args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(app.serve())
+
+
+def worker_name(role: str, host: str, port: int) -> str:
+    return f"{role}-{socket.gethostname()}-{host}:{port}-{uuid.uuid4().hex[:6]}-{os.getpid()}"
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,212 @@
+"""gRPC adapters over one Engine: the Worker service (all roles) and the Prefill service.
+
+Thin by design: parse the message, hand a function to the engine thread, map
+results and errors back to gRPC. Request outputs hop from the engine thread to
+the event loop through an asyncio.Queue per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.worker.convert import compat_from_proto, first_token_to_proto, output_to_proto
+from pdserve.services.worker.peers import PrefillPeers
+from pdserve.shared.compat import Compat
+from pdserve.shared.config import Role
+from pdserve.shared.engine import Engine, FirstToken
+from pdserve.shared.req import Req, ReqOutput, TokenLogprobs, TransferTarget
+from pdserve.shared.sampling_params import InvalidParam, from_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of a request has a limit (seconds)."""
+
+    engine_call: float = 30.0  # for the engine thread to take a command
+    stall: float = 120.0  # between two outputs of a running request
+    prefill: float = 120.0  # decode waiting for prefill to fill its pages (incl. queueing)
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
+                 peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts()) -> None:
+        self.engine = engine
+        self.role = role
+        self.compat = compat
+        self.info = info
+        self.peers = peers
+        self.timeouts = timeouts
+        self.prefill_calls: dict[str, asyncio.Task] = {}
+
+    async def _engine(self, fn):
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), self.timeouts.engine_call)
+
+    # ------------------------------------------------------------ Generate
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.role == Role.PREFILL:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this is a prefill worker: send Generate to a decode or colocated worker")
+        if self.role == Role.DECODE and not request.prefill_addr:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        try:
+            params = from_proto(request.sampling)
+        except (InvalidParam, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
+                  on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        if self.role == Role.DECODE:
+            req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
+                self._start_prefill, r.rid, request, list(r.pages))
+        try:
+            await self._engine(lambda: self.engine.add_request(req))
+        except (InvalidParam, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finished: set[int] = set()
+        first = True
+        try:
+            while len(finished) < params.n:
+                out = await asyncio.wait_for(outputs.get(), self._wait_limit(first))
+                if out.error:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE
+                                        else grpc.StatusCode.INTERNAL, out.error)
+                if out.finish_reason is not None:
+                    finished.add(out.index)
+                yield pb.GenerateResponse(choices=[output_to_proto(out)], prompt_tokens=out.prompt_tokens,
+                                          cached_tokens=out.cached_tokens)
+                first = False
+        except asyncio.TimeoutError:
+            self._abort_soon(request.rid)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
+        finally:
+            if len(finished) < params.n:  # cancelled by the client, failed or timed out
+                self._abort_soon(request.rid)
+
+    def _wait_limit(self, first: bool) -> float:
+        if first and self.role == Role.DECODE:
+            return self.timeouts.prefill + self.timeouts.stall
+        return self.timeouts.stall
+
+    def _abort_soon(self, rid: str) -> None:
+        self.engine.call(lambda: self.engine.abort(rid))
+        task = self.prefill_calls.pop(rid, None)
+        if task is not None:
+            task.cancel()
+
+    # ------------------------------------------------------------ decode: pull KV from prefill
+    def _start_prefill(self, rid: str, request: pb.GenerateRequest, pages: list[int]) -> None:
+        self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages))
+
+    async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int]) -> None:
+        try:
+            stub, peer_name = await self.peers.get(request.prefill_addr)
+            reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
+                                                         sampling=request.sampling, peer_name=peer_name,
+                                                         dst_pages=pages), timeout=self.timeouts.prefill)
+            firsts = [FirstToken(t.token_id, TokenLogprobs(t.logprob, list(t.top.token_ids), list(t.top.logprobs))
+                                 if t.has_logprob else None) for t in reply.first_tokens]
+            self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            error = f"prefill worker {request.prefill_addr} failed: {exc.details() or exc.code().name}"
+            log.warning("%s (request %s)", error, rid)
+            self.engine.call(lambda: self.engine.abort(rid, error=error))
+        except Exception as exc:
+            error = f"prefill worker {request.prefill_addr} failed: {exc}"
+            log.warning("%s (request %s)", error, rid)
+            self.engine.call(lambda: self.engine.abort(rid, error=error))
+        finally:
+            self.prefill_calls.pop(rid, None)
+
+    # ------------------------------------------------------------ small RPCs
+    async def Abort(self, request, context):
+        found = await self._engine(lambda: self.engine.abort(request.rid))
+        task = self.prefill_calls.pop(request.rid, None)
+        if task is not None:
+            task.cancel()
+        return pb.AbortReply(found=found)
+
+    async def Health(self, request, context):
+        return pb.HealthReply(ok=self.engine.is_alive(), role=self.role.value)
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Load(self, request, context):
+        return pb.LoadReply(**await self._engine(self.engine.load))
+
+    async def FlushCache(self, request, context):
+        ok = await self._engine(self.engine.flush_cache)
+        return pb.FlushReply(ok=ok, message="cache flushed" if ok else "requests are running; cache not flushed")
+
+    async def Stats(self, request, context):
+        def stats():
+            report = self.engine.scheduler.check_integrity()
+            return pb.PoolStats(total_pages=report.total, free_pages=report.free, used_pages=report.held,
+                                cached_pages=report.cached, radix_nodes=self.engine.cache.num_pages,
+                                integrity_ok=report.ok, integrity_message=report.message)
+        return await self._engine(stats)
+
+
+class PrefillService(pb_grpc.PrefillServicer):
+    """Served by prefill workers: decode workers register, then ask for prompts to be filled."""
+
+    def __init__(self, engine: Engine, compat: Compat, transfer, timeouts: Timeouts = Timeouts()) -> None:
+        self.engine = engine
+        self.compat = compat
+        self.transfer = transfer
+        self.timeouts = timeouts
+
+    async def Register(self, request: pb.RegisterRequest, context):
+        theirs = compat_from_proto(request.compat)
+        problems = self.compat.mismatches(theirs)
+        if problems:
+            msg = f"decode worker {request.peer_name} is incompatible: " + "; ".join(problems)
+            log.error(msg)
+            return pb.RegisterReply(ok=False, error=msg)
+        try:
+            await asyncio.to_thread(self.transfer.add_peer, request.peer_name, request.transfer_metadata)
+        except Exception as exc:
+            return pb.RegisterReply(ok=False, error=f"cannot reach decode worker {request.peer_name}: {exc}")
+        log.info("registered decode worker %s", request.peer_name)
+        return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        if not self.transfer.has_peer(request.peer_name):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"decode worker {request.peer_name} is not registered")
+        try:
+            params = from_proto(request.sampling)
+        except (InvalidParam, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
+                  transfer=TransferTarget(request.peer_name, list(request.dst_pages)))
+        done = False
+        try:
+            fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.add_prefill(req))),
+                                         self.timeouts.engine_call)
+            result = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeouts.prefill)
+            done = True
+        except (InvalidParam, ValueError) as exc:
+            done = True
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        except RuntimeError as exc:
+            done = True
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            if not done:  # cancelled by the decode side (or it died) or timed out: free everything
+                self.engine.call(lambda: self.engine.abort(request.rid))
+        return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
+                               cached_tokens=result.cached_tokens, queue_s=result.queue_s,
+                               compute_s=result.compute_s, transfer_s=result.transfer_s)

@@ -1,0 +1,382 @@
+"""Engine: the runtime loop of one worker, in one thread that owns all runtime state.
+
+    batch = scheduler.schedule(); logits = runner.forward(batch); self.postprocess(batch, logits)
+
+Other threads never touch the scheduler, pool or cache: they hand the engine a
+function with `call(fn)` and get a Future back. Results leave through each
+request's `on_output` callback, called from the engine thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Callable, TypeVar
+
+import torch
+
+from pdserve.shared.config import Role, RuntimeConfig
+from pdserve.shared.model_runner import ModelRunner
+from pdserve.shared.page_allocator import PageAllocator
+from pdserve.shared.radix_cache import RadixCache
+from pdserve.shared.req import Req, ReqOutput, ReqStatus, TokenLogprobs
+from pdserve.shared.sampler import Sampler, make_generator
+from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class FirstToken:
+    """A token sampled by a prefill worker for one choice of a request."""
+
+    token_id: int
+    logprob: TokenLogprobs | None = None
+
+
+@dataclass
+class PrefillResult:
+    first_tokens: list[FirstToken]
+    cached_tokens: int
+    queue_s: float
+    compute_s: float
+    transfer_s: float = 0.0
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    last_step_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# Prefill role: write the KV pages of a finished prompt to req.transfer; returns seconds taken, raises on failure.
+TransferFn = Callable[[Req], float]
+
+
+class Engine:
+    def __init__(self, config: RuntimeConfig, role: Role = Role.COLOCATED, runner: ModelRunner | None = None,
+                 transfer_fn: TransferFn | None = None, poll_fn: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.role = role
+        self.runner = runner or ModelRunner(config)
+        self.model_config = self.runner.model_config
+        page_size = self.runner.page_size
+        self.allocator = PageAllocator(self.runner.pool.num_pages)
+        self.cache = RadixCache(page_size)
+        self.scheduler = Scheduler(config.scheduler, role, self.allocator, self.cache, page_size)
+        self.sampler = Sampler()
+        self.transfer_fn = transfer_fn
+        self.poll_fn = poll_fn
+        self.stats = StepStats()
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # Prefill role: rid -> (future of the PrefillResult, arrival time).
+        self._prefill_waiters: dict[str, tuple[Future, float]] = {}
+
+    # ------------------------------------------------------------ thread API
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.call(lambda: None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call(self, fn: Callable[[], T]) -> Future:
+        """Run `fn` in the engine thread between steps; its result (or exception) lands in the Future."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    def run_forever(self) -> None:
+        while not self._stopping:
+            idle = not self.has_work()
+            self._drain_inbox(block=idle)
+            if self.poll_fn is not None:
+                self.poll_fn()
+            if self.has_work():
+                try:
+                    self.step()
+                except Exception as exc:  # a failed step must not leave requests hanging
+                    log.exception("engine step failed")
+                    self._fail_all(f"internal error: {exc}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = 0.002 if self.scheduler.awaiting_kv else 0.05
+        try:
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the caller through the future
+                    fut.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.chunked or s.reserving)
+
+    # ------------------------------------------------------------ requests (engine thread)
+    def add_request(self, req: Req) -> None:
+        req.params.validate(self.model_config.vocab_size)
+        limit = self.runner.context_length
+        if len(req.input_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(req.input_ids) >= limit:
+            raise ValueError(f"the prompt has {len(req.input_ids)} tokens, which is not shorter than the "
+                             f"context length of {limit} tokens")
+        req.generator = make_generator(req.params.seed)
+        if req.params.max_new_tokens == 0 and self.role != Role.PREFILL:
+            self._emit(req, finish_reason="length")
+            req.status = ReqStatus.FINISHED
+            return
+        self.scheduler.add(req)
+        if self.role == Role.DECODE:
+            self._reserve()
+
+    def add_prefill(self, req: Req) -> Future:
+        """Prefill role: queue `req` (with req.transfer set); the Future yields its PrefillResult."""
+        fut: Future = Future()
+        self._prefill_waiters[req.rid] = (fut, time.monotonic())
+        try:
+            self.add_request(req)
+        except Exception:
+            self._prefill_waiters.pop(req.rid, None)
+            raise
+        return fut
+
+    def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
+        reqs = self.scheduler.find(rid)
+        for req in reqs:
+            self.scheduler.remove(req, cache=req.status >= ReqStatus.RUNNING)
+            self._emit(req, finish_reason=reason, error=error)
+        waiter = self._prefill_waiters.pop(rid, None)
+        if waiter is not None and not waiter[0].done():
+            waiter[0].set_exception(RuntimeError(error or "aborted"))
+        return bool(reqs)
+
+    def _fail_all(self, error: str) -> None:
+        for req in self.scheduler.live_reqs():
+            self.abort(req.rid, error=error)
+
+    # ------------------------------------------------------------ decode role
+    def _reserve(self) -> None:
+        for req in self.scheduler.reserve_pages():
+            if req.on_pages_reserved is not None:
+                req.on_pages_reserved(req)
+
+    def kv_ready(self, rid: str, first_tokens: list[FirstToken], cached_tokens: int) -> None:
+        """Decode role: prefill filled the reserved pages of `rid`; start decoding it."""
+        group = self.scheduler.awaiting_kv.pop(rid, None)
+        if not group:
+            return  # aborted meanwhile
+        req = group[0]
+        req.num_computed = len(req.input_ids)
+        req.cached_tokens = cached_tokens
+        self.scheduler.cache_pages(req, lock=True)
+        children = [req] + self._fork(req)
+        for child, first in zip(children, first_tokens):
+            child.status = ReqStatus.RUNNING
+            self.scheduler.running.append(child)
+            self._append_token(child, first.token_id, first.logprob)
+        self._emit_all(children)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> None:
+        if self.role == Role.DECODE:
+            self._reserve()
+        try:
+            batch = self.scheduler.schedule()
+        except PoolExhausted as exc:
+            for req in list(self.scheduler.running):
+                self.abort(req.rid, error=str(exc))
+            return
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self.stats.last_step_s = time.perf_counter() - t0
+        self.stats.steps += 1
+        self.postprocess(batch, logits, self.stats.last_step_s)
+
+    def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
+        rows: list[int] = []
+        reqs: list[Req] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            req.num_computed += n
+            if batch.is_decode:
+                self.stats.decode_tokens += 1
+                rows.append(i)
+                reqs.append(req)
+                continue
+            self.stats.prefill_tokens += n
+            if req.num_computed < req.seq_len:
+                req.status = ReqStatus.PREFILLING
+                self.scheduler.chunked = req
+                continue
+            if self.scheduler.chunked is req:
+                self.scheduler.chunked = None
+            self.scheduler.cache_pages(req, lock=True)
+            # A fresh prompt with n > 1 becomes n choices sharing the prompt's pages; a prefill
+            # worker only samples each choice's first token, the decode worker forks the pages.
+            if req.output_ids:
+                family = [req]
+            elif self.role == Role.PREFILL:
+                family = [req] + [self._sibling(req, index) for index in range(1, req.params.n)]
+            else:
+                family = [req] + self._fork(req)
+            for member in family:
+                rows.append(i)
+                reqs.append(member)
+        if not reqs:
+            return
+        tokens, logprobs = self._sample(logits, rows, reqs)
+        if self.role == Role.PREFILL:
+            self._finish_prefills(reqs, tokens, logprobs, compute_s)
+            return
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            if req.status != ReqStatus.RUNNING:
+                req.status = ReqStatus.RUNNING
+                self.scheduler.running.append(req)
+            self._append_token(req, tok, lp)
+        self._emit_all(reqs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        out = self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
+                                  [r.output_ids for r in reqs], [r.generator for r in reqs],
+                                  self.model_config.eos_token_ids)
+        tokens = out.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        if out.logprobs is not None:
+            lps = out.logprobs.tolist()
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            for i, req in enumerate(reqs):
+                if req.params.return_logprob or req.params.top_logprobs_num:
+                    k = req.params.top_logprobs_num
+                    logprobs[i] = TokenLogprobs(lps[i], top_ids[i][:k] if top_ids and k else [],
+                                                top_lps[i][:k] if top_lps and k else [])
+        return tokens, logprobs
+
+    def _fork(self, req: Req) -> list[Req]:
+        """Make the n-1 sibling choices of a request whose prompt KV is complete and cached."""
+        children = []
+        for index in range(1, req.params.n):
+            seed = None if req.params.seed is None else req.params.seed + index
+            child = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, on_output=req.on_output,
+                        index=index)
+            child.generator = make_generator(seed)
+            child.cached_tokens = req.cached_tokens
+            child.num_computed = req.num_computed
+            child.prefix_node = req.prefix_node
+            child.num_cached_pages = req.num_cached_pages
+            self.cache.lock(req.prefix_node)
+            child.pages = req.pages[:req.num_cached_pages]
+            for page in req.pages[req.num_cached_pages:]:  # the partly filled last page is copied
+                new = self.scheduler.allocate(1)
+                if new is None:
+                    self.scheduler.release(child, cache=False)
+                    break
+                self.runner.pool.copy_page(page, new[0])
+                child.pages.append(new[0])
+            else:
+                children.append(child)
+                continue
+            self._emit(child, finish_reason="abort", error="out of KV pages for n > 1")
+        return children
+
+    def _append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        p = req.params
+        if not p.ignore_eos and token in self.model_config.eos_token_ids:
+            req.finish_reason, req.matched_stop_token = "stop", token
+        elif token in p.stop_token_ids:
+            req.finish_reason, req.matched_stop_token = "stop", token
+        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.runner.context_length:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.scheduler.remove(req, cache=True)
+
+    def _sibling(self, req: Req, index: int) -> Req:
+        """A sampling-only stand-in for choice `index` of a prompt on a prefill worker."""
+        seed = None if req.params.seed is None else req.params.seed + index
+        sibling = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, index=index)
+        sibling.generator = make_generator(seed)
+        return sibling
+
+    def _finish_prefills(self, reqs: list[Req], tokens: list[int], logprobs: list, compute_s: float) -> None:
+        firsts: dict[str, list[FirstToken]] = {}
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            firsts.setdefault(req.rid, []).append(FirstToken(tok, lp))
+        for req in reqs:
+            if req.index != 0:
+                continue
+            fut, arrival = self._prefill_waiters.pop(req.rid, (None, req.arrival))
+            req.status = ReqStatus.TRANSFERRING
+            try:
+                transfer_s = self.transfer_fn(req) if self.transfer_fn is not None else 0.0
+            except Exception as exc:
+                log.warning("KV transfer of %s failed: %s", req.rid, exc)
+                self.scheduler.remove(req, cache=True)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                continue
+            self.scheduler.remove(req, cache=True)
+            result = PrefillResult(firsts[req.rid], req.cached_tokens,
+                                   queue_s=max(0.0, time.monotonic() - arrival - compute_s - transfer_s),
+                                   compute_s=compute_s, transfer_s=transfer_s)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+
+    # ------------------------------------------------------------ outputs
+    def _emit_all(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self._emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
+
+    def _emit(self, req: Req, finish_reason: str | None = None, matched: int | None = None,
+              error: str | None = None) -> None:
+        if req.on_output is None:
+            return
+        new_ids = req.output_ids[req.num_sent:]
+        new_lps = req.output_logprobs[req.num_sent:] if req.output_logprobs else []
+        if not new_ids and finish_reason is None:
+            return
+        req.num_sent = len(req.output_ids)
+        req.on_output(ReqOutput(req.rid, req.index, new_ids, new_lps, finish_reason, matched,
+                                prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error))
+
+    # ------------------------------------------------------------ inspection (engine thread)
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def load(self) -> dict[str, int]:
+        s = self.scheduler
+        return {"running": s.num_running, "waiting": len(s.waiting) + len(s.reserving),
+                "free_pages": self.allocator.num_free + self.cache.evictable_pages(),
+                "total_pages": self.allocator.num_pages, "cached_pages": self.cache.num_pages}

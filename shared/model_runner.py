@@ -1,0 +1,93 @@
+"""ModelRunner: owns the model weights and the KV pool, and runs one forward step.
+
+It turns a scheduler Batch into flat tensors (ForwardBatch) and returns the
+logits of each sequence's last new token. It knows nothing of queues or limits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.shared.config import ModelConfig, RuntimeConfig
+from pdserve.shared.kernel_ops import get_kernel_ops
+from pdserve.shared.kv_pool import KVLayout, KVPool
+from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
+from pdserve.shared.scheduler import Batch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    dtype = _DTYPES.get(checkpoint.replace("torch.", ""), torch.float32)
+    if dtype == torch.float16 and not device.startswith("cuda"):
+        return torch.bfloat16  # fp16 matmuls are slow on CPU; bf16 has the same size and more range
+    return dtype
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    dtype: torch.dtype
+    context_length: int
+    attention_backend: str
+
+
+class ModelRunner:
+    def __init__(self, config: RuntimeConfig, model_config: ModelConfig | None = None) -> None:
+        self.config = config
+        self.model_config = model_config or ModelConfig.from_dir(config.model_path)
+        mc = self.model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, config.device)
+        self.context_length = config.context_length or mc.max_position_embeddings
+        if self.context_length > mc.max_position_embeddings and not mc.rope_scaling:
+            raise ValueError(f"--context-length {self.context_length} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        self.ops = get_kernel_ops(config.resolved_attention_backend())
+        if mc.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported model type {mc.model_type!r}")
+        self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length)
+        self.model.load(config.model_path)
+        self.pool = KVPool(KVLayout(config.cache.num_pages, config.cache.page_size, mc.num_layers,
+                                    mc.num_kv_heads, mc.head_dim, self.dtype), self.device)
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [B, V] (fp32) for the last new token of every request in the batch."""
+        return self.model.forward(self.prepare(batch), self.pool, self.ops)
+
+    def prepare(self, batch: Batch) -> ForwardBatch:
+        s = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, q_start, last_rows = [], [], []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            start = req.num_computed
+            fill = req.fill_ids
+            q_start.append(len(ids))
+            ids.extend(fill[start:start + n])
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(req.pages[pos // s] * s + pos % s)
+            seq_lens.append(start + n)
+            last_rows.append(len(ids) - 1)
+        max_pages = max(len(r.pages) for r in batch.reqs)
+        table = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.reqs]
+        dev = self.device
+        return ForwardBatch(
+            is_decode=batch.is_decode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
+            q_start=torch.tensor(q_start, dtype=torch.int32, device=dev),
+            last_rows=torch.tensor(last_rows, dtype=torch.int64, device=dev),
+        )

@@ -1,0 +1,136 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over the paged KV pool.
+
+One class covers both architectures: Qwen2 is Llama with a bias on the q, k and v
+projections. Weights are fused at load time (q|k|v into one matrix, gate|up into
+another) so a layer is four matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from pdserve.kernels.rotary import build_cos_sin_cache
+from pdserve.shared.config import ModelConfig
+from pdserve.shared.kernel_ops import KernelOps
+from pdserve.shared.kv_pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    """The flattened inputs of one forward step over B sequences and T new tokens."""
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, page * page_size + offset of each new token's KV
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in cache after this step
+    extend_lens: torch.Tensor  # [B] int32, new tokens per sequence
+    q_start: torch.Tensor  # [B] int32, first row of each sequence in the T rows
+    last_rows: torch.Tensor  # [B] int64, row whose logits each sequence needs
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hk) * D, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+class LlamaForCausalLM:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layers: list[LayerWeights] = []
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.cos_sin = build_cos_sin_cache(config.head_dim, max_positions, config.rope_theta,
+                                           config.rope_scaling, self.device)  # [max_pos, D] fp32
+        self.scale = config.head_dim ** -0.5
+
+    # ---------------------------------------------------------------- loading
+    def load(self, model_dir: str | Path) -> None:
+        tensors = _read_safetensors(Path(model_dir))
+        cfg = self.config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"weight {name!r} missing from {model_dir}")
+            return tensors.pop(name).to(device=self.device, dtype=self.dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                qkv_bias=qkv_bias,
+                o=take(p + "self_attn.o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        self.norm = take("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, ops: KernelOps) -> torch.Tensor:
+        """Run the new tokens through the model; return fp32 logits [B, V] of each sequence's last row."""
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                x = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hk) * D]
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = ops.rotary(q, k, batch.positions, self.cos_sin)
+            k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
+            ops.store_kv(k, v, k_cache, v_cache, batch.slots)
+            if batch.is_decode:
+                attn = ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+            else:
+                attn = ops.extend_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                                            batch.extend_lens, batch.q_start, self.scale)
+            hidden = F.linear(attn.reshape(-1, q_size), layer.o)  # [T, H]
+            x, residual = ops.rmsnorm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
+            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
+        last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()  # [B, V]
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors

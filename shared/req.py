@@ -1,0 +1,97 @@
+"""Req: one sequence being generated, and the status enum of its lifecycle.
+
+The status order is the lifecycle. Colocated: WAITING -> PREFILLING -> RUNNING
+-> FINISHED. Prefill role: WAITING -> PREFILLING -> TRANSFERRING -> FINISHED.
+Decode role: WAITING_FOR_PAGES -> WAITING_FOR_KV -> RUNNING -> FINISHED.
+A retracted request goes back to WAITING with its output so far.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pdserve.shared.radix_cache import Node
+from pdserve.shared.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_PAGES = 1  # decode role: pages for the prompt not reserved yet
+    WAITING_FOR_KV = 2  # decode role: pages reserved, prefill is filling them
+    PREFILLING = 3  # some prompt chunks computed, more to go
+    TRANSFERRING = 4  # prefill role: KV is being written to the decode worker
+    RUNNING = 5
+    FINISHED = 6
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ReqOutput:
+    """New tokens of one request since its previous output."""
+
+    rid: str
+    index: int  # choice index (n > 1)
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop_token: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class TransferTarget:
+    """Prefill role: where the request's KV pages go."""
+
+    peer_name: str
+    dst_pages: list[int]
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[ReqOutput], None] | None = None
+    index: int = 0  # choice index among the n children of one prompt
+    transfer: TransferTarget | None = None  # prefill role only
+    on_pages_reserved: Callable[[Req], None] | None = None  # decode role only
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # pages holding this sequence's KV, in order
+    prefix_node: Node | None = None  # locked radix node covering pages[:num_cached_pages]
+    num_cached_pages: int = 0  # leading pages owned by the radix cache, not by this request
+    num_computed: int = 0  # tokens of `fill_ids` whose KV is in `pages`
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to users)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    matched_stop_token: int | None = None
+    num_sent: int = 0  # output tokens already reported through on_output
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the sequence needs: prompt plus generated output."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == ReqStatus.FINISHED

@@ -1,0 +1,285 @@
+"""Scheduler: decides what runs next and owns every request's pages.
+
+Each step is either a prefill batch (new prompts, or the next chunk of a long
+one) or a decode batch (one new token for every running request). Prefill goes
+first while there is room, so chunking is what keeps decodes flowing.
+
+Page ownership: a request's `pages[:num_cached_pages]` belong to the radix
+cache (kept alive by the request's lock on `prefix_node`), the rest belong to
+the request. `check_integrity` proves free + held + cached == total.
+
+Roles share this class: a prefill worker never decodes (its requests end in
+TRANSFERRING), a decode worker never prefills (pages are reserved for the
+prompt, filled by a prefill worker, then the request joins the running batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.shared.config import Role, SchedulerConfig
+from pdserve.shared.page_allocator import PageAllocator
+from pdserve.shared.radix_cache import RadixCache
+from pdserve.shared.req import Req, ReqStatus
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    is_decode: bool
+    extend_lens: list[int]  # new tokens per request (1 each when decoding)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class IntegrityReport:
+    ok: bool
+    total: int
+    free: int
+    held: int
+    cached: int
+    message: str = ""
+
+
+class PoolExhausted(RuntimeError):
+    """A single request needs more pages than the pool can ever give it."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, role: Role, allocator: PageAllocator, cache: RadixCache,
+                 page_size: int) -> None:
+        self.config = config
+        self.role = role
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = page_size
+        self.waiting: list[Req] = []
+        self.chunked: Req | None = None  # a prompt part-way through chunked prefill
+        self.running: list[Req] = []
+        self.reserving: list[Req] = []  # decode role: WAITING_FOR_PAGES
+        self.awaiting_kv: dict[str, list[Req]] = {}  # decode role: WAITING_FOR_KV, by rid
+
+    # ------------------------------------------------------------ admission
+    def add(self, req: Req) -> None:
+        if self.role == Role.DECODE:
+            req.status = ReqStatus.WAITING_FOR_PAGES
+            self.reserving.append(req)
+        else:
+            req.status = ReqStatus.WAITING
+            self.waiting.append(req)
+
+    def live_reqs(self) -> list[Req]:
+        reqs = self.waiting + self.running + self.reserving
+        reqs += [r for rs in self.awaiting_kv.values() for r in rs]
+        if self.chunked is not None:
+            reqs.append(self.chunked)
+        return reqs
+
+    def find(self, rid: str) -> list[Req]:
+        return [r for r in self.live_reqs() if r.rid == rid]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    # ------------------------------------------------------------ pages
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take n free pages, evicting unused cached prefixes if needed."""
+        if not self.allocator.can_allocate(n):
+            self.allocator.free(self.cache.evict(n - self.allocator.num_free))
+        return self.allocator.allocate(n)
+
+    def grow(self, req: Req, num_tokens: int) -> bool:
+        """Make `req.pages` cover `num_tokens` tokens."""
+        need = self._pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.allocate(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def cache_pages(self, req: Req, lock: bool) -> None:
+        """Hand the request's full pages of computed tokens to the radix cache."""
+        result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages)
+        self.allocator.free(result.duplicates)
+        req.pages[:len(result.pages)] = result.pages
+        if lock:
+            self.cache.lock(result.node)
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.prefix_node = result.node if lock else None
+        req.num_cached_pages = len(result.pages) if lock else 0
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Give back everything the request holds; its full pages stay cached when `cache`."""
+        if cache and req.num_computed > 0:
+            self.cache_pages(req, lock=False)
+            owned = req.pages[self.cache_prefix_len(req):]
+        else:
+            owned = req.pages[req.num_cached_pages:]
+            if req.prefix_node is not None:
+                self.cache.unlock(req.prefix_node)
+        req.prefix_node = None
+        self.allocator.free(owned)
+        req.pages, req.num_cached_pages, req.num_computed = [], 0, 0
+
+    def cache_prefix_len(self, req: Req) -> int:
+        """Pages of `req` now owned by the tree after an unlocked cache_pages."""
+        return min(req.num_computed // self.page_size, len(req.pages))
+
+    # ------------------------------------------------------------ scheduling
+    def schedule(self) -> Batch | None:
+        if self.role == Role.DECODE:
+            return self._schedule_decode()
+        batch = self._schedule_prefill()
+        if batch is not None or self.role == Role.PREFILL:
+            return batch
+        return self._schedule_decode()
+
+    def _candidates(self) -> list[Req]:
+        if self.config.policy == "lpm" and len(self.waiting) > 1:
+            self.waiting.sort(key=lambda r: -self.cache.match_prefix(r.fill_ids).num_tokens)
+        return ([self.chunked] if self.chunked is not None else []) + self.waiting
+
+    def _schedule_prefill(self) -> Batch | None:
+        cfg = self.config
+        chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
+        budget, chosen, lens = cfg.max_prefill_tokens, [], []
+        for req in self._candidates():
+            if req is not self.chunked and self.num_running + len(chosen) >= cfg.max_running_requests:
+                break
+            if req.num_computed == 0 and req.prefix_node is None:
+                self._match_prefix(req)
+            remaining = req.seq_len - req.num_computed
+            limit = budget if chunk_cap is None else min(budget, chunk_cap)
+            if chunk_cap is None and not chosen:
+                limit = remaining  # without chunking a prompt always fits in an empty batch
+            take = min(remaining, limit)
+            if take <= 0 or not self.grow(req, req.num_computed + take):
+                if req is not self.chunked:
+                    self._unmatch(req)  # don't pin its prefix while it waits
+                break
+            chosen.append(req)
+            lens.append(take)
+            budget -= take
+            if take < remaining:
+                break  # this prompt continues in a later step
+            if budget <= 0:
+                break
+        if not chosen:
+            return None
+        for req, n in zip(chosen, lens):
+            if req is not self.chunked:
+                self.waiting.remove(req)
+            req.status = ReqStatus.PREFILLING
+        return Batch(chosen, is_decode=False, extend_lens=lens)
+
+    def _match_prefix(self, req: Req) -> None:
+        # Leave at least one token to compute: its logits give the first output token.
+        match = self.cache.match_prefix(req.fill_ids, max_pages=(req.seq_len - 1) // self.page_size)
+        self.cache.lock(match.node)
+        req.prefix_node = match.node
+        req.pages = list(match.pages)
+        req.num_cached_pages = len(match.pages)
+        req.num_computed = len(match.pages) * self.page_size
+        if not req.output_ids:
+            req.cached_tokens = req.num_computed
+
+    def _unmatch(self, req: Req) -> None:
+        """Undo a prefix match for a request that could not be scheduled after all."""
+        self.allocator.free(req.pages[req.num_cached_pages:])
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.prefix_node, req.pages, req.num_cached_pages, req.num_computed = None, [], 0, 0
+
+    def _schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        # Every running request needs room for the KV of its newest token.
+        for req in list(self.running):
+            while req in self.running and not self.grow(req, req.seq_len):
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    raise PoolExhausted(
+                        f"request {req.rid} needs {self._pages_for(req.seq_len)} KV pages but the pool has "
+                        f"{self.allocator.num_pages}; raise --max-total-tokens")
+                self.retract(victim)
+        if not self.running:
+            return None
+        return Batch(list(self.running), is_decode=True, extend_lens=[1] * len(self.running))
+
+    def retract(self, req: Req) -> None:
+        """Requeue a running request, freeing its pages; it is recomputed from prompt + output later."""
+        self.running.remove(req)
+        self.release(req, cache=True)
+        req.status = ReqStatus.WAITING
+        self.waiting.insert(0, req)
+
+    # ------------------------------------------------------------ decode role
+    def reserve_pages(self) -> list[Req]:
+        """Reserve prompt pages for waiting remote requests, oldest first; return those reserved."""
+        reserved = []
+        while self.reserving and self.num_running + len(self.awaiting_kv) < self.config.max_running_requests:
+            req = self.reserving[0]
+            pages = self.allocate(self._pages_for(len(req.input_ids)))
+            if pages is None:
+                break
+            self.reserving.pop(0)
+            req.pages = pages
+            req.status = ReqStatus.WAITING_FOR_KV
+            self.awaiting_kv.setdefault(req.rid, []).append(req)
+            reserved.append(req)
+        return reserved
+
+    # ------------------------------------------------------------ removal
+    def remove(self, req: Req, cache: bool = True) -> None:
+        """Take a request out of whatever queue holds it and release its pages."""
+        if req is self.chunked:
+            self.chunked = None
+        for queue in (self.waiting, self.running, self.reserving):
+            if req in queue:
+                queue.remove(req)
+        group = self.awaiting_kv.get(req.rid)
+        if group and req in group:
+            group.remove(req)
+            if not group:
+                del self.awaiting_kv[req.rid]
+            cache = False  # the pages may hold half-written KV
+        self.release(req, cache=cache)
+        req.status = ReqStatus.FINISHED
+
+    def flush_cache(self) -> bool:
+        if self.live_reqs():
+            return False
+        pages = self.cache.flush()
+        if pages is None:
+            return False
+        self.allocator.free(pages)
+        return True
+
+    def check_integrity(self) -> IntegrityReport:
+        total = self.allocator.num_pages
+        free = self.allocator.free_pages()
+        cached = set(self.cache.pages())
+        held: set[int] = set()
+        problems = []
+        for req in self.live_reqs():
+            own = req.pages[req.num_cached_pages:]
+            if not set(req.pages[:req.num_cached_pages]) <= cached:
+                problems.append(f"{req.rid} reads cached pages that are not in the cache")
+            if held & set(own):
+                problems.append(f"{req.rid} shares owned pages with another request")
+            held |= set(own)
+        for a, b, name in ((free, held, "free and held"), (free, cached, "free and cached"),
+                           (held, cached, "held and cached")):
+            if a & b:
+                problems.append(f"pages both {name}: {sorted(a & b)[:8]}")
+        if len(free) + len(held) + len(cached) != total:
+            problems.append(f"free {len(free)} + held {len(held)} + cached {len(cached)} != total {total}")
+        return IntegrityReport(not problems, total, len(free), len(held), len(cached), "; ".join(problems))
