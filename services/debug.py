@@ -1,0 +1,111 @@
+"""`pdserve debug`: talk to workers directly, without a gateway.
+
+    pdserve debug ping HOST:PORT            health and role of a worker
+    pdserve debug info HOST:PORT            model, KV layout and limits of a worker
+    pdserve debug stats HOST:PORT           KV pool and radix cache statistics, integrity check
+    pdserve debug generate --decode D [--prefill P] "prompt"   one request straight to a worker pair
+    pdserve debug bench-transfer [--backend nixl|tcp]          KV transfer throughput between two processes
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+
+from google.protobuf.json_format import MessageToDict
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, help_text in (("ping", "health and role"), ("info", "model and KV layout"),
+                            ("stats", "KV pool / radix cache stats and integrity")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("addr", metavar="HOST:PORT", help="worker gRPC address")
+        p.add_argument("--timeout", type=float, default=5.0)
+    gen = sub.add_parser("generate", help="send one request to a decode (+prefill) or colocated worker")
+    gen.add_argument("prompt")
+    gen.add_argument("--decode", required=True, metavar="HOST:PORT", help="decode or colocated worker")
+    gen.add_argument("--prefill", default="", metavar="HOST:PORT", help="prefill worker (PD mode)")
+    gen.add_argument("--model-path", default=None, help="for the tokenizer (default: the default model)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--timeout", type=float, default=120.0)
+    bench = sub.add_parser("bench-transfer", help="KV transfer throughput between two processes")
+    bench.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
+    bench.add_argument("--tokens", type=int, default=2048)
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    if args.action == "bench-transfer":
+        from pdserve.shared.transfer.bench import run_benchmark
+
+        run_benchmark(args.backend, args.tokens)
+        return 0
+    try:
+        return asyncio.run(_run(args))
+    except Exception as exc:  # a debugging tool: one clear line
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.proto import worker_pb2 as pb
+    from pdserve.proto import worker_pb2_grpc as pb_grpc
+
+    addr = args.decode if args.action == "generate" else args.addr
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        try:
+            if args.action == "ping":
+                t0 = time.perf_counter()
+                reply = await stub.Health(pb.Empty(), timeout=args.timeout)
+                print(f"{addr}: {'ok' if reply.ok else 'NOT OK'} role={reply.role} "
+                      f"rtt={1000 * (time.perf_counter() - t0):.1f} ms")
+                return 0 if reply.ok else 1
+            if args.action in ("info", "stats"):
+                rpc = stub.Info if args.action == "info" else stub.Stats
+                reply = await rpc(pb.Empty(), timeout=args.timeout)
+                print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+                return 0
+            return await _generate(args, stub, pb)
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {addr}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+
+
+async def _generate(args: argparse.Namespace, stub, pb) -> int:
+    from transformers import AutoTokenizer
+
+    from pdserve.shared.model_files import resolve_model_path
+    from pdserve.shared.sampling_params import SamplingParams, to_proto
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_path))
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=to_proto(params),
+                                 prefill_addr=args.prefill)
+    t0 = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    async for msg in stub.Generate(request, timeout=args.timeout):
+        for choice in msg.choices:
+            if first is None and choice.token_ids:
+                first = time.perf_counter() - t0
+            tokens.extend(choice.token_ids)
+            if choice.finish_reason:
+                total = time.perf_counter() - t0
+                print(tokenizer.decode(tokens, skip_special_tokens=True))
+                print(f"[{len(ids)} prompt tokens, {msg.cached_tokens or 0} cached; {len(tokens)} generated; "
+                      f"finish={choice.finish_reason}; ttft={1000 * (first or total):.0f} ms; total={total:.2f} s]",
+                      file=sys.stderr)
+    return 0

@@ -1,0 +1,288 @@
+"""Scheduler and engine bookkeeping on CPU, with a stand-in model.
+
+The stand-in "model" always predicts (last token + 1) % vocab, so every
+expected output is known exactly and any mistake in which tokens get computed
+(chunking, prefix reuse, retraction, forking) shows up as a wrong token. Real
+model numerics are covered by test_model_runner.py.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig, SchedulerConfig
+from pdserve.shared.engine import Engine, FirstToken
+from pdserve.shared.kv_pool import KVLayout, KVPool
+from pdserve.shared.req import Req, ReqOutput, ReqStatus
+from pdserve.shared.sampling_params import SamplingParams
+
+VOCAB = 1000
+EOS = 999
+
+
+class CountingRunner:
+    """Predicts last_token + 1; records which token positions each step computed."""
+
+    def __init__(self, page_size: int, num_pages: int, context_length: int = 4096) -> None:
+        self.model_config = ModelConfig(
+            path="", architecture="LlamaForCausalLM", model_type="llama", num_layers=1, hidden_size=8,
+            intermediate_size=8, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=VOCAB, rms_norm_eps=1e-5,
+            rope_theta=10000.0, rope_scaling=None, max_position_embeddings=context_length,
+            tie_word_embeddings=True, attention_bias=False, torch_dtype="float32", eos_token_ids=(EOS,))
+        self.pool = KVPool(KVLayout(num_pages, page_size, 1, 1, 4, torch.float32))
+        self.page_size = page_size
+        self.context_length = context_length
+        self.computed: list[tuple[str, int, int]] = []  # (rid, first position, count)
+
+    def forward(self, batch):
+        rows = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            self.computed.append((req.rid, req.num_computed, n))
+            pages_needed = -(-(req.num_computed + n) // self.page_size)
+            assert len(req.pages) >= pages_needed, "scheduler ran a request without pages for its tokens"
+            last = req.fill_ids[req.num_computed + n - 1]
+            row = torch.full((VOCAB,), -10.0)
+            row[(last + 1) % VOCAB] = 10.0
+            rows.append(row)
+        return torch.stack(rows)
+
+
+def make_engine(page_size=4, num_pages=64, role=Role.COLOCATED, **sched) -> Engine:
+    cfg = RuntimeConfig(model_path="", cache=CacheConfig(page_size=page_size, max_total_tokens=page_size * num_pages),
+                        scheduler=SchedulerConfig(**sched))
+    return Engine(cfg, role, runner=CountingRunner(page_size, num_pages))
+
+
+def make_req(rid: str, prompt: list[int], outputs: dict, **params) -> Req:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_new_tokens", 8)
+    return Req(rid=rid, input_ids=prompt, params=SamplingParams(**params),
+               on_output=lambda out: outputs.setdefault((out.rid, out.index), []).append(out))
+
+
+def run_until_idle(engine: Engine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def tokens_of(outputs: dict, rid: str, index: int = 0) -> list[int]:
+    return [t for out in outputs[(rid, index)] for t in out.token_ids]
+
+
+def finish_of(outputs: dict, rid: str, index: int = 0) -> ReqOutput:
+    last = outputs[(rid, index)][-1]
+    assert last.finish_reason is not None
+    return last
+
+
+def assert_integrity(engine: Engine) -> None:
+    report = engine.scheduler.check_integrity()
+    assert report.ok, report.message
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_batched_requests_of_mixed_lengths_get_exact_outputs(page_size):
+    engine, outputs = make_engine(page_size=page_size, num_pages=256 // page_size * 4), {}
+    prompts = {f"r{i}": list(range(10 * i, 10 * i + 3 + 7 * i)) for i in range(5)}
+    for rid, prompt in prompts.items():
+        engine.add_request(make_req(rid, prompt, outputs, max_new_tokens=6))
+    run_until_idle(engine)
+    for rid, prompt in prompts.items():
+        assert tokens_of(outputs, rid) == [prompt[-1] + k for k in range(1, 7)]
+        assert finish_of(outputs, rid).finish_reason == "length"
+    assert_integrity(engine)
+    assert engine.scheduler.check_integrity().held == 0
+
+
+def test_prefix_cache_hit_skips_cached_tokens_and_reports_them():
+    engine, outputs = make_engine(page_size=4), {}
+    prompt = list(range(1, 20))  # 19 tokens: four full pages
+    engine.add_request(make_req("a", prompt, outputs))
+    run_until_idle(engine)
+    engine.runner.computed.clear()
+    engine.add_request(make_req("b", prompt + [50, 51], outputs))
+    run_until_idle(engine)
+    first = engine.runner.computed[0]
+    assert first[:2] == ("b", 16)  # only the tokens after the four cached pages were computed
+    assert finish_of(outputs, "b").cached_tokens == 16
+    assert tokens_of(outputs, "b")[0] == 52
+    assert_integrity(engine)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    engine, outputs = make_engine(page_size=4), {}
+    prompt = list(range(1, 17))  # exactly four pages
+    engine.add_request(make_req("a", prompt, outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    engine.add_request(make_req("b", prompt, outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    assert finish_of(outputs, "b").cached_tokens == 12
+    assert tokens_of(outputs, "b") == [17]
+
+
+def test_chunked_prefill_splits_long_prompts_and_interleaves_decodes():
+    engine, outputs = make_engine(page_size=4, chunked_prefill_size=8, max_prefill_tokens=8), {}
+    engine.add_request(make_req("short", [1, 2, 3], outputs, max_new_tokens=20))
+    engine.step()  # prefill of the short prompt
+    engine.add_request(make_req("long", list(range(100, 130)), outputs, max_new_tokens=3))
+    run_until_idle(engine)
+    chunks = [(pos, n) for rid, pos, n in engine.runner.computed if rid == "long"]
+    assert chunks[:4] == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert tokens_of(outputs, "long") == [130, 131, 132]
+    assert tokens_of(outputs, "short") == list(range(4, 24))
+    assert_integrity(engine)
+
+
+def test_retraction_requeues_when_pages_run_out_and_outputs_stay_exact():
+    # 12 pages of 4 tokens cannot hold four requests of 4 + 16 tokens at once.
+    engine, outputs = make_engine(page_size=4, num_pages=12), {}
+    for i in range(4):
+        engine.add_request(make_req(f"r{i}", [100 * i + 1, 100 * i + 2, 100 * i + 3, 100 * i + 4], outputs,
+                                    max_new_tokens=16))
+    run_until_idle(engine)
+    for i in range(4):
+        assert tokens_of(outputs, f"r{i}") == list(range(100 * i + 5, 100 * i + 21))
+    assert_integrity(engine)
+
+
+def test_a_request_larger_than_the_pool_fails_clearly():
+    engine, outputs = make_engine(page_size=4, num_pages=3), {}
+    engine.add_request(make_req("big", [1, 2, 3], outputs, max_new_tokens=50, ignore_eos=True))
+    run_until_idle(engine)
+    last = finish_of(outputs, "big")
+    assert last.finish_reason == "abort" and "max-total-tokens" in last.error
+    assert_integrity(engine)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "chunked", "running"])
+def test_abort_at_any_stage_frees_everything(stage):
+    engine, outputs = make_engine(page_size=4, chunked_prefill_size=4, max_prefill_tokens=4), {}
+    engine.add_request(make_req("x", list(range(1, 14)), outputs, max_new_tokens=100))
+    steps = {"waiting": 0, "chunked": 1, "running": 5}[stage]
+    for _ in range(steps):
+        engine.step()
+    assert engine.abort("x")
+    assert finish_of(outputs, "x").finish_reason == "abort"
+    assert not engine.has_work()
+    assert_integrity(engine)
+    assert engine.scheduler.check_integrity().held == 0
+
+
+def test_eos_and_stop_tokens_finish_with_the_matched_token():
+    engine, outputs = make_engine(), {}
+    engine.add_request(make_req("eos", [995], outputs))
+    engine.add_request(make_req("stop", [10], outputs, stop_token_ids=(13,)))
+    engine.add_request(make_req("ignore", [997], outputs, ignore_eos=True, max_new_tokens=3))
+    run_until_idle(engine)
+    assert tokens_of(outputs, "eos") == [996, 997, 998, 999]
+    assert (finish_of(outputs, "eos").finish_reason, finish_of(outputs, "eos").matched_stop_token) == ("stop", EOS)
+    assert finish_of(outputs, "stop").matched_stop_token == 13 and tokens_of(outputs, "stop") == [11, 12, 13]
+    assert tokens_of(outputs, "ignore") == [998, 999, 0]
+
+
+def test_n_choices_share_the_prompt_pages():
+    engine, outputs = make_engine(page_size=4), {}
+    engine.add_request(make_req("n", list(range(1, 11)), outputs, n=3, max_new_tokens=4))
+    engine.step()  # prefill: the prompt's two full pages are cached once and locked by all three choices
+    assert engine.cache.num_pages == 2
+    assert engine.scheduler.check_integrity().held == 3  # each choice owns only its copy of the partial page
+    run_until_idle(engine)
+    for index in range(3):
+        assert tokens_of(outputs, "n", index) == [11, 12, 13, 14]
+    assert_integrity(engine)
+
+
+def test_lpm_policy_schedules_the_longest_cached_prefix_first():
+    engine = make_engine(page_size=4, policy="lpm", max_prefill_tokens=16, chunked_prefill_size=16)
+    outputs: dict = {}
+    engine.add_request(make_req("warm", list(range(1, 17)), outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    engine.runner.computed.clear()
+    engine.add_request(make_req("cold", list(range(500, 516)), outputs, max_new_tokens=1))
+    engine.add_request(make_req("hit", list(range(1, 17)) + [7], outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    assert engine.runner.computed[0][0] == "hit"
+
+
+def test_flush_cache_only_when_idle():
+    engine, outputs = make_engine(page_size=4), {}
+    engine.add_request(make_req("a", list(range(1, 10)), outputs, max_new_tokens=2))
+    assert not engine.flush_cache()
+    run_until_idle(engine)
+    assert engine.cache.num_pages > 0
+    assert engine.flush_cache()
+    assert engine.cache.num_pages == 0 and engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_prompt_longer_than_context_is_refused_naming_both_lengths():
+    engine = make_engine()
+    engine.runner.context_length = 32
+    with pytest.raises(ValueError, match="40 tokens.*32"):
+        engine.add_request(make_req("long", list(range(40)), {}))
+    assert not engine.has_work()
+
+
+def test_decode_role_reserves_pages_then_decodes_after_kv_arrives():
+    engine, outputs = make_engine(page_size=4, role=Role.DECODE), {}
+    reserved: list[Req] = []
+    req = make_req("d", list(range(1, 11)), outputs, max_new_tokens=3, n=2)
+    req.on_pages_reserved = reserved.append
+    engine.add_request(req)
+    assert reserved and len(reserved[0].pages) == 3 and req.status == ReqStatus.WAITING_FOR_KV
+    engine.kv_ready("d", [FirstToken(11), FirstToken(11)], cached_tokens=4)
+    run_until_idle(engine)
+    assert tokens_of(outputs, "d", 0) == [11, 12, 13] == tokens_of(outputs, "d", 1)
+    assert outputs[("d", 0)][0].cached_tokens == 4
+    assert_integrity(engine)
+
+
+def test_decode_role_abort_while_waiting_for_kv_frees_the_reservation():
+    engine, outputs = make_engine(page_size=4, role=Role.DECODE), {}
+    engine.add_request(make_req("d", list(range(1, 11)), outputs))
+    assert engine.scheduler.check_integrity().held == 3
+    engine.abort("d", error="prefill worker died")
+    assert finish_of(outputs, "d").error == "prefill worker died"
+    engine.kv_ready("d", [FirstToken(11)], 0)  # a late reply is ignored
+    assert engine.scheduler.check_integrity().held == 0
+    assert_integrity(engine)
+
+
+def test_prefill_role_transfers_pages_then_returns_first_tokens():
+    sent = []
+    engine = make_engine(page_size=4, role=Role.PREFILL)
+    engine.transfer_fn = lambda req: sent.append((list(req.pages), req.transfer.dst_pages)) or 0.001
+    from pdserve.shared.req import TransferTarget
+
+    req = make_req("p", list(range(1, 11)), {}, n=2)
+    req.transfer = TransferTarget("decode-0", [7, 8, 9])
+    fut: Future = engine.add_prefill(req)
+    run_until_idle(engine)
+    result = fut.result(timeout=1)
+    assert [t.token_id for t in result.first_tokens] == [11, 11]
+    assert len(sent) == 1 and len(sent[0][0]) == 3 and sent[0][1] == [7, 8, 9]
+    assert_integrity(engine)
+    assert engine.cache.num_pages == 2  # the prompt's full pages stay cached for later prefix hits
+
+
+def test_prefill_role_transfer_failure_fails_the_request_and_frees_pages():
+    engine = make_engine(page_size=4, role=Role.PREFILL)
+
+    def broken(req):
+        raise RuntimeError("peer died")
+
+    engine.transfer_fn = broken
+    from pdserve.shared.req import TransferTarget
+
+    req = make_req("p", list(range(1, 11)), {})
+    req.transfer = TransferTarget("decode-0", [0, 1, 2])
+    fut = engine.add_prefill(req)
+    run_until_idle(engine)
+    with pytest.raises(RuntimeError, match="peer died"):
+        fut.result(timeout=1)
+    assert engine.scheduler.check_integrity().held == 0
+    assert_integrity(engine)
