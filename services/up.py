@@ -1,0 +1,510 @@
+"""`pdserve up`: the whole system on one machine, as supervised child processes.
+
+Lifecycle: plan (command lines and ports, from the flags) -> preflight (every executable present, every
+port free, the model resolved once: converted on first use with a progress bar) -> start in stages, each
+healthy before the next (redis; prefill workers and jobs; decode workers; gateway) -> serve until
+Ctrl-C/SIGTERM or until any child exits -> stop in reverse stage order (SIGTERM to each child's process
+group, SIGKILL after a grace period).
+
+Invariant: `up` never serves half a system. A child that exits, or that does not turn healthy in time,
+is reported with its last log lines, everything else is stopped, and `up` exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+LAST_LINES = 20  # lines of a failed child's log shown to the user
+POLL_S = 0.2
+PROBE_TIMEOUT_S = 2.0
+CHAT_EXAMPLE = "What is the capital of France?"
+
+
+class UpError(RuntimeError):
+    """A problem the user can fix before anything runs (port in use, missing executable, bad flag)."""
+
+
+@dataclass(frozen=True)
+class PortUse:
+    port: int
+    host: str
+    what: str  # e.g. "prefill HTTP port"
+    flag: str  # the flag that moves it
+
+
+@dataclass
+class Service:
+    """One child process: how to run it, when to start it, and how to tell it is ready."""
+
+    name: str
+    launcher: list[str]  # the executable part of the command line; `--substitute` swaps only this
+    args: list[str]
+    stage: int
+    health_url: str  # http://.../health or redis://...
+    ports: list[PortUse]
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return self.launcher + self.args
+
+
+@dataclass
+class Plan:
+    services: list[Service]
+    base_url: str  # the OpenAI base URL users talk to
+    model_name: str
+    redis_url: str
+    api_key: str | None
+
+
+# ---------------------------------------------------------------- plan
+
+
+def default_state_dir() -> Path:
+    root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(root) / "pdserve"
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def loopback(host: str) -> str:
+    """The address a local client uses to reach a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "", "localhost") else host
+
+
+def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
+    """Every child's command line, stage, health URL and ports. Pure: starts and checks nothing."""
+    pdserve = [sys.executable, "-m", "pdserve"]
+    local = "127.0.0.1"
+    state = Path(args.state_dir).expanduser()
+    services: list[Service] = []
+    if args.redis_url:
+        redis_url = args.redis_url
+    else:
+        redis_url = f"redis://{local}:{args.redis_port}/0"
+        services.append(Service(
+            "redis", ["redis-server"],
+            ["--bind", local, "--port", str(args.redis_port), "--daemonize", "no",
+             "--dir", str(state / "redis"), "--appendonly", "yes"],
+            0, redis_url, [PortUse(args.redis_port, local, "redis port", "--redis-port")]))
+
+    roles = [("colocated", 1)] if args.colocated else [("prefill", args.prefill or 1), ("decode", args.decode or 1)]
+    runtimes = sum(count for _, count in roles)
+    threads = args.threads or max(1, cpus // runtimes)
+    common = ["--model-path", str(model_dir), "--host", local, "--threads", str(threads)]
+    if args.device:
+        common += ["--device", args.device]
+    workers: dict[str, list[str]] = {}  # role -> host:port of each worker
+    index = 0
+    for role, count in roles:
+        for i in range(count):
+            port = args.worker_port + index
+            index += 1
+            name = role if count == 1 else f"{role}-{i}"
+            workers.setdefault(role, []).append(f"{local}:{port}")
+            ports = [PortUse(port, local, f"{name} gRPC port", "--worker-port"),
+                     PortUse(port + 1000, local, f"{name} HTTP port (gRPC port + 1000)", "--worker-port")]
+            extra: list[str] = []
+            if role != "colocated" and args.transfer_backend:
+                extra += ["--transfer-backend", args.transfer_backend]
+            if role == "decode":
+                ports.append(PortUse(port + 2000, local, f"{name} KV transfer port (gRPC port + 2000)",
+                                     "--worker-port"))
+                extra += ["--transfer-port", str(port + 2000)]
+                for prefill in workers["prefill"]:
+                    extra += ["--prefill", prefill]
+            services.append(Service(
+                name, pdserve, [role, *common, "--port", str(port), "--http-port", str(port + 1000), *extra],
+                2 if role == "decode" else 1, f"http://{local}:{port + 1000}/health", ports,
+                {"OMP_NUM_THREADS": str(threads)}))
+
+    gateway_url = f"http://{loopback(args.host)}:{args.port}"
+    jobs_url = f"http://{local}:{args.jobs_port}"
+    key = ["--api-key", args.api_key] if args.api_key else []
+    quiet = {"OMP_NUM_THREADS": "1"}  # keep HTTP services off the cores the workers compute on
+    services.append(Service(
+        "jobs", pdserve,
+        ["jobs", "--host", local, "--port", str(args.jobs_port), "--redis-url", redis_url,
+         "--gateway-url", gateway_url, *key],
+        1, f"{jobs_url}/health", [PortUse(args.jobs_port, local, "jobs port", "--jobs-port")], quiet))
+
+    model_name = args.served_model_name or model_dir.name
+    targets: list[str] = []
+    for role, flag in (("colocated", "--worker"), ("prefill", "--prefill"), ("decode", "--decode")):
+        for address in workers.get(role, []):
+            targets += [flag, address]
+    services.append(Service(
+        "gateway", pdserve,
+        ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
+         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key],
+        3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], quiet))
+    return Plan(services, f"{gateway_url}/v1", model_name, redis_url, args.api_key)
+
+
+def substitute(plan: Plan, specs: list[str]) -> None:
+    """Swap the executable of named services (`NAME=COMMAND`); their flags, ports and health checks stay."""
+    by_name = {s.name: s for s in plan.services}
+    for spec in specs:
+        name, _, command = spec.partition("=")
+        if name not in by_name or not command:
+            raise UpError(f"--substitute expects NAME=COMMAND with NAME one of {', '.join(by_name)}; got {spec!r}")
+        by_name[name].launcher = shlex.split(command)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Servers set SO_REUSEADDR too, so a port only in TIME_WAIT counts as free, as it is for them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports(services: list[Service]) -> None:
+    seen: dict[int, PortUse] = {}
+    for use in (u for s in services for u in s.ports):
+        if not 0 < use.port < 65536:
+            raise UpError(f"port {use.port} ({use.what}) is out of range: choose another with {use.flag}")
+        if use.port in seen:
+            other = seen[use.port]
+            raise UpError(f"port {use.port} is planned twice: {other.what} ({other.flag}) and {use.what} "
+                          f"({use.flag})")
+        seen[use.port] = use
+        if port_in_use(use.host, use.port):
+            raise UpError(f"port {use.port} is in use ({use.what}): stop what holds it or choose another port "
+                          f"with {use.flag}")
+
+
+def check_executables(services: list[Service]) -> None:
+    for service in services:
+        exe = service.launcher[0]
+        if shutil.which(exe) is None and not os.access(exe, os.X_OK):
+            if service.name == "redis":
+                raise UpError("redis-server is not installed: install it (Debian/Ubuntu: `sudo apt-get install "
+                              "redis-server`; macOS: `brew install redis`) or pass --redis-url to use a running Redis")
+            raise UpError(f"cannot run {service.name}: {exe!r} not found")
+
+
+def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True when the service behind `url` answers healthy: HTTP 200 on /health, or PONG from Redis."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        try:
+            with redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout) as client:
+                return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
+    # No proxies: every health URL is local, and an http_proxy variable must not reroute it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------- supervision
+
+
+class Console:
+    """Serialises output from the supervisor and the children's reader threads, line by line."""
+
+    def __init__(self, out=None, err=None) -> None:
+        self._out, self._err = out or sys.stdout, err or sys.stderr
+        self._lock = threading.Lock()
+
+    def print(self, text: str, err: bool = False) -> None:
+        with self._lock:
+            try:
+                print(text, file=self._err if err else self._out, flush=True)
+            except (OSError, ValueError):  # a closed terminal must not stop the supervision
+                pass
+
+
+class Child:
+    """One running service: its process (leader of its own process group), its log, its last lines."""
+
+    def __init__(self, service: Service, console: Console, log_dir: Path) -> None:
+        self.service = service
+        self.name = service.name
+        self.tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+        self.healthy = False
+        self.log_path = log_dir / f"{service.name}.log"
+        self._console = console
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
+        try:
+            # Own session: Ctrl-C reaches only `up`, which stops the children in order.
+            self.proc = subprocess.Popen(service.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as exc:
+            self._log.close()
+            raise UpError(f"cannot start {service.name} ({shlex.join(service.argv)}): {exc}") from exc
+        self._reader = threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            self._log.write(raw)
+            self._log.flush()
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            self.tail.append(line)
+            self._console.print(f"[{self.name}] {line}")
+        self._log.close()
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def describe_exit(self) -> str:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def last_lines(self) -> list[str]:
+        self._reader.join(timeout=2.0)  # let the reader drain what the process wrote before it died
+        return list(self.tail)
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Supervisor:
+    """Starts services stage by stage, watches them, and stops them all on any way out."""
+
+    def __init__(self, services: list[Service], console: Console, log_dir: Path, startup_timeout: float = 300.0,
+                 stop_timeout: float = 10.0, health: Callable[[str], bool] = probe) -> None:
+        self.services = services
+        self.console = console
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.health = health
+        self.children: list[Child] = []
+        self._stop = threading.Event()
+        self._force = threading.Event()
+        self.reason = ""
+
+    def request_stop(self, reason: str) -> None:
+        """Ask for an orderly stop; asked again while stopping, kill at once (signal-handler safe)."""
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+        self.reason = reason
+
+    def run(self, on_ready: Callable[[], None]) -> int:
+        """Start everything, serve until stopped; 0 after a requested stop, 1 when any child failed."""
+        try:
+            for stage in sorted({s.stage for s in self.services}):
+                group = [s for s in self.services if s.stage == stage]
+                for service in group:
+                    self._start(service)
+                outcome = self._wait_healthy(group)
+                if outcome is not None:
+                    return outcome
+            on_ready()
+            while not self._stop.wait(POLL_S):
+                dead = next((c for c in self.children if c.exited()), None)
+                if dead is not None:
+                    self._report(dead, dead.describe_exit())
+                    return 1
+            self.console.print(f"[up] {self.reason}: stopping every service")
+            return 0
+        except UpError as exc:
+            self.console.print(f"error: {exc}", err=True)
+            return 1
+        finally:
+            self.stop_all()
+
+    def _start(self, service: Service) -> None:
+        child = Child(service, self.console, self.log_dir)
+        self.children.append(child)
+        self.console.print(f"[up] started {service.name} (pid {child.proc.pid}): {shlex.join(service.argv)}")
+
+    def _wait_healthy(self, group: list[Service]) -> int | None:
+        """None once every child of the group is healthy; else the exit code `run` should return."""
+        pending = [c for c in self.children if c.service in group]
+        deadline = time.monotonic() + self.startup_timeout
+        while pending:
+            if self._stop.is_set():
+                self.console.print(f"[up] {self.reason} during start-up: stopping every service")
+                return 0
+            dead = next((c for c in self.children if c.exited()), None)
+            if dead is not None:
+                self._report(dead, f"{dead.describe_exit()} before the system was ready")
+                return 1
+            if time.monotonic() > deadline:
+                child = pending[0]
+                self._report(child, f"did not become healthy within {self.startup_timeout:g} s "
+                                    f"(checked {child.service.health_url})")
+                return 1
+            for child in list(pending):
+                if self.health(child.service.health_url):
+                    child.healthy = True
+                    pending.remove(child)
+                    self.console.print(f"[up] {child.name} is healthy")
+            if pending:
+                self._stop.wait(POLL_S)
+        return None
+
+    def _report(self, child: Child, what: str) -> None:
+        lines = child.last_lines()
+        text = [f"error: {child.name} {what}; stopping everything.",
+                f"last {len(lines)} lines of {child.name} (full log: {child.log_path}):"]
+        text += [f"  | {line}" for line in lines] or ["  | (no output)"]
+        self.console.print("\n".join(text), err=True)
+
+    def stop_all(self) -> None:
+        """SIGTERM each stage's process groups (last stage first), SIGKILL what outlives the grace period."""
+        for stage in sorted({c.service.stage for c in self.children}, reverse=True):
+            group = [c for c in self.children if c.service.stage == stage]
+            for child in group:
+                if not child.exited():
+                    child.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            while any(not c.exited() for c in group) and time.monotonic() < deadline and not self._force.is_set():
+                time.sleep(0.05)
+            for child in group:
+                if not child.exited():
+                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it")
+                # Also reaches what the child started itself and left behind.
+                child.signal_group(signal.SIGKILL)
+                child.proc.wait()
+        for child in self.children:
+            child.last_lines()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--colocated", action="store_true",
+                        help="run one colocated worker instead of separate prefill and decode workers")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (default 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (the OpenAI API)")
+    parser.add_argument("--model-path", default=None,
+                        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, converted on first use)")
+    parser.add_argument("--served-model-name", default=None, help="model name for clients (default: the model dir's)")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
+    parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")
+    parser.add_argument("--worker-port", type=int, default=50051,
+                        help="gRPC port of the first worker; the next workers count up from it; each worker's "
+                             "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000")
+    parser.add_argument("--transfer-backend", default=None, choices=["auto", "nixl", "tcp"],
+                        help="KV transfer between prefill and decode (default: the workers' own, auto)")
+    parser.add_argument("--device", default=None, help="device for the workers: cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default: this machine's cores split among the workers)")
+    parser.add_argument("--state-dir", default=str(default_state_dir()),
+                        help="Redis data and service logs (default: %(default)s)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds each stage may take to become healthy")
+    parser.add_argument("--stop-timeout", type=float, default=10.0,
+                        help="seconds a service may take to stop after SIGTERM before it is killed")
+    # Runs another executable in place of one service (same flags, ports and health check); for testing.
+    parser.add_argument("--substitute", action="append", default=[], metavar="NAME=COMMAND", help=argparse.SUPPRESS)
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.colocated and (args.prefill is not None or args.decode is not None):
+        raise UpError("--colocated runs one worker: drop --prefill/--decode")
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value is not None and not 1 <= value <= 64:
+            raise UpError(f"{flag} must be between 1 and 64, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UpError(f"--threads must be at least 1, got {args.threads}")
+
+
+def banner(plan: Plan, log_dir: Path) -> str:
+    workers = [s.name for s in plan.services if s.args and s.args[0] in ("colocated", "prefill", "decode")]
+    auth = " -H 'Authorization: Bearer YOUR_API_KEY'" if plan.api_key else ""
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 32}'
+            % (plan.model_name, CHAT_EXAMPLE))
+    return "\n".join([
+        f"[up] pdserve is ready: workers {', '.join(workers)}; model {plan.model_name}",
+        f"[up] OpenAI base URL: {plan.base_url}",
+        "[up] try:",
+        f"  curl {plan.base_url}/chat/completions -H 'Content-Type: application/json'{auth} \\",
+        f"    -d '{body}'",
+        f"[up] logs: {log_dir}; press Ctrl-C to stop",
+    ])
+
+
+def prepare(args: argparse.Namespace) -> Plan:
+    """Check everything a user could get wrong before anything starts, then resolve the model once."""
+    from pdserve.shared.model_files import resolve_model_path
+
+    validate(args)
+    draft = build_plan(args, Path(args.model_path or "."), available_cpus())
+    substitute(draft, args.substitute)
+    check_executables(draft.services)
+    check_ports(draft.services)
+    if args.redis_url and not probe(args.redis_url):
+        raise UpError(f"cannot reach Redis at {args.redis_url} (--redis-url): is it running?")
+    model_dir = resolve_model_path(args.model_path)  # converts on first use, with a progress bar
+    plan = build_plan(args, model_dir, available_cpus())
+    substitute(plan, args.substitute)
+    return plan
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    from pdserve.shared.model_files import ModelNotFound
+
+    console = Console()
+    try:
+        plan = prepare(args)
+    except (UpError, ModelNotFound) as exc:
+        console.print(f"error: {exc}", err=True)
+        return 1
+    state = Path(args.state_dir).expanduser()
+    log_dir = state / "logs"
+    for path in (log_dir, state / "redis"):
+        path.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(plan.services, console, log_dir, args.startup_timeout, args.stop_timeout)
+
+    def on_signal(signum: int, frame: object) -> None:
+        supervisor.request_stop(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = supervisor.run(on_ready=lambda: console.print(banner(plan, log_dir)))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    console.print("[up] stopped" if code == 0 else "[up] stopped after a failure", err=code != 0)
+    return code

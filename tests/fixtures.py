@@ -1,0 +1,36 @@
+"""Tiny random-weight checkpoints of each supported architecture, made offline in milliseconds."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "llama3-rope")
+
+
+def make_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save a 2-layer, hidden-64 checkpoint of `arch` to `out_dir` (HF format, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        config = Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(config)
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True))
+    elif arch == "llama3-rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # random init leaves biases at zero; make Qwen2's qkv bias matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return out_dir

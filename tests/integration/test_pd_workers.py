@@ -1,0 +1,212 @@
+"""Prefill and decode workers as real processes, talking gRPC and moving KV over NIXL or TCP.
+
+The default model in fp32, so PD output can be compared token for token with a
+colocated worker and with transformers.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.shared.sampling_params import SamplingParams, to_proto
+from procs import start_worker
+
+FP32 = ("--dtype", "float32")
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count from one to ten.",
+             "Why do cats purr? Answer in detail with at least three reasons and an example for each."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+def start_pair(backend: str, *extra: str):
+    prefill, paddr = start_worker("prefill", None, *FP32, "--transfer-backend", backend, *extra)
+    prefill.wait_healthy()
+    decode, daddr = start_worker("decode", None, *FP32, "--transfer-backend", backend, "--prefill", paddr, *extra)
+    decode.wait_healthy()
+    return prefill, paddr, decode, daddr
+
+
+@pytest.fixture(scope="module", params=["nixl", "tcp"])
+def pair(request):
+    prefill, paddr, decode, daddr = start_pair(request.param, "--chunked-prefill-size", "32")
+    yield paddr, daddr
+    decode.stop()
+    prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    proc, addr = start_worker("colocated", None, *FP32)
+    proc.wait_healthy()
+    yield addr
+    proc.stop()
+
+
+async def generate(addr: str, ids: list[int], prefill: str = "", timeout: float = 120, **params) -> dict:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_new_tokens", 24)
+    request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=to_proto(SamplingParams(**params)),
+                                 prefill_addr=prefill)
+    out: dict = {"tokens": {}, "finish": {}, "cached": 0}
+    async with grpc.aio.insecure_channel(addr) as ch:
+        async for msg in pb_grpc.WorkerStub(ch).Generate(request, timeout=timeout):
+            if msg.prompt_tokens:
+                out["cached"] = msg.cached_tokens
+            for c in msg.choices:
+                out["tokens"].setdefault(c.index, []).extend(c.token_ids)
+                if c.finish_reason:
+                    out["finish"][c.index] = c.finish_reason
+    return out
+
+
+async def stats(addr: str) -> pb.PoolStats:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        return await pb_grpc.WorkerStub(ch).Stats(pb.Empty(), timeout=10)
+
+
+async def assert_clean(*addrs: str) -> None:
+    """Every page is free or cached (nothing held by a request) and the integrity check holds."""
+    deadline = time.monotonic() + 5
+    while True:
+        reports = [await stats(a) for a in addrs]
+        if all(r.integrity_ok and r.used_pages == 0 for r in reports) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    for addr, r in zip(addrs, reports):
+        assert r.integrity_ok, f"{addr}: {r.integrity_message}"
+        assert r.used_pages == 0, f"{addr} still holds {r.used_pages} pages"
+
+
+async def test_pd_greedy_equals_colocated_alone_and_concurrent(pair, colocated, prompts):
+    paddr, daddr = pair
+    want = [(await generate(colocated, ids))["tokens"][0] for ids in prompts]
+    alone = [(await generate(daddr, ids, prefill=paddr))["tokens"][0] for ids in prompts]
+    assert alone == want
+    together = await asyncio.gather(*(generate(daddr, ids, prefill=paddr) for ids in prompts))
+    assert [o["tokens"][0] for o in together] == want
+    await assert_clean(paddr, daddr)
+
+
+async def test_pd_prefix_hits_and_long_chunked_prompts(pair, colocated, prompts, tokenizer):
+    paddr, daddr = pair
+    long_ids = tokenizer.encode(" ".join(f"item {i} is a number." for i in range(60)))  # several 32-token chunks
+    first = await generate(daddr, long_ids, prefill=paddr)
+    again = await generate(daddr, long_ids, prefill=paddr)
+    assert again["cached"] >= len(long_ids) - 32  # prefill served the prompt from its radix cache
+    want = (await generate(colocated, long_ids))["tokens"][0]
+    assert first["tokens"][0] == again["tokens"][0] == want
+    await assert_clean(paddr, daddr)
+
+
+async def test_pd_greedy_matches_transformers(pair, prompts, default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    paddr, daddr = pair
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ids = prompts[0]
+    want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    got = await generate(daddr, ids, prefill=paddr)
+    assert got["tokens"][0] == want[:len(got["tokens"][0])] and len(got["tokens"][0]) >= min(len(want), 8)
+
+
+async def test_pd_n_choices_share_one_prefill(pair, prompts):
+    paddr, daddr = pair
+    out = await generate(daddr, prompts[1], prefill=paddr, n=3, temperature=0.8, seed=7, max_new_tokens=12)
+    assert sorted(out["tokens"]) == [0, 1, 2] and set(out["finish"]) == {0, 1, 2}
+    again = await generate(daddr, prompts[1], prefill=paddr, n=3, temperature=0.8, seed=7, max_new_tokens=12)
+    assert again["tokens"] == out["tokens"]  # same seed, same choices
+    await assert_clean(paddr, daddr)
+
+
+async def test_client_cancel_frees_pages_on_both_sides(pair, prompts, tokenizer):
+    paddr, daddr = pair
+    long_ids = tokenizer.encode(" ".join(f"row {i}: nothing to see." for i in range(120)))
+    for delay in (0.05, 1.5):  # during prefill, then during decode
+        task = asyncio.ensure_future(generate(daddr, long_ids, prefill=paddr, max_new_tokens=400, ignore_eos=True))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_clean(paddr, daddr)
+
+
+async def test_abort_rpc_ends_the_stream(pair, prompts):
+    paddr, daddr = pair
+    request = pb.GenerateRequest(rid="abort-me", input_ids=prompts[2], prefill_addr=paddr,
+                                 sampling=to_proto(SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True)))
+    async with grpc.aio.insecure_channel(daddr) as ch:
+        stub = pb_grpc.WorkerStub(ch)
+        finish = None
+        async for msg in stub.Generate(request, timeout=60):
+            if msg.choices[0].token_ids and finish is None:
+                assert (await stub.Abort(pb.AbortRequest(rid="abort-me"), timeout=5)).found
+                finish = "sent"
+            if msg.choices[0].finish_reason:
+                finish = msg.choices[0].finish_reason
+        assert finish == "abort"
+    await assert_clean(paddr, daddr)
+
+
+async def test_mismatched_page_size_is_refused_at_registration():
+    prefill, paddr = start_worker("prefill", None, "--transfer-backend", "tcp", "--page-size", "16")
+    prefill.wait_healthy()
+    try:
+        decode, _ = start_worker("decode", None, "--transfer-backend", "tcp", "--page-size", "32", "--prefill", paddr)
+        decode.popen.wait(120)
+        assert decode.popen.returncode != 0
+        assert "page_size: 32 here, 16 on the peer" in decode.tail()
+    finally:
+        prefill.stop()
+
+
+async def test_decode_killed_mid_decode_fails_fast_and_prefill_frees(prompts):
+    prefill, paddr, decode, daddr = start_pair("nixl")
+    try:
+        task = asyncio.ensure_future(generate(daddr, prompts[3], prefill=paddr, max_new_tokens=2000, ignore_eos=True))
+        await asyncio.sleep(3)
+        decode.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await task
+        assert time.monotonic() - t0 < 5
+        await assert_clean(paddr)
+    finally:
+        decode.kill()
+        prefill.stop()
+
+
+async def test_prefill_killed_mid_prefill_fails_fast_and_decode_frees(tokenizer):
+    prefill, paddr, decode, daddr = start_pair("tcp", "--chunked-prefill-size", "16")
+    long_ids = tokenizer.encode(" ".join(f"line {i} of a long document." for i in range(250)))
+    try:
+        task = asyncio.ensure_future(generate(daddr, long_ids, prefill=paddr))
+        await asyncio.sleep(1.0)
+        assert (await stats(daddr)).used_pages > 0  # decode reserved the prompt's pages
+        prefill.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await task
+        assert time.monotonic() - t0 < 5
+        assert "prefill" in err.value.details()
+        await assert_clean(daddr)
+    finally:
+        decode.stop()
+        prefill.kill()

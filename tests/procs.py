@@ -1,0 +1,85 @@
+"""Real service processes on loopback for integration tests: start, wait until healthy, stop."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    health_url: str | None = None
+    popen: subprocess.Popen | None = None
+    log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1]))
+
+    def start(self, env: dict | None = None) -> Proc:
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("TRITON_INTERPRET", None)
+        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve", *self.args], stdout=open(self.log_path, "w"),
+                                      stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> Proc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not healthy after {timeout} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_worker(role: str, model: str | None = None, *extra: str, threads: int = 1,
+                 env: dict | None = None) -> tuple[Proc, str]:
+    """Start a runtime worker; returns (process, gRPC address). Call .wait_healthy() on it."""
+    port, http_port = free_port(), free_port()
+    args = [role, "--port", str(port), "--http-port", str(http_port), "--threads", str(threads),
+            "--max-total-tokens", "8192", *extra]
+    if model:
+        args += ["--model-path", model]
+    if role in ("prefill", "decode") and "--transfer-port" not in extra:
+        args += ["--transfer-port", str(free_port())]
+    proc = Proc(f"{role}:{port}", args, health_url=f"http://127.0.0.1:{http_port}/health").start(env)
+    return proc, f"127.0.0.1:{port}"
