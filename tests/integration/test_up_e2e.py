@@ -1,0 +1,166 @@
+"""`pdserve up` end to end: the real services, the default model, the official openai client.
+
+Each test starts the whole system the way a user does (`pdserve up`, on free ports, with its own state
+dir), talks to it, and stops it with a signal; nothing may outlive `up`.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+READY_TIMEOUT_S = 600  # first use converts the default model; two cores are shared with other tests
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(workers: int) -> list[str]:
+    flags = []
+    for flag in ("--port", "--jobs-port", "--redis-port"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            flags += [flag, str(s.getsockname()[1])]
+    for _ in range(200):
+        base = random.randrange(20000, 26900)
+        if all(port_free(base + i + off) for i in range(workers) for off in (0, 1000, 2000)):
+            return flags + ["--worker-port", str(base)]
+    raise RuntimeError("no free block of worker ports")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Up:
+    """A running `pdserve up`, its output collected line by line."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        argv = [sys.executable, "-m", "pdserve", "up", "--state-dir", str(tmp_path / "state"),
+                *free_ports(3), *extra]
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(x.rstrip("\n") for x in self.proc.stdout),
+                                        daemon=True)
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self) -> tuple[str, str]:
+        """(base URL, model name) from the banner."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            text = self.output
+            base = re.search(r"OpenAI base URL: (\S+)", text)
+            model = re.search(r'"model": "([^"]+)"', text)
+            if base and model:
+                return base.group(1), model.group(1)
+            time.sleep(0.2)
+        raise AssertionError(f"pdserve up did not become ready:\n{self.output[-6000:]}")
+
+    def pids(self) -> list[int]:
+        return [int(m.group(1)) for m in re.finditer(r"^\[up\] started \S+ \(pid (\d+)\)", self.output, re.M)]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        os.kill(self.proc.pid, sig)
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in self.pids():
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def start_up(tmp_path):
+    runs: list[Up] = []
+
+    def start(*extra: str) -> Up:
+        runs.append(Up(tmp_path, *extra))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_up_serves_chat_streaming_and_files_over_prefill_decode(start_up):
+    up = start_up()
+    base_url, model = up.wait_ready()
+    assert {"redis", "prefill", "decode", "jobs", "gateway"} <= set(
+        m.group(1) for m in re.finditer(r"^\[up\] started (\S+)", up.output, re.M))
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120)
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+    assert "Paris" in reply.choices[0].message.content
+    stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16,
+                                            stream=True)
+    assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert model in [m.id for m in client.models.list()]
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}\n'
+    uploaded = client.files.create(file=("batch.jsonl", line), purpose="batch")
+    assert client.files.retrieve(uploaded.id).bytes == len(line)
+
+    pids = up.pids()
+    assert up.stop(signal.SIGTERM) == 0
+    assert [p for p in pids if alive(p)] == []
+
+
+def test_up_colocated_with_api_key(start_up):
+    up = start_up("--colocated", "--api-key", "sk-up-test")
+    base_url, model = up.wait_ready()
+    assert "[up] started colocated" in up.output and "[up] started prefill" not in up.output
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base_url, api_key="wrong", timeout=60).chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=4)
+    client = openai.OpenAI(base_url=base_url, api_key="sk-up-test", timeout=120)
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+    assert "Paris" in reply.choices[0].message.content
+    pids = up.pids()
+    assert up.stop(signal.SIGINT) == 0
+    assert [p for p in pids if alive(p)] == []
+
+
+def test_up_stops_the_real_services_when_one_fails(start_up):
+    failing = f"{sys.executable} -c \"import sys; print('jobs cannot start: test failure'); sys.exit(4)\""
+    up = start_up("--substitute", f"jobs={failing}")
+    code = up.proc.wait(READY_TIMEOUT_S)
+    up._reader.join(5)
+    assert code == 1
+    assert "error: jobs exited with code 4 before the system was ready" in up.output
+    assert "  | jobs cannot start: test failure" in up.output
+    assert "[up] started prefill" in up.output and "OpenAI base URL" not in up.output
+    assert [p for p in up.pids() if alive(p)] == []

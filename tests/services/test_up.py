@@ -1,0 +1,488 @@
+"""`pdserve up`: the plan it builds, its preflight errors, and its supervision of real child processes.
+
+The supervision tests run the real `pdserve up` with a real redis-server; the other services are replaced
+(`--substitute`) by a small HTTP process that serves /health on the port `up` assigns and can be told to
+print lines, die, or ignore SIGTERM. The whole system with the real services is tests/integration/test_up_e2e.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve.services import up
+
+STAND_IN = r'''
+import argparse, http.server, signal, sys, threading, time
+own = argparse.ArgumentParser()
+own.add_argument("--die-after", type=float)
+own.add_argument("--exit-code", type=int, default=3)
+own.add_argument("--lines", type=int, default=0)
+own.add_argument("--no-health", action="store_true")
+own.add_argument("--ignore-term", action="store_true")
+mine, rest = own.parse_known_args()
+svc = argparse.ArgumentParser()
+svc.add_argument("--port", type=int)
+svc.add_argument("--http-port", type=int)
+ports, _ = svc.parse_known_args(rest)
+if mine.ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("argv:", " ".join(rest), flush=True)
+for i in range(mine.lines):
+    print(f"line {i}", flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+if not mine.no_health:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", ports.http_port or ports.port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+print("serving", flush=True)
+if mine.die_after is not None:
+    time.sleep(mine.die_after)
+    print("dying now", flush=True)
+    sys.exit(mine.exit_code)
+while True:
+    time.sleep(1)
+'''
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def parse(*argv: str, state_dir: str = "/tmp/pdserve-state") -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser, "up")
+    return parser.parse_args([*argv, "--state-dir", state_dir])
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+
+
+def by_name(plan: up.Plan) -> dict[str, up.Service]:
+    return {s.name: s for s in plan.services}
+
+
+def port_is_free(port: int) -> bool:
+    return not up.port_in_use("127.0.0.1", port)
+
+
+def free_ports(workers: int) -> dict[str, int]:
+    """Ports for one `up` run: gateway, jobs and redis from the kernel, a free worker block below them."""
+    ports = {}
+    for name in ("port", "jobs_port", "redis_port"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[name] = s.getsockname()[1]
+    for _ in range(200):
+        base = random.randrange(20000, 26900)
+        if all(port_is_free(base + i + off) for i in range(workers) for off in (0, 1000, 2000)):
+            ports["worker_port"] = base
+            return ports
+    raise RuntimeError("no free block of worker ports")
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+class UpRun:
+    """`pdserve up` as a real subprocess, its merged output collected line by line."""
+
+    def __init__(self, tmp_path: Path, *extra: str, substitute: dict[str, str], workers: int = 2) -> None:
+        self.ports = free_ports(workers)
+        model = tmp_path / "model"  # only the stand-ins receive it; `up` checks it is an HF directory
+        model.mkdir(exist_ok=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (model / name).write_text("{}")
+        script = tmp_path / "stand_in.py"
+        script.write_text(STAND_IN)
+        self.state = tmp_path / "state"
+        argv = [sys.executable, "-m", "pdserve", "up", "--model-path", str(model), "--state-dir", str(self.state),
+                "--port", str(self.ports["port"]), "--jobs-port", str(self.ports["jobs_port"]),
+                "--redis-port", str(self.ports["redis_port"]), "--worker-port", str(self.ports["worker_port"]),
+                "--startup-timeout", "60", *extra]
+        for name, options in substitute.items():
+            argv += ["--substitute", f"{name}={sys.executable} {script} {options}".rstrip()]
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in the output of up:\n{self.output}")
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def child_pids(self) -> dict[str, int]:
+        return {m.group(1): int(m.group(2))
+                for m in (re.search(r"^\[up\] started (\S+) \(pid (\d+)\)", line) for line in list(self.lines)) if m}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in pids_alive(list(self.child_pids().values())):
+            os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def run_up(tmp_path):
+    runs: list[UpRun] = []
+
+    def start(*extra: str, substitute: dict[str, str], workers: int = 2) -> UpRun:
+        runs.append(UpRun(tmp_path, *extra, substitute=substitute, workers=workers))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
+
+
+def get(url: str) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=5) as response:
+        return response.status
+
+
+# ---------------------------------------------------------------- plan
+
+
+def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
+    plan = up.build_plan(parse(state_dir=str(tmp_path)), tmp_path / "SmolLM2", cpus=2)
+    s = by_name(plan)
+    assert [x.name for x in sorted(plan.services, key=lambda x: x.stage)][:1] == ["redis"]
+    assert s["redis"].stage < s["prefill"].stage < s["decode"].stage < s["gateway"].stage
+    assert s["jobs"].stage < s["gateway"].stage
+    assert s["redis"].argv[:1] == ["redis-server"]
+    assert flag_values(s["redis"].args, "--appendonly") == ["yes"]
+    assert flag_values(s["redis"].args, "--dir") == [str(tmp_path / "redis")]
+    assert flag_values(s["redis"].args, "--bind") == ["127.0.0.1"]
+    for name in ("prefill", "decode", "jobs", "gateway"):
+        assert s[name].argv[:4] == [sys.executable, "-m", "pdserve", name]
+    for name in ("prefill", "decode", "gateway"):
+        assert flag_values(s[name].args, "--model-path") == [str(tmp_path / "SmolLM2")]
+    assert flag_values(s["prefill"].args, "--port") == ["50051"]
+    assert flag_values(s["prefill"].args, "--http-port") == ["51051"]
+    assert s["prefill"].health_url == "http://127.0.0.1:51051/health"
+    assert flag_values(s["decode"].args, "--port") == ["50052"]
+    assert flag_values(s["decode"].args, "--transfer-port") == ["52052"]
+    assert flag_values(s["decode"].args, "--prefill") == ["127.0.0.1:50051"]
+    assert flag_values(s["gateway"].args, "--prefill") == ["127.0.0.1:50051"]
+    assert flag_values(s["gateway"].args, "--decode") == ["127.0.0.1:50052"]
+    assert flag_values(s["gateway"].args, "--jobs-url") == ["http://127.0.0.1:30010"]
+    assert flag_values(s["gateway"].args, "--port") == ["30000"]
+    assert flag_values(s["gateway"].args, "--served-model-name") == ["SmolLM2"]
+    assert flag_values(s["jobs"].args, "--redis-url") == ["redis://127.0.0.1:6379/0"]
+    assert flag_values(s["jobs"].args, "--gateway-url") == ["http://127.0.0.1:30000"]
+    assert s["gateway"].health_url == "http://127.0.0.1:30000/health"
+    assert s["jobs"].health_url == "http://127.0.0.1:30010/health"
+    assert plan.base_url == "http://127.0.0.1:30000/v1"
+    # No API key configured: none is passed.
+    assert all("--api-key" not in x.args for x in plan.services)
+
+
+@pytest.mark.parametrize("argv, cpus, expected", [
+    ((), 2, {"prefill": "1", "decode": "1"}),
+    (("--colocated",), 2, {"colocated": "2"}),
+    (("--prefill", "3", "--decode", "2"), 16, {"prefill-0": "3", "decode-1": "3"}),
+    (("--prefill", "3", "--decode", "2"), 2, {"prefill-2": "1", "decode-0": "1"}),
+    (("--threads", "4",), 2, {"prefill": "4", "decode": "4"}),
+])
+def test_plan_splits_the_cores_among_runtime_processes(tmp_path, argv, cpus, expected):
+    s = by_name(up.build_plan(parse(*argv), tmp_path, cpus=cpus))
+    for name, threads in expected.items():
+        assert flag_values(s[name].args, "--threads") == [threads]
+        assert s[name].env["OMP_NUM_THREADS"] == threads
+    assert s["gateway"].env["OMP_NUM_THREADS"] == "1" and s["jobs"].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_plan_colocated_runs_one_worker_that_the_gateway_uses(tmp_path):
+    s = by_name(up.build_plan(parse("--colocated"), tmp_path, cpus=2))
+    assert [x for x in s if x not in ("redis", "jobs", "gateway")] == ["colocated"]
+    assert s["colocated"].args[0] == "colocated"
+    assert "--transfer-port" not in s["colocated"].args and "--transfer-backend" not in s["colocated"].args
+    assert flag_values(s["gateway"].args, "--worker") == ["127.0.0.1:50051"]
+    assert "--prefill" not in s["gateway"].args and "--decode" not in s["gateway"].args
+
+
+def test_plan_three_prefill_two_decode(tmp_path):
+    plan = up.build_plan(parse("--prefill", "3", "--decode", "2", "--worker-port", "40000"), tmp_path, cpus=2)
+    s = by_name(plan)
+    prefills = ["127.0.0.1:40000", "127.0.0.1:40001", "127.0.0.1:40002"]
+    assert [flag_values(s[f"prefill-{i}"].args, "--port") for i in range(3)] == [["40000"], ["40001"], ["40002"]]
+    assert [flag_values(s[f"decode-{i}"].args, "--port") for i in range(2)] == [["40003"], ["40004"]]
+    assert [flag_values(s[f"decode-{i}"].args, "--transfer-port") for i in range(2)] == [["42003"], ["42004"]]
+    for i in range(2):
+        assert flag_values(s[f"decode-{i}"].args, "--prefill") == prefills
+    assert flag_values(s["gateway"].args, "--prefill") == prefills
+    assert flag_values(s["gateway"].args, "--decode") == ["127.0.0.1:40003", "127.0.0.1:40004"]
+    ports = [u.port for x in plan.services for u in x.ports]
+    assert len(ports) == len(set(ports))
+
+
+def test_plan_with_external_redis_and_api_key(tmp_path):
+    plan = up.build_plan(parse("--redis-url", "redis://cache:6380/2", "--api-key", "sk-secret-1",
+                               "--transfer-backend", "tcp"), tmp_path / "m", cpus=2)
+    s = by_name(plan)
+    assert "redis" not in s
+    assert flag_values(s["jobs"].args, "--redis-url") == ["redis://cache:6380/2"]
+    assert flag_values(s["gateway"].args, "--api-key") == ["sk-secret-1"]
+    assert flag_values(s["jobs"].args, "--api-key") == ["sk-secret-1"]
+    assert flag_values(s["prefill"].args, "--transfer-backend") == ["tcp"]
+    text = up.banner(plan, tmp_path)
+    assert "Authorization: Bearer" in text and "sk-secret-1" not in text
+
+
+def test_gateway_on_all_interfaces_is_reached_over_loopback(tmp_path):
+    plan = up.build_plan(parse("--host", "0.0.0.0", "--port", "8080"), tmp_path / "m", cpus=2)
+    s = by_name(plan)
+    assert flag_values(s["gateway"].args, "--host") == ["0.0.0.0"]
+    assert plan.base_url == "http://127.0.0.1:8080/v1"
+    assert flag_values(s["jobs"].args, "--gateway-url") == ["http://127.0.0.1:8080"]
+
+
+def test_banner_has_base_url_and_a_runnable_curl(tmp_path):
+    plan = up.build_plan(parse(), tmp_path / "SmolLM2-135M-Instruct", cpus=2)
+    text = up.banner(plan, tmp_path / "logs")
+    assert "OpenAI base URL: http://127.0.0.1:30000/v1" in text
+    assert "curl http://127.0.0.1:30000/v1/chat/completions" in text
+    assert '"model": "SmolLM2-135M-Instruct"' in text
+    assert str(tmp_path / "logs") in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--colocated", "--prefill", "2"), "--colocated runs one worker"),
+    (("--prefill", "0"), "--prefill must be between 1 and 64"),
+    (("--decode", "65"), "--decode must be between 1 and 64"),
+    (("--threads", "0"), "--threads must be at least 1"),
+])
+def test_bad_flags_are_refused(argv, message):
+    with pytest.raises(up.UpError, match=message):
+        up.validate(parse(*argv))
+
+
+def test_worker_command_lines_parse_with_the_worker_cli(tmp_path):
+    """Every worker command line `up` builds is accepted by `pdserve prefill|decode|colocated` itself."""
+    from pdserve import cli
+
+    for argv in ((), ("--colocated",), ("--prefill", "2", "--decode", "2", "--transfer-backend", "tcp")):
+        for service in up.build_plan(parse(*argv), tmp_path, cpus=2).services:
+            if service.args[0] in ("prefill", "decode", "colocated"):
+                parser, command = cli.build_parser(service.args)
+                parsed = parser.parse_args(service.args)
+                assert command == service.args[0]
+                assert parsed.threads >= 1 and parsed.http_port == parsed.port + 1000
+                if command == "decode":
+                    assert parsed.prefill and parsed.transfer_port == parsed.port + 2000
+
+
+@pytest.mark.parametrize("role", ["gateway", "jobs"])
+def test_gateway_and_jobs_command_lines_parse_with_their_cli(tmp_path, role):
+    """The gateway and jobs command lines match the flags of `pdserve gateway` and `pdserve jobs`."""
+    from pdserve import cli
+
+    for argv in ((), ("--colocated", "--api-key", "k"), ("--prefill", "2", "--decode", "2")):
+        service = by_name(up.build_plan(parse(*argv), tmp_path, cpus=2))[role]
+        parser, command = cli.build_parser(service.args)
+        parsed = parser.parse_args(service.args)
+        assert command == role and parsed.port in (30000, 30010)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def test_port_in_use_is_named_with_the_flag_that_moves_it(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        gateway = by_name(up.build_plan(parse("--port", str(taken)), tmp_path, cpus=2))["gateway"]
+        with pytest.raises(up.UpError, match=rf"port {taken} is in use \(gateway port\).*--port"):
+            up.check_ports([gateway])
+    up.check_ports([gateway])  # released: accepted
+
+
+def test_worker_port_in_use_names_worker_port_flag(tmp_path):
+    base = free_ports(2)["worker_port"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 1 + 1000))  # the decode worker's HTTP port
+        holder.listen()
+        plan = up.build_plan(parse("--worker-port", str(base), "--port", "0", "--jobs-port", "0",
+                                   "--redis-port", "0"), tmp_path, cpus=2)
+        plan.services = [s for s in plan.services if s.name in ("prefill", "decode")]
+        with pytest.raises(up.UpError, match=rf"port {base + 1001} is in use \(decode HTTP port.*--worker-port"):
+            up.check_ports(plan.services)
+
+
+def test_the_same_port_planned_twice_is_refused(tmp_path):
+    plan = up.build_plan(parse("--port", "30500", "--jobs-port", "30500"), tmp_path, cpus=2)
+    with pytest.raises(up.UpError, match=r"port 30500 is planned twice: jobs port \(--jobs-port\) and gateway port \(--port\)"):
+        up.check_ports(plan.services)
+
+
+def test_missing_redis_server_gives_the_install_hint(tmp_path, monkeypatch):
+    plan = up.build_plan(parse(), tmp_path, cpus=2)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(up.UpError, match=r"redis-server is not installed.*apt-get install redis-server.*--redis-url"):
+        up.check_executables(plan.services)
+
+
+def test_substitute_of_an_unknown_service_is_refused(tmp_path):
+    plan = up.build_plan(parse(), tmp_path, cpus=2)
+    with pytest.raises(up.UpError, match="NAME one of redis, prefill, decode, jobs, gateway"):
+        up.substitute(plan, ["router=true"])
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--port", str(taken), "--state-dir",
+                                 str(tmp_path / "state"), "--model-path", str(tmp_path / "missing")],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"error: port {taken} is in use (gateway port)" in result.stderr
+    assert "started" not in result.stdout
+
+
+def test_up_refuses_a_missing_model(tmp_path):
+    ports = free_ports(2)
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model-path", str(tmp_path / "nope"),
+                             "--state-dir", str(tmp_path / "state"), *[a for k, v in ports.items()
+                                                                       for a in (f"--{k.replace('_', '-')}", str(v))]],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"model path '{tmp_path / 'nope'}' does not exist" in result.stderr
+    assert "started" not in result.stdout
+
+
+# ---------------------------------------------------------------- supervision (real processes)
+
+ALL_STAND_INS = {"prefill": "", "decode": "", "jobs": "", "gateway": ""}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_up_starts_in_stages_prefixes_logs_and_stops_everything_on_signal(run_up, sig):
+    run = run_up(substitute=ALL_STAND_INS)
+    run.wait_for(r"OpenAI base URL: http://127\.0\.0\.1:\d+/v1")
+    p = run.ports
+    # Every service is up and reachable where the plan put it; redis is the real one.
+    assert get(f"http://127.0.0.1:{p['port']}/health") == 200
+    assert get(f"http://127.0.0.1:{p['jobs_port']}/health") == 200
+    assert up.probe(f"redis://127.0.0.1:{p['redis_port']}/0")
+    out = run.output
+    assert re.search(rf"^\[decode\] argv: decode .*--prefill 127\.0\.0\.1:{p['worker_port']}", out, re.M)
+    assert re.search(r"^\[gateway\] argv: gateway .*--decode 127\.0\.0\.1:\d+ --jobs-url", out, re.M)
+    assert re.search(r"^\[redis\] .*Ready to accept connections", out, re.M)
+    order = [line.split()[2] for line in run.lines if line.startswith("[up] started ")]
+    assert order == ["redis", "prefill", "jobs", "decode", "gateway"]
+    # Each stage starts only once the one before is healthy.
+    assert out.index("[up] redis is healthy") < out.index("[up] started prefill")
+    assert out.index("[up] prefill is healthy") < out.index("[up] started decode")
+    assert out.index("[up] decode is healthy") < out.index("[up] started gateway")
+    pids = list(run.child_pids().values())
+    assert len(pids_alive(pids)) == 5
+
+    os.kill(run.proc.pid, sig)
+    assert run.wait_exit(30) == 0
+    assert pids_alive(pids) == []
+    assert f"[up] {sig.name}: stopping every service" in run.output
+    assert port_is_free(p["port"]) and port_is_free(p["redis_port"])
+    assert (run.state / "logs" / "gateway.log").read_text().startswith("argv: gateway")
+    assert any((run.state / "redis").rglob("*.aof")), "redis ran without its append-only file in the state dir"
+
+
+def test_a_child_that_dies_after_start_stops_everything_with_its_last_lines(run_up):
+    run = run_up(substitute={**ALL_STAND_INS, "decode": "--die-after 1.5 --lines 30 --exit-code 3"})
+    run.wait_for("OpenAI base URL")
+    pids = run.child_pids()
+    code = run.wait_exit(30)
+    assert code == 1
+    out = run.output
+    report = out[out.index("error: decode exited with code 3"):]
+    assert "last 20 lines of decode" in report
+    shown = [line[4:] for line in report.splitlines() if line.startswith("  | ")]
+    assert len(shown) == 20
+    assert shown[-1] == "dying now" and "line 29" in shown and "line 11" not in shown
+    assert pids_alive(list(pids.values())) == []
+
+
+def test_a_child_that_dies_during_start_up_stops_the_rest_and_nothing_more_starts(run_up):
+    run = run_up(substitute={**ALL_STAND_INS, "jobs": "--die-after 0 --exit-code 2"})
+    assert run.wait_exit(60) == 1
+    out = run.output
+    assert "error: jobs exited with code 2 before the system was ready" in out
+    assert "  | dying now" in out
+    assert "[up] started gateway" not in out and "OpenAI base URL" not in out
+    assert pids_alive(list(run.child_pids().values())) == []
+
+
+def test_a_child_that_never_turns_healthy_times_out(run_up):
+    run = run_up("--startup-timeout", "2", substitute={**ALL_STAND_INS, "prefill": "--no-health"})
+    assert run.wait_exit(60) == 1
+    out = run.output
+    assert re.search(r"error: prefill did not become healthy within 2 s \(checked http://127\.0\.0\.1:\d+/health\)",
+                     out)
+    assert "[up] started decode" not in out
+    assert pids_alive(list(run.child_pids().values())) == []
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(run_up):
+    run = run_up("--stop-timeout", "1", substitute={**ALL_STAND_INS, "gateway": "--ignore-term"})
+    run.wait_for("OpenAI base URL")
+    pids = run.child_pids()
+    started = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait_exit(30) == 0
+    assert time.monotonic() - started < 15
+    assert "[up] gateway did not stop within 1 s: killing it" in run.output
+    assert pids_alive(list(pids.values())) == []
