@@ -145,6 +145,8 @@ def test_retraction_requeues_when_pages_run_out_and_outputs_stay_exact():
         engine.add_request(make_req(f"r{i}", [100 * i + 1, 100 * i + 2, 100 * i + 3, 100 * i + 4], outputs,
                                     max_new_tokens=16))
     run_until_idle(engine)
+    prefills = [rid for rid, pos, n in engine.runner.computed if n > 1]
+    assert len(prefills) > 4  # some request was retracted and prefilled again
     for i in range(4):
         assert tokens_of(outputs, f"r{i}") == list(range(100 * i + 5, 100 * i + 21))
     assert_integrity(engine)
