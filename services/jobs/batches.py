@@ -1,0 +1,162 @@
+"""Batch validation and the batch object: what a client may create, what an input file must hold, and how a
+stored batch renders as OpenAI's `batch` object.
+
+Request parameters are checked when the batch is created (400/404, nothing stored). The input file is
+checked by a batch worker while the batch is `validating`; problems make the batch `failed`, with `errors`
+naming each bad line (1-based), and no items are queued.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve.services.jobs.errors import bad_request
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MAX_REQUESTS = 50_000
+MAX_ERRORS = 100  # errors reported per failed batch; the rest are counted in the last message
+MAX_METADATA = 16
+TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+              "cancelled_at")
+
+
+@dataclass(frozen=True)
+class CreateParams:
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None
+
+
+def parse_create(body: object) -> CreateParams:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise bad_request("'input_file_id' is required and must be a file id string.", "input_file_id")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise bad_request(f"Unsupported endpoint {endpoint!r}: use one of {', '.join(ENDPOINTS)}.", "endpoint",
+                          "invalid_endpoint")
+    window = body.get("completion_window")
+    if window not in COMPLETION_WINDOWS:
+        raise bad_request(f"Unsupported completion_window {window!r}: use '24h'.", "completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+            raise bad_request(f"'metadata' must be an object of at most {MAX_METADATA} pairs.", "metadata")
+        for key, value in metadata.items():
+            if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+                raise bad_request("'metadata' keys are strings of at most 64 characters and values strings of "
+                                  "at most 512.", "metadata")
+    return CreateParams(file_id, endpoint, window, metadata)
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int  # 0-based position among the file's requests: the order of the output file
+    custom_id: str
+    body: dict
+
+
+@dataclass
+class LineErrors:
+    errors: list[dict]
+    dropped: int = 0
+
+    def add(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append({"code": code, "message": message, "param": param, "line": line})
+        else:
+            self.dropped += 1
+
+    def as_object(self) -> dict:
+        data = list(self.errors)
+        if self.dropped:
+            data.append({"code": "too_many_errors", "message": f"{self.dropped} more errors not listed",
+                         "param": None, "line": None})
+        return {"object": "list", "data": data}
+
+
+def parse_input(content: bytes, endpoint: str) -> tuple[list[Item], LineErrors]:
+    """Every request of a JSONL input file, or the errors that make the batch fail (then no items)."""
+    errors = LineErrors([])
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        errors.add(None, "invalid_encoding", f"The input file is not UTF-8 text ({exc.reason} at byte {exc.start}).")
+        return [], errors
+    items: list[Item] = []
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = parse_line(line, number, endpoint, len(items), errors)
+        if item is None:
+            continue
+        if item.custom_id in first_line:
+            errors.add(number, "duplicate_custom_id", f"Line {number}: custom_id {item.custom_id!r} is already "
+                       f"used on line {first_line[item.custom_id]}; each request needs its own.", "custom_id")
+            continue
+        first_line[item.custom_id] = number
+        items.append(item)
+    if not items and not errors.errors:
+        errors.add(None, "empty_file", "The input file contains no requests.")
+    if len(items) > MAX_REQUESTS:
+        errors.add(None, "too_many_requests", f"The input file has {len(items)} requests; a batch holds at most "
+                   f"{MAX_REQUESTS}.")
+    return (items, errors) if not errors.errors else ([], errors)
+
+
+def parse_line(line: str, number: int, endpoint: str, index: int, errors: LineErrors) -> Item | None:
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as exc:
+        errors.add(number, "invalid_json", f"Line {number} is not valid JSON: {exc.msg} (column {exc.colno}).")
+        return None
+    if not isinstance(request, dict):
+        errors.add(number, "invalid_json", f"Line {number} must be a JSON object.")
+        return None
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        errors.add(number, "missing_custom_id", f"Line {number} has no 'custom_id' (a non-empty string).",
+                   "custom_id")
+        return None
+    method = request.get("method", "POST")
+    if method != "POST":
+        errors.add(number, "invalid_method", f"Line {number}: 'method' must be 'POST', not {method!r}.", "method")
+        return None
+    url = request.get("url")
+    if url != endpoint:
+        errors.add(number, "mismatched_url", f"Line {number}: 'url' is {url!r} but the batch endpoint is "
+                   f"{endpoint!r}; every request must use the batch endpoint.", "url")
+        return None
+    body = request.get("body")
+    if not isinstance(body, dict):
+        errors.add(number, "missing_body", f"Line {number} has no 'body' object.", "body")
+        return None
+    if body.get("stream"):
+        errors.add(number, "invalid_body", f"Line {number}: streaming is not supported in a batch.", "body.stream")
+        return None
+    return Item(index, custom_id, body)
+
+
+def render(record: dict) -> dict:
+    """The stored batch hash as OpenAI's batch object."""
+    def opt_int(key: str) -> int | None:
+        value = record.get(key)
+        return int(value) if value not in (None, "") else None
+
+    return {
+        "id": record["id"], "object": "batch", "endpoint": record["endpoint"],
+        "errors": json.loads(record["errors"]) if record.get("errors") else None,
+        "input_file_id": record["input_file_id"], "completion_window": record["completion_window"],
+        "status": record["status"], "output_file_id": record.get("output_file_id"),
+        "error_file_id": record.get("error_file_id"), "created_at": int(record["created_at"]),
+        "expires_at": opt_int("expires_at"), **{key: opt_int(key) for key in TIMESTAMPS},
+        "request_counts": {"total": int(record.get("total") or 0), "completed": int(record.get("completed") or 0),
+                           "failed": int(record.get("failed") or 0)},
+        "metadata": json.loads(record["metadata"]) if record.get("metadata") else None,
+        "model": record.get("model") or None,
+    }

@@ -1,0 +1,132 @@
+"""`pdserve jobs` (Files/Batches HTTP service, plus its batch workers) and `pdserve batch-worker`.
+
+Both run until SIGTERM/SIGINT. All state is in Redis (`--redis-url`), so either may be restarted at any
+time; a batch worker that dies mid-batch has its items finished by another (or by its replacement).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+DEFAULT_MAX_FILE_SIZE = 100 << 20
+log = logging.getLogger("pdserve.jobs")
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis holding all jobs state")
+    parser.add_argument("--gateway-url", default="http://127.0.0.1:30000",
+                        help="gateway that batch items are sent to ({gateway-url}{endpoint})")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="required as 'Authorization: Bearer KEY' on every route but /health, and sent to the "
+                             "gateway (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--concurrency", type=int, default=32, help="batch items in flight per batch worker")
+    parser.add_argument("--lease-seconds", type=float, default=30.0,
+                        help="a dead batch worker's items are taken over this long after its last renewal")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per batch item request")
+    parser.add_argument("--retries", type=int, default=3,
+                        help="retries of a batch item on connection errors and 5xx replies, with backoff")
+    parser.add_argument("--log-level", default="info")
+    if command == "jobs":
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=30010)
+        parser.add_argument("--batch-workers", type=int, default=1,
+                            help="batch worker processes to run as children (0: run them separately)")
+        parser.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE,
+                            help="largest file upload in bytes (larger ones get 413)")
+        # Shortens every batch's completion window (tests of expiry); not a user setting.
+        parser.add_argument("--completion-window-seconds", type=int, default=None, help=argparse.SUPPRESS)
+    else:
+        parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, value, low in (("--concurrency", args.concurrency, 1), ("--lease-seconds", args.lease_seconds, 0.5),
+                             ("--request-timeout", args.request_timeout, 0.1)):
+        if value < low:
+            print(f"error: {name} must be at least {low}", flush=True)
+            return 2
+    if command == "jobs":
+        if args.batch_workers < 0 or args.max_file_size < 1:
+            print("error: --batch-workers must be >= 0 and --max-file-size >= 1", flush=True)
+            return 2
+        return asyncio.run(serve_jobs(args))
+    return asyncio.run(serve_worker(args))
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    return ["--redis-url", args.redis_url, "--gateway-url", args.gateway_url, "--concurrency", str(args.concurrency),
+            "--lease-seconds", str(args.lease_seconds), "--request-timeout", str(args.request_timeout),
+            "--retries", str(args.retries),
+            "--log-level", args.log_level]
+
+
+async def serve_jobs(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from pdserve.services.jobs.app import Settings, build_app
+    from pdserve.services.jobs.children import WorkerChildren
+    from pdserve.services.jobs.store import Store
+
+    store = Store(args.redis_url)
+    app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", flush=True)
+        await runner.cleanup()
+        return 1
+    log.info("jobs service on http://%s:%d (redis %s, gateway %s)", args.host, args.port, args.redis_url,
+             args.gateway_url)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    # The key travels in the environment, not on the command line where `ps` would show it.
+    children = WorkerChildren(args.batch_workers, worker_flags(args),
+                              {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}).start()
+    try:
+        await children.supervise(stop)
+    finally:
+        children.stop()
+        await runner.cleanup()
+        await store.close()
+    return 0
+
+
+async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            log.warning("parent process %d is gone; stopping", parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
+async def serve_worker(args: argparse.Namespace) -> int:
+    from pdserve.services.jobs.executor import Executor, ExecutorSettings
+    from pdserve.services.jobs.store import Store
+    from pdserve.services.jobs.worker import BatchWorker, WorkerSettings
+
+    store = Store(args.redis_url, retries=1)  # the worker's loops do their own retrying
+    executor = Executor(ExecutorSettings(args.gateway_url, args.api_key, args.concurrency, args.request_timeout,
+                                         retries=max(0, args.retries)))
+    worker = BatchWorker(store, executor, WorkerSettings(concurrency=args.concurrency, lease_s=args.lease_seconds))
+    install_signal_handlers(worker.stop)
+    watcher = asyncio.create_task(watch_parent(args.parent_pid, worker.stop)) if args.parent_pid else None
+    try:
+        await worker.run()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await store.close()
+    return 0

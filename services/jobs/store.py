@@ -1,0 +1,189 @@
+"""Redis state of Files and Batches: the key layout, ids, and every transition the API makes.
+
+All state lives in Redis; processes keep none that a restart would lose. Keys (prefix `pdserve:jobs:`):
+  file:{id}           hash   the file object (id, bytes, created_at, filename, purpose, status)
+  file:{id}:content   string the bytes
+  file:{id}:users     set    batches that read this file and are not yet terminal (blocks deletion)
+  files, batches      zset   ids, all with score 0: ids sort by creation time, so BYLEX ranges paginate
+  batch:{id}          hash   the batch object; `finalize_to` (first writer wins) names its terminal status,
+                             `frozen` marks that no more item results are accepted
+  batch:{id}:out|err  hash   custom_id -> "{input line index}\t{output line}": one entry per item, ever
+  deadlines           zset   batch id -> expires_at, for the expiry sweep
+  items, control      stream work for batch workers (consumer group `workers`): one entry per batch item;
+                             batch-level tasks (validate, finalize)
+Every multi-key change is one Lua script or one MULTI/EXEC, so a crash of any process (or of Redis, with
+append-only persistence) never leaves half a transition behind.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pdserve.services.jobs import scripts
+
+PREFIX = "pdserve:jobs:"
+GROUP = "workers"
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def new_id(prefix: str) -> str:
+    """`prefix` + 14 hex digits of microseconds + 10 random hex digits: ids of one kind sort by creation."""
+    return f"{prefix}{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Keys:
+    def __init__(self, prefix: str = PREFIX) -> None:
+        self.prefix = prefix
+        self.files = prefix + "files"
+        self.batches = prefix + "batches"
+        self.deadlines = prefix + "deadlines"
+        self.items = prefix + "items"
+        self.control = prefix + "control"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}"
+
+    def content(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}:content"
+
+    def users(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}:users"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}"
+
+    def out(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:out"
+
+    def err(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:err"
+
+
+@dataclass(frozen=True)
+class Page:
+    ids: list[str]
+    has_more: bool
+
+
+def connect(url: str, *, decode: bool = True, retries: int = 3) -> aioredis.Redis:
+    """A client that reconnects by itself; commands retry a few times while Redis restarts."""
+    return aioredis.Redis.from_url(
+        url, decode_responses=decode, socket_connect_timeout=2, socket_timeout=10, health_check_interval=10,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError])
+
+
+class Store:
+    """Files and batch records as the API sees them. `r` decodes to str; `raw` returns file bytes."""
+
+    def __init__(self, url: str, retries: int = 3, prefix: str = PREFIX) -> None:
+        self.r = connect(url, retries=retries)
+        self.raw = connect(url, decode=False, retries=retries)
+        self.k = Keys(prefix)
+        self._create_batch = self.r.register_script(scripts.CREATE_BATCH)
+        self._cancel = self.r.register_script(scripts.CANCEL_BATCH)
+        self._delete_file = self.r.register_script(scripts.DELETE_FILE)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+        await self.raw.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.r.ping())
+
+    # ------------------------------------------------------------ files
+
+    async def put_file(self, file_id: str, filename: str, purpose: str, content: bytes) -> dict:
+        """Store a file and its object atomically. Writing the same id again rewrites it (idempotent)."""
+        meta = {"id": file_id, "bytes": len(content), "created_at": now(), "filename": filename,
+                "purpose": purpose, "status": "processed"}
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.set(self.k.content(file_id), content)
+            pipe.hset(self.k.file(file_id), mapping=meta)
+            pipe.zadd(self.k.files, {file_id: 0})
+            await pipe.execute()
+        return meta
+
+    async def get_file(self, file_id: str) -> dict | None:
+        meta = await self.r.hgetall(self.k.file(file_id))
+        return meta or None
+
+    async def get_files(self, file_ids: list[str]) -> list[dict]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for file_id in file_ids:
+                pipe.hgetall(self.k.file(file_id))
+            return [m for m in await pipe.execute() if m]
+
+    async def file_content(self, file_id: str) -> bytes | None:
+        return await self.raw.get(self.k.content(file_id))
+
+    async def delete_file(self, file_id: str) -> str:
+        """'ok', 'missing', or 'in_use:{batch_id}' (a batch still reads it)."""
+        return await self._delete_file(
+            keys=[self.k.file(file_id), self.k.content(file_id), self.k.users(file_id), self.k.files],
+            args=[file_id])
+
+    # ------------------------------------------------------------ listing
+
+    async def page(self, zkey: str, after: str | None, limit: int, descending: bool = True) -> Page:
+        """Ids after the cursor `after` (which need not exist any more), newest first unless ascending."""
+        if descending:
+            hi, lo = (f"({after}" if after else "+"), "-"
+            ids = await self.r.zrange(zkey, hi, lo, desc=True, bylex=True, offset=0, num=limit + 1)
+        else:
+            lo, hi = (f"({after}" if after else "-"), "+"
+            ids = await self.r.zrange(zkey, lo, hi, bylex=True, offset=0, num=limit + 1)
+        return Page(ids[:limit], len(ids) > limit)
+
+    # ------------------------------------------------------------ batches
+
+    async def create_batch(self, batch_id: str, input_file_id: str, fields: dict[str, str | int]) -> str:
+        """Create a `validating` batch, mark its input file in use and queue its validation, atomically.
+
+        Returns 'ok', 'missing' (no such file) or 'purpose:{purpose}' (not a batch input file)."""
+        flat: list[str | int] = []
+        for key, value in fields.items():
+            flat += [key, value]
+        return await self._create_batch(
+            keys=[self.k.file(input_file_id), self.k.users(input_file_id), self.k.batch(batch_id),
+                  self.k.batches, self.k.deadlines, self.k.control],
+            args=[batch_id, fields["expires_at"], *flat])
+
+    async def get_batch(self, batch_id: str) -> dict | None:
+        """The batch hash, with live `completed`/`failed` counts while it runs."""
+        [record] = await self.get_batches([batch_id])
+        return record or None
+
+    async def get_batches(self, batch_ids: list[str]) -> list[dict]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hgetall(self.k.batch(batch_id))
+                pipe.hlen(self.k.out(batch_id))
+                pipe.hlen(self.k.err(batch_id))
+            replies = await pipe.execute()
+        records = []
+        for record, done, failed in zip(replies[0::3], replies[1::3], replies[2::3]):
+            if record and record["status"] not in TERMINAL:
+                record["completed"], record["failed"] = done, failed
+            records.append(record)
+        return records
+
+    async def cancel_batch(self, batch_id: str) -> str:
+        """'cancelling'/'cancelled' (now or already), 'missing', or 'conflict:{status}'."""
+        return await self._cancel(keys=[self.k.batch(batch_id), self.k.control], args=[batch_id, now()])
+
+
+def dump(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
