@@ -67,7 +67,6 @@ class Plan:
     services: list[Service]
     base_url: str  # the OpenAI base URL users talk to
     model_name: str
-    redis_url: str
     api_key: str | None
 
 
@@ -157,7 +156,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
          *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], quiet))
-    return Plan(services, f"{gateway_url}/v1", model_name, redis_url, args.api_key)
+    return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
 
 
 def substitute(plan: Plan, specs: list[str]) -> None:
@@ -254,7 +253,6 @@ class Child:
         self.service = service
         self.name = service.name
         self.tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
-        self.healthy = False
         self.log_path = log_dir / f"{service.name}.log"
         self._console = console
         self._log = open(self.log_path, "wb")
@@ -370,7 +368,6 @@ class Supervisor:
                 return 1
             for child in list(pending):
                 if self.health(child.service.health_url):
-                    child.healthy = True
                     pending.remove(child)
                     self.console.print(f"[up] {child.name} is healthy")
             if pending:

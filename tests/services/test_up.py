@@ -24,9 +24,10 @@ import pytest
 from pdserve.services import up
 
 STAND_IN = r'''
-import argparse, http.server, signal, sys, threading, time
+import argparse, http.server, os, signal, sys, threading, time
 own = argparse.ArgumentParser()
 own.add_argument("--die-after", type=float)
+own.add_argument("--die-when", help="die once this file exists")
 own.add_argument("--exit-code", type=int, default=3)
 own.add_argument("--lines", type=int, default=0)
 own.add_argument("--no-health", action="store_true")
@@ -57,10 +58,12 @@ if not mine.no_health:
 print("serving", flush=True)
 if mine.die_after is not None:
     time.sleep(mine.die_after)
-    print("dying now", flush=True)
-    sys.exit(mine.exit_code)
-while True:
-    time.sleep(1)
+while mine.die_after is None:
+    time.sleep(0.05)
+    if mine.die_when and os.path.exists(mine.die_when):
+        break
+print("dying now", flush=True)
+sys.exit(mine.exit_code)
 '''
 
 
@@ -441,10 +444,12 @@ def test_up_starts_in_stages_prefixes_logs_and_stops_everything_on_signal(run_up
     assert any((run.state / "redis").rglob("*.aof")), "redis ran without its append-only file in the state dir"
 
 
-def test_a_child_that_dies_after_start_stops_everything_with_its_last_lines(run_up):
-    run = run_up(substitute={**ALL_STAND_INS, "decode": "--die-after 1.5 --lines 30 --exit-code 3"})
+def test_a_child_that_dies_after_start_stops_everything_with_its_last_lines(run_up, tmp_path):
+    trigger = tmp_path / "die"
+    run = run_up(substitute={**ALL_STAND_INS, "decode": f"--die-when {trigger} --lines 30 --exit-code 3"})
     run.wait_for("OpenAI base URL")
     pids = run.child_pids()
+    trigger.touch()
     code = run.wait_exit(30)
     assert code == 1
     out = run.output

@@ -58,7 +58,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Env of containers that take the API key: it comes only from the Secret, never from a plain value. */}}
 {{- define "pdserve.apiKeyEnv" -}}
-{{- if .Values.apiKey.enabled }}
+{{- if .Values.apiKey.enabled -}}
 - name: PDSERVE_API_KEY
   valueFrom:
     secretKeyRef:
@@ -68,7 +68,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "pdserve.apiKeyArgs" -}}
-{{- if .Values.apiKey.enabled }}
+{{- if .Values.apiKey.enabled -}}
 - --api-key
 - $(PDSERVE_API_KEY)
 {{- end }}
