@@ -1,0 +1,33 @@
+"""Triton kernels of the runtime, one op per module, each with a plain-torch twin.
+
+Every op has `<op>_triton` (CUDA, or the Triton interpreter in tests) and `<op>_torch`
+with the same signature: the torch twin is the CPU serving path and the oracle the
+Triton kernel is tested against.
+
+Exports resolve on first use, so importing the package alone loads neither Triton nor
+any kernel. That matters because a checkout's top-level `kernels/` folder can be found
+under the plain name `kernels` (transformers probes for a package of that name), and
+such a probe should cost nothing.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "build_cos_sin_cache": "rotary",
+    "decode_attention_torch": "decode_attention", "decode_attention_triton": "decode_attention",
+    "extend_attention_torch": "extend_attention", "extend_attention_triton": "extend_attention",
+    "rmsnorm_torch": "rmsnorm", "rmsnorm_triton": "rmsnorm",
+    "rotary_torch": "rotary", "rotary_triton": "rotary",
+    "silu_and_mul_torch": "silu_mul", "silu_and_mul_triton": "silu_mul",
+    "store_kv_torch": "kv_store", "store_kv_triton": "kv_store",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # also lets `from pdserve.kernels import rmsnorm` fall back to the submodule
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,170 @@
+"""Decode attention: one new query token per sequence against its paged KV cache.
+
+The new token's K/V is already stored, so sequence b attends to its first `seq_lens[b]`
+cached tokens, found page by page through `page_table[b]`. GQA: query head h reads kv
+head `h // (Hq // Hk)`. Scores and softmax are fp32; the output is in q's dtype.
+
+The Triton path is split-K (flash decoding): stage one gives each (sequence, kv head,
+split) program one slice of the sequence and all query heads of that kv head, writing a
+partial output and its log-sum-exp; stage two merges the splits. Splits past a
+sequence's end write an empty partial (weight zero), so no host sync on lengths is needed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_MAX_SPLITS = 32
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; caches: [P, S, Hk, D] (strided); page_table: [B, max_pages]; seq_lens: [B]."""
+    B, _, D = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    num_pages = triton.cdiv(max_len, page_size)
+    # Padded gather of every sequence's pages (index_select is far faster than fancy indexing on CPU).
+    pages = page_table[:, :num_pages].clamp(min=0).reshape(-1).long()
+    k = k_cache.index_select(0, pages).view(B, num_pages * page_size, num_kv_heads, D).transpose(1, 2)
+    v = v_cache.index_select(0, pages).view(B, num_pages * page_size, num_kv_heads, D).transpose(1, 2)
+    positions = torch.arange(num_pages * page_size, device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, N]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)  # [B, Hq, D]
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr,
+                         stride_qb, stride_qh,
+                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                         stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         qk_scale, group, head_dim, page_size, split_len,
+                         NATIVE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_H)
+    heads = kv_head * group + g
+    h_mask = g < group
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        page = tl.load(pt_ptr + b * stride_pt + n // page_size, mask=n_mask, other=0).to(tl.int64)
+        offset = n % page_size
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if NATIVE_DOT:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    # An empty split (start >= seq_len) leaves l_i == 0: it stores zeros with lse -inf (weight 0).
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr,
+                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                         num_splits, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    # Split 0 always holds at least one token (seq_len >= 1), so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]
+    parts = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _num_splits(device: torch.device, batch_kv_programs: int, max_len: int, block_n: int) -> int:
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8  # the interpreter: keep a few splits so the merge path is exercised, but not many programs
+    splits = triton.cdiv(target, max(batch_kv_programs, 1))
+    return max(1, min(splits, triton.cdiv(max_len, block_n), _MAX_SPLITS))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as decode_attention_torch; `num_splits` overrides the split heuristic."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV cache views must be contiguous in head_dim")
+    B, num_heads, D = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty((B, num_heads, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    on_gpu = q.device.type == "cuda"
+    block_n = 64 if on_gpu else 16
+    # Upper bound on any sequence's length, known without reading seq_lens on the host.
+    max_len = page_table.shape[1] * page_size
+    splits = num_splits or _num_splits(q.device, B * num_kv_heads, max_len, block_n)
+    split_len = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    splits = triton.cdiv(max_len, split_len)
+    o_part = torch.empty((B, num_heads, splits, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, num_heads, splits), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
+    native = on_gpu and q.dtype in (torch.float16, torch.bfloat16)
+    _decode_split_kernel[(B, num_kv_heads, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), page_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale * 1.4426950408889634, group, D, page_size, split_len,
+        NATIVE_DOT=native, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4, num_stages=2)
+    _decode_merge_kernel[(B, num_heads)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), splits, D,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close, make_paged_kv, naive_attention
+
+from pdserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+
+D = 32
+LENS = [1, 16, 37, 5]  # a lone token, an exact page, several pages with a ragged tail
+
+
+def make_case(lens, page_size, group, dtype, device, num_kv_heads=2):
+    kv = make_paged_kv(lens, page_size, num_kv_heads, D, dtype, device)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), num_kv_heads * group, D, generator=gen).to(dtype=dtype, device=device)
+    return q, kv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_torch_reference_matches_naive(device, page_size, group):
+    q, kv = make_case(LENS, page_size, group, torch.float32, device)
+    out = decode_attention_torch(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for b, n in enumerate(LENS):
+        # The decode token is the last cached one: it sits at position n - 1 and sees all n tokens.
+        expected = naive_attention(q[b:b + 1], kv.keys[b], kv.values[b], n - 1, D ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_reference_in_bf16_stays_close():
+    q, kv = make_case(LENS, 16, 3, torch.bfloat16, "cpu")
+    out = decode_attention_torch(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    for b, n in enumerate(LENS):
+        expected = naive_attention(q[b:b + 1], kv.keys[b], kv.values[b], n - 1, D ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("page_size,group,num_splits", [(16, 3, None), (1, 1, None), (16, 1, 1), (1, 3, 4)])
+def test_triton_matches_torch(dtype, page_size, group, num_splits):
+    q, kv = make_case(LENS, page_size, group, dtype, TRITON_DEVICE)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
+    assert_close(decode_attention_triton(*args, num_splits=num_splits), decode_attention_torch(*args), dtype)
