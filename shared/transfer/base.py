@@ -1,0 +1,177 @@
+"""KV transfer: one-sided writes of KV pages from this worker's pool into a peer's pool.
+
+Lifecycle: create one transfer per worker over its whole KV pool (registered once),
+hand `metadata()` to peers out of band, `add_peer()` each peer that this worker writes
+to (connects and warms the connection), then `write_pages()` as often as needed. The
+target side only calls `poll()` periodically; it learns that data arrived from the
+initiator (over gRPC, after `write_pages` returned), so the data path carries no
+notifications. `close()` releases everything.
+
+Invariant: the pool is one contiguous, page-major tensor `[num_pages, ...]`, so page i
+occupies bytes `[base + i * page_bytes, base + (i + 1) * page_bytes)` and a run of
+consecutive pages is one byte range. Two pools can exchange pages only if their
+`page_bytes` are equal; every call that could hang takes a timeout.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A transfer or connection failed, timed out, or the peer is incompatible or gone."""
+
+
+class Run(NamedTuple):
+    src_start: int
+    dst_start: int
+    length: int
+
+
+def merge_runs(src_pages: list[int], dst_pages: list[int]) -> list[Run]:
+    """Group (src, dst) page pairs into runs that are consecutive on both sides, in order."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    runs: list[Run] = []
+    for s, d in zip(src_pages, dst_pages):
+        if runs and s == runs[-1].src_start + runs[-1].length and d == runs[-1].dst_start + runs[-1].length:
+            runs[-1] = runs[-1]._replace(length=runs[-1].length + 1)
+        else:
+            runs.append(Run(int(s), int(d), 1))
+    return runs
+
+
+class KVTransfer(ABC):
+    """Moves pages of `pool` into pages of registered peers' pools."""
+
+    name: str
+
+    def __init__(self, agent_name: str, pool: torch.Tensor) -> None:
+        if pool.dim() < 1 or pool.shape[0] == 0 or not pool.is_contiguous():
+            raise ValueError("the KV pool must be a contiguous tensor [num_pages, ...] with at least one page")
+        self.agent_name = agent_name
+        self.pool = pool
+        self.num_pages = pool.shape[0]
+        self.page_bytes = pool[0].numel() * pool.element_size()
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this pool (address, layout), as opaque bytes."""
+
+    @abstractmethod
+    def add_peer(self, peer_name: str, metadata: bytes, timeout: float = 10.0) -> None:
+        """Connect to a peer once and warm the connection; idempotent.
+
+        Re-adding a name with different metadata (the peer restarted) replaces it.
+        Raises TransferError when the peer is unreachable within `timeout` or its
+        pool layout does not match ours.
+        """
+
+    @abstractmethod
+    def has_peer(self, peer_name: str) -> bool:
+        """Whether `add_peer` succeeded for this name (and it was not removed since)."""
+
+    @abstractmethod
+    def remove_peer(self, peer_name: str) -> None:
+        """Forget a peer and drop its connection; unknown names are ignored."""
+
+    @abstractmethod
+    def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
+                    timeout: float = 30.0) -> None:
+        """Copy local pages `src_pages[i]` into the peer's pages `dst_pages[i]`.
+
+        Returns once the bytes are in the peer's memory. Raises TransferError on a
+        bad page id, an unknown or dead peer, or when `timeout` passes; never hangs.
+        """
+
+    def poll(self) -> None:
+        """Target-side progress; the owner calls it periodically (cheap when idle)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every connection and release the pool registration; idempotent."""
+
+    # ------------------------------------------------------------ helpers for backends
+    def _pack(self, **fields) -> bytes:
+        return json.dumps({"backend": self.name, "page_bytes": self.page_bytes,
+                           "num_pages": self.num_pages, **fields}).encode()
+
+    def _unpack(self, peer_name: str, metadata: bytes) -> dict:
+        """Decode a peer's metadata and check that its pool can take our pages."""
+        try:
+            md = json.loads(metadata)
+            backend, page_bytes, num_pages = md["backend"], int(md["page_bytes"]), int(md["num_pages"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise TransferError(f"peer {peer_name}: unreadable transfer metadata ({exc})") from None
+        if backend != self.name:
+            raise TransferError(f"peer {peer_name} uses transfer backend {backend!r}, this worker uses {self.name!r}")
+        if page_bytes != self.page_bytes:
+            raise TransferError(f"peer {peer_name} has KV pages of {page_bytes} bytes, this worker {self.page_bytes} "
+                                f"bytes: page size, layers, KV heads, head_dim and dtype must all match")
+        return md
+
+    def _runs(self, peer_name: str, peer_num_pages: int, src_pages: list[int], dst_pages: list[int]) -> list[Run]:
+        try:
+            runs = merge_runs(src_pages, dst_pages)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from None
+        for r in runs:
+            if r.src_start < 0 or r.src_start + r.length > self.num_pages:
+                raise TransferError(f"source pages {r.src_start}..{r.src_start + r.length - 1} "
+                                    f"outside this pool of {self.num_pages} pages")
+            if r.dst_start < 0 or r.dst_start + r.length > peer_num_pages:
+                raise TransferError(f"destination pages {r.dst_start}..{r.dst_start + r.length - 1} "
+                                    f"outside the pool of {peer_name} ({peer_num_pages} pages)")
+        return runs
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+# name -> (module, class, install hint); modules are imported only when chosen
+_BACKENDS = {
+    "nixl": ("pdserve.shared.transfer.nixl", "NixlTransfer",
+             "install NIXL with `pip install nixl-cu12 && pip install --no-deps nixl` "
+             "(or `pip install pdserve[nixl]`), or choose --transfer-backend tcp"),
+    "tcp": ("pdserve.shared.transfer.tcp", "TcpTransfer", ""),
+}
+_importable: dict[str, bool] = {}
+
+
+def _load(backend: str) -> type[KVTransfer]:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {sorted(_BACKENDS)}")
+    module, cls, hint = _BACKENDS[backend]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise ImportError(f"transfer backend {backend!r} is not available ({exc}): {hint}") from exc
+
+
+def available_backends() -> list[str]:
+    """Backends that import here, preferred first (nixl, then tcp)."""
+    for backend in _BACKENDS:
+        if backend not in _importable:
+            try:
+                _load(backend)
+                _importable[backend] = True
+            except ImportError:
+                _importable[backend] = False
+    return [b for b in _BACKENDS if _importable[b]]
+
+
+def create_transfer(backend: str, agent_name: str, pool: torch.Tensor, **kwargs) -> KVTransfer:
+    """The transfer `backend` ("nixl", "tcp" or "auto": the first available) over `pool`."""
+    if backend == "auto":
+        backend = available_backends()[0]
+    return _load(backend)(agent_name, pool, **kwargs)

@@ -1,0 +1,168 @@
+"""NIXL (UCX) transfer: one-sided RDMA-style WRITEs straight into the peer's registered pool.
+
+Lifecycle: one NIXL agent per worker, UCX backend, progress thread off (it busy-polls a
+core). The pool is registered once (DRAM or VRAM). `add_peer` loads the peer's agent
+metadata and warms the connection with a tiny READ into a private scratch buffer, so
+the peer's pool is never touched by set-up. With the progress thread off, connection
+set-up completes only while the *target* keeps calling `poll()`; once a connection is
+up, WRITEs complete without the target's help.
+
+Invariant: every NIXL call goes through `self._lock` (the agent is created without
+internal locking) and is never held while waiting, so `poll()` and other transfers
+interleave; every transfer handle is released on every path.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from pdserve.shared.transfer.base import KVTransfer, TransferError, b64, unb64
+
+log = logging.getLogger(__name__)
+
+WARMUP_BYTES = 64
+
+
+@dataclass(frozen=True)
+class _Peer:
+    nixl_name: str | bytes  # the name NIXL knows the peer by (from its agent metadata)
+    metadata: bytes
+    base: int
+    num_pages: int
+    mem: str  # "DRAM" | "VRAM"
+    device: int
+
+
+class NixlTransfer(KVTransfer):
+    name = "nixl"
+
+    def __init__(self, agent_name: str, pool: torch.Tensor) -> None:
+        super().__init__(agent_name, pool)
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        self._agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        if "UCX" not in self._agent.backends:
+            raise TransferError("NIXL started without its UCX backend (check UCX_TLS and the nixl install)")
+        self._mem = "VRAM" if pool.is_cuda else "DRAM"
+        self._device = pool.get_device() if pool.is_cuda else 0
+        self._scratch = torch.zeros(WARMUP_BYTES, dtype=torch.uint8, device=pool.device)
+        try:
+            self._reg = self._agent.register_memory([pool, self._scratch])
+        except Exception as exc:
+            raise TransferError(f"NIXL cannot register the KV pool ({self.num_pages} pages): {exc}") from None
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            agent_md = self._agent.get_agent_metadata()
+        return self._pack(agent=b64(agent_md), base=self.pool.data_ptr(), mem=self._mem, device=self._device)
+
+    def add_peer(self, peer_name: str, metadata: bytes, timeout: float = 10.0) -> None:
+        md = self._unpack(peer_name, metadata)
+        old = self._peers.get(peer_name)
+        if old is not None and old.metadata == metadata:
+            return
+        if old is not None:  # the peer restarted: its old address is dead
+            self.remove_peer(peer_name)
+        try:
+            with self._lock:
+                nixl_name = self._agent.add_remote_agent(unb64(md["agent"]))
+                self._agent.make_connection(nixl_name)
+        except Exception as exc:
+            raise TransferError(f"peer {peer_name}: NIXL rejected its metadata: {exc}") from None
+        peer = _Peer(nixl_name, metadata, int(md["base"]), int(md["num_pages"]), md["mem"], int(md["device"]))
+        warm = min(WARMUP_BYTES, self.page_bytes)
+        try:  # the first transfer pays for connection set-up: do it now, harmlessly
+            self._xfer("READ", [(self._scratch.data_ptr(), warm, self._device)],
+                       [(peer.base, warm, peer.device)], peer, timeout, f"connecting to {peer_name}")
+        except TransferError:
+            self._forget(peer)
+            raise
+        self._peers[peer_name] = peer
+
+    def has_peer(self, peer_name: str) -> bool:
+        return peer_name in self._peers
+
+    def remove_peer(self, peer_name: str) -> None:
+        peer = self._peers.pop(peer_name, None)
+        if peer is not None:
+            self._forget(peer)
+
+    def _forget(self, peer: _Peer) -> None:
+        try:
+            with self._lock:
+                self._agent.remove_remote_agent(peer.nixl_name)
+        except Exception as exc:  # already disconnected: nothing left to drop
+            log.debug("removing NIXL agent %s: %s", peer.nixl_name, exc)
+
+    def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
+                    timeout: float = 30.0) -> None:
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
+        if not runs:
+            return
+        base, pb = self.pool.data_ptr(), self.page_bytes
+        local = [(base + r.src_start * pb, r.length * pb, self._device) for r in runs]
+        remote = [(peer.base + r.dst_start * pb, r.length * pb, peer.device) for r in runs]
+        self._xfer("WRITE", local, remote, peer, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+
+    def _xfer(self, op: str, local: list[tuple], remote: list[tuple], peer: _Peer, timeout: float,
+              what: str) -> None:
+        """Post one transfer and wait for it, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        handle = None
+        try:
+            with self._lock:
+                local_descs = self._agent.get_xfer_descs(local, self._mem)
+                remote_descs = self._agent.get_xfer_descs(remote, peer.mem)
+                handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.nixl_name)
+                state = self._agent.transfer(handle)
+            spins = 0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(f"{what}: no completion after {timeout:g} s (peer stalled or gone)")
+                # spin briefly (a KV write takes ~ms), then back off so the peer gets the CPU
+                spins += 1
+                time.sleep(0 if spins < 200 else 0.0002)
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"{what}: NIXL reported an error (peer gone?)")
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError when the peer died
+            raise TransferError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:
+            if handle is not None:
+                try:
+                    with self._lock:
+                        handle.release()
+                except Exception as exc:  # aborting an unfinished transfer may complain; the agent keeps it
+                    log.debug("releasing NIXL transfer handle: %s", exc)
+
+    def poll(self) -> None:
+        # progress UCX (connection set-up from initiators); skip if a transfer is progressing it already
+        if self._lock.acquire(blocking=False):
+            try:
+                self._agent.get_new_notifs()
+            finally:
+                self._lock.release()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            self.remove_peer(name)
+        try:
+            with self._lock:
+                self._agent.deregister_memory(self._reg)
+        except Exception as exc:
+            log.debug("deregistering the KV pool: %s", exc)

@@ -1,0 +1,246 @@
+"""TCP transfer: the fallback where NIXL is not installed; plain sockets and threads.
+
+Lifecycle: the constructor opens a listening socket (host from the `host` argument or
+PDSERVE_TRANSFER_HOST, default 127.0.0.1; port 0 = ephemeral) and an accept thread;
+each incoming connection gets a receiver thread that writes arriving pages straight
+into the pool and acknowledges each message. The sending side keeps one persistent
+connection per peer (reconnected lazily after a failure), used under a per-peer lock.
+
+Wire format, per message: HEADER (magic, page_bytes, number of runs), the runs as
+(dst_start, pages) pairs, then the runs' bytes back to back; the receiver answers ACK
+(status 0 = stored; else an error message follows and it closes the connection).
+An empty message (no runs) is the liveness check `add_peer` uses.
+
+CPU pools are sent from and received into a byte view of the pool itself (no copies);
+CUDA pools are staged through host memory.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.shared.transfer.base import KVTransfer, Run, TransferError
+
+MAGIC = b"PDKV"
+HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
+RUN = struct.Struct("!QQ")  # dst_start page, number of pages
+ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
+RECV_TIMEOUT = 60.0  # a sender that stalls mid-message this long is dropped
+
+
+@dataclass
+class _Peer:
+    host: str
+    port: int
+    num_pages: int
+    metadata: bytes
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        view = view[n:]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _advertised(host: str) -> str:
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:  # listening on every interface: peers reach us by our host name's address
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpTransfer(KVTransfer):
+    name = "tcp"
+
+    def __init__(self, agent_name: str, pool: torch.Tensor, host: str | None = None, port: int = 0,
+                 advertise_host: str | None = None) -> None:
+        super().__init__(agent_name, pool)
+        self._bytes = pool.reshape(-1).view(torch.uint8)  # the pool's memory as flat bytes
+        self._host_view = None if pool.is_cuda else memoryview(self._bytes.numpy())
+        host = host or os.environ.get("PDSERVE_TRANSFER_HOST", "127.0.0.1")
+        try:
+            self._listener = socket.create_server((host, port))
+        except OSError as exc:
+            raise TransferError(f"cannot listen for KV transfers on {host}:{port}: {exc}") from None
+        self.port = self._listener.getsockname()[1]
+        self.host = advertise_host or os.environ.get("PDSERVE_TRANSFER_ADVERTISE_HOST") or _advertised(host)
+        self._peers: dict[str, _Peer] = {}
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._accepter.start()
+
+    def metadata(self) -> bytes:
+        return self._pack(host=self.host, port=self.port)
+
+    # ------------------------------------------------------------ sending side
+    def add_peer(self, peer_name: str, metadata: bytes, timeout: float = 10.0) -> None:
+        md = self._unpack(peer_name, metadata)
+        old = self._peers.get(peer_name)
+        if old is not None and old.metadata == metadata:
+            return
+        if old is not None:
+            self.remove_peer(peer_name)
+        peer = _Peer(str(md["host"]), int(md["port"]), int(md["num_pages"]), metadata)
+        self._send(peer, [], timeout, f"connecting to {peer_name} at {peer.host}:{peer.port}")
+        self._peers[peer_name] = peer
+
+    def has_peer(self, peer_name: str) -> bool:
+        return peer_name in self._peers
+
+    def remove_peer(self, peer_name: str) -> None:
+        peer = self._peers.pop(peer_name, None)
+        if peer is not None:
+            self._drop(peer)
+
+    def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
+                    timeout: float = 30.0) -> None:
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
+        if runs:
+            self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+
+    def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            return remaining
+
+        if not peer.lock.acquire(timeout=timeout):
+            raise TransferError(f"{what}: the connection stayed busy for {timeout:g} s")
+        try:
+            if peer.sock is None:
+                peer.sock = socket.create_connection((peer.host, peer.port), timeout=left())
+                peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = peer.sock
+            sock.settimeout(left())
+            sock.sendall(HEADER.pack(MAGIC, self.page_bytes, len(runs))
+                         + b"".join(RUN.pack(r.dst_start, r.length) for r in runs))
+            for r in runs:
+                sock.settimeout(left())
+                sock.sendall(self._source(r))
+            sock.settimeout(left())
+            status, length = ACK.unpack(_recv_exact(sock, ACK.size))
+            if status != 0:
+                raise TransferError(f"{what}: the peer refused: {_recv_exact(sock, length).decode()}")
+        except TransferError:
+            self._drop(peer)
+            raise
+        except TimeoutError:
+            self._drop(peer)
+            raise TransferError(f"{what}: no answer within {timeout:g} s") from None
+        except OSError as exc:  # refused, reset, closed: the peer is gone or restarting
+            self._drop(peer)
+            raise TransferError(f"{what}: {exc}") from None
+        finally:
+            peer.lock.release()
+
+    def _source(self, r: Run) -> memoryview:
+        a, b = r.src_start * self.page_bytes, (r.src_start + r.length) * self.page_bytes
+        if self._host_view is not None:
+            return self._host_view[a:b]
+        return memoryview(self._bytes[a:b].cpu().numpy())
+
+    @staticmethod
+    def _drop(peer: _Peer) -> None:
+        if peer.sock is not None:
+            peer.sock.close()
+            peer.sock = None
+
+    # ------------------------------------------------------------ receiving side
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # the listener was closed
+                return
+            if self._closed:
+                conn.close()
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                conn.settimeout(None)  # idle between messages is normal
+                head = conn.recv(HEADER.size, socket.MSG_WAITALL)
+                if len(head) < HEADER.size:
+                    return  # the sender closed the connection
+                conn.settimeout(RECV_TIMEOUT)
+                magic, page_bytes, count = HEADER.unpack(head)
+                if magic != MAGIC or count > self.num_pages:
+                    return  # not our protocol: drop it
+                runs = list(RUN.iter_unpack(_recv_exact(conn, count * RUN.size)))
+                error = self._check(page_bytes, runs)
+                if error:
+                    conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
+                    return
+                for dst, pages in runs:
+                    self._receive(conn, dst, pages)
+                conn.sendall(ACK.pack(0, 0))
+        except OSError:
+            return  # sender died or stalled; it reports its own error
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def _check(self, page_bytes: int, runs: list[tuple[int, int]]) -> str:
+        if page_bytes != self.page_bytes:
+            return f"pages of {page_bytes} bytes sent to a pool with pages of {self.page_bytes} bytes"
+        for dst, pages in runs:
+            if dst + pages > self.num_pages:
+                return f"destination pages {dst}..{dst + pages - 1} outside the pool ({self.num_pages} pages)"
+        return ""
+
+    def _receive(self, conn: socket.socket, dst: int, pages: int) -> None:
+        a, b = dst * self.page_bytes, (dst + pages) * self.page_bytes
+        if self._host_view is not None:
+            _recv_into(conn, self._host_view[a:b])
+            return
+        staging = torch.empty(b - a, dtype=torch.uint8)
+        _recv_into(conn, memoryview(staging.numpy()))
+        self._bytes[a:b].copy_(staging)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self._accepter.join(timeout=2)

@@ -1,0 +1,137 @@
+"""Both backends between two real processes: exact bytes, refusals, dead and stalled peers."""
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from pdserve.shared.transfer import TransferError, create_transfer
+from transfer_peer import PeerProcess, make_pool
+
+BACKENDS = ["nixl", "tcp"]
+
+
+def _name(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(backend):
+    peer = PeerProcess(backend, _name("decode"))
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def source(backend):
+    transfer = create_transfer(backend, _name("prefill"), make_pool(16, seed=2))
+    yield transfer
+    transfer.close()
+
+
+def test_scattered_pages_land_exactly_and_nothing_else_changes(source, target):
+    source.add_peer("decode", target.metadata)
+    source.add_peer("decode", target.metadata)  # idempotent
+    assert source.has_peer("decode")
+    src, dst = [3, 4, 5, 10, 0, 1, 15], [7, 8, 9, 20, 2, 3, 31]  # four runs, one ending at the last page
+    source.write_pages("decode", src, dst)
+    after = target.dump()
+    expected = target.initial.clone()
+    expected[dst] = source.pool[src]
+    assert torch.equal(after.view(torch.int16), expected.view(torch.int16))
+
+    source.pool[3] = 7.0  # the same connection carries the next request
+    source.write_pages("decode", [3], [0])
+    assert torch.equal(target.dump()[0], source.pool[3])
+
+
+def test_bad_pages_and_unknown_peers_are_refused(source, target):
+    source.add_peer("decode", target.metadata)
+    with pytest.raises(TransferError, match="outside the pool of decode"):
+        source.write_pages("decode", [0, 1], [31, 32])
+    with pytest.raises(TransferError, match="outside this pool"):
+        source.write_pages("decode", [16], [0])
+    with pytest.raises(TransferError, match="source pages but"):
+        source.write_pages("decode", [1, 2], [1])
+    with pytest.raises(TransferError, match="not registered"):
+        source.write_pages("elsewhere", [0], [0])
+    source.remove_peer("decode")
+    assert not source.has_peer("decode")
+    with pytest.raises(TransferError, match="not registered"):
+        source.write_pages("decode", [0], [0])
+
+
+def test_peer_with_other_page_bytes_or_backend_is_refused(source, backend):
+    other = create_transfer(backend, _name("decode"), make_pool(8, seed=3, page_shape=(2, 2, 8, 2, 16)))
+    try:
+        with pytest.raises(TransferError, match="pages of 2048 bytes, this worker 1024 bytes"):
+            source.add_peer("decode", other.metadata())
+    finally:
+        other.close()
+    foreign = "tcp" if backend == "nixl" else "nixl"
+    with pytest.raises(TransferError, match=f"uses transfer backend '{foreign}'"):
+        source.add_peer("decode", source.metadata().replace(backend.encode(), foreign.encode(), 1))
+    assert not source.has_peer("decode")
+
+
+def test_killed_peer_raises_within_the_timeout_and_a_restarted_one_works(source, backend):
+    name = _name("decode")
+    peer = PeerProcess(backend, name)
+    try:
+        source.add_peer(name, peer.metadata)
+        source.write_pages(name, [1, 2], [1, 2])
+        peer.signal(signal.SIGKILL)
+        peer.proc.join(5)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            source.write_pages(name, [1, 2], [1, 2], timeout=3.0)
+        assert time.monotonic() - t0 < 3.5
+    finally:
+        peer.stop()
+    peer = PeerProcess(backend, name, seed=4)  # same name, new address
+    try:
+        source.add_peer(name, peer.metadata)
+        source.write_pages(name, [5], [6])
+        assert torch.equal(peer.dump()[6], source.pool[5])
+    finally:
+        peer.stop()
+
+
+def test_stalled_peer_times_out_instead_of_hanging(source, target):
+    target.signal(signal.SIGSTOP)  # alive but never answers (nor polls)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            source.add_peer("stalled", target.metadata, timeout=1.0)
+        assert 0.9 < time.monotonic() - t0 < 2.0
+        assert not source.has_peer("stalled")
+    finally:
+        target.signal(signal.SIGCONT)
+    source.add_peer("stalled", target.metadata)  # once it runs again, it can be reached
+    source.write_pages("stalled", [9], [9])
+    assert torch.equal(target.dump()[9], source.pool[9])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pools_exchange_pages(backend):
+    """GPU pools: NIXL registers VRAM; TCP stages through host memory."""
+    source = create_transfer(backend, _name("prefill"), make_pool(16, seed=2).cuda())
+    peer = PeerProcess(backend, _name("decode"), device="cuda")
+    try:
+        source.add_peer("decode", peer.metadata)
+        src, dst = [0, 1, 2, 9, 12], [30, 31, 5, 6, 0]
+        source.write_pages("decode", src, dst)
+        expected = peer.initial.clone()
+        expected[dst] = source.pool[src].cpu()
+        assert torch.equal(peer.dump().view(torch.int16), expected.view(torch.int16))
+    finally:
+        peer.stop()
+        source.close()
