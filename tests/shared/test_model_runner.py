@@ -11,6 +11,9 @@ from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch
 
+# Triton runs on CUDA, or on CPU only through the interpreter (used when there is no GPU).
+CUDA = torch.cuda.is_available()
+BACKENDS = [("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton")] if CUDA else [("cpu", "torch"), ("cpu", "triton")]
 PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66], [1, 2, 3], [400, 401, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
@@ -22,8 +25,9 @@ def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()  # [len, V]
 
 
-def make_runner(model_dir, backend: str, page_size: int = 4) -> ModelRunner:
+def make_runner(model_dir, backend: str, device: str = "cpu", page_size: int = 4) -> ModelRunner:
     return ModelRunner(RuntimeConfig(model_path=str(model_dir), dtype="float32", attention_backend=backend,
+                                     device=device,
                                      cache=CacheConfig(page_size=page_size, max_total_tokens=page_size * 64)))
 
 
@@ -39,9 +43,9 @@ def make_reqs(runner: ModelRunner, prompts: list[list[int]]) -> list[Req]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backend):
-    runner = make_runner(tiny_models[arch], backend)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backend, device):
+    runner = make_runner(tiny_models[arch], backend, device)
     reqs = make_reqs(runner, PROMPTS)
     # Prefill all prompts in one batch; the last one in two chunks to exercise a cached prefix.
     split = 6
@@ -53,8 +57,8 @@ def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backen
     tail = runner.forward(Batch([last], is_decode=False, extend_lens=[len(last.input_ids) - split]))
     last.num_computed = len(last.input_ids)
     for i, req in enumerate(reqs[:-1]):
-        torch.testing.assert_close(logits[i], hf_logits(tiny_models[arch], req.input_ids)[-1], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(tail[0], hf_logits(tiny_models[arch], last.input_ids)[-1], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[i].cpu(), hf_logits(tiny_models[arch], req.input_ids)[-1], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(tail[0].cpu(), hf_logits(tiny_models[arch], last.input_ids)[-1], atol=2e-4, rtol=1e-4)
     # Three decode steps for every sequence at once.
     for step in range(3):
         for req in reqs:
@@ -62,4 +66,4 @@ def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backen
         out = runner.forward(Batch(reqs, is_decode=True, extend_lens=[1] * len(reqs)))
         for i, req in enumerate(reqs):
             req.num_computed += 1
-            torch.testing.assert_close(out[i], hf_logits(tiny_models[arch], req.fill_ids)[-1], atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(out[i].cpu(), hf_logits(tiny_models[arch], req.fill_ids)[-1], atol=2e-4, rtol=1e-4)

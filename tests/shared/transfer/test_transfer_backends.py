@@ -121,13 +121,14 @@ def test_stalled_peer_times_out_instead_of_hanging(source, target):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_pools_exchange_pages(backend):
-    """GPU pools: NIXL registers VRAM; TCP stages through host memory."""
-    source = create_transfer(backend, _name("prefill"), make_pool(16, seed=2).cuda())
-    peer = PeerProcess(backend, _name("decode"), device="cuda")
+@pytest.mark.parametrize("page_shape", [(2, 2, 4, 2, 16), (4, 2, 16, 8, 64)], ids=["1KiB-pages", "1MiB-pages"])
+def test_cuda_pools_exchange_pages(backend, page_shape):
+    """GPU pools: NIXL registers VRAM; TCP stages through host memory (runs of 1 MiB pages span several chunks)."""
+    source = create_transfer(backend, _name("prefill"), make_pool(16, seed=2, page_shape=page_shape).cuda())
+    peer = PeerProcess(backend, _name("decode"), device="cuda", page_shape=page_shape)
     try:
         source.add_peer("decode", peer.metadata)
-        src, dst = [0, 1, 2, 9, 12], [30, 31, 5, 6, 0]
+        src, dst = [0, 1, 2, 12] + list(range(3, 12)), [30, 31, 5, 0] + list(range(7, 16))  # last run: 9 pages
         source.write_pages("decode", src, dst)
         expected = peer.initial.clone()
         expected[dst] = source.pool[src].cpu()

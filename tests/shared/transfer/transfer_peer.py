@@ -19,11 +19,12 @@ def make_pool(num_pages: int, seed: int, page_shape: tuple[int, ...] = PAGE_SHAP
     return torch.randn((num_pages, *page_shape), generator=g).to(torch.bfloat16)
 
 
-def _serve(backend: str, name: str, num_pages: int, seed: int, device: str, conn) -> None:
+def _serve(backend: str, name: str, num_pages: int, seed: int, device: str, page_shape: tuple[int, ...],
+           conn) -> None:
     torch.set_num_threads(1)
     from pdserve.shared.transfer import create_transfer
 
-    transfer = create_transfer(backend, name, make_pool(num_pages, seed).to(device))
+    transfer = create_transfer(backend, name, make_pool(num_pages, seed, page_shape).to(device))
     conn.send(transfer.metadata())
     while True:
         if conn.poll(0.001):
@@ -37,12 +38,14 @@ def _serve(backend: str, name: str, num_pages: int, seed: int, device: str, conn
 
 
 class PeerProcess:
-    def __init__(self, backend: str, name: str, num_pages: int = 32, seed: int = 1, device: str = "cpu") -> None:
-        self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_serve, args=(backend, name, num_pages, seed, device, child),
-                                                    daemon=True)
+    def __init__(self, backend: str, name: str, num_pages: int = 32, seed: int = 1, device: str = "cpu",
+                 page_shape: tuple[int, ...] = PAGE_SHAPE) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(backend, name, num_pages, seed, device, page_shape, child),
+                                daemon=True)
         self.proc.start()
-        self.initial = make_pool(num_pages, seed)
+        self.initial = make_pool(num_pages, seed, page_shape)
         self.metadata: bytes = self._recv(60)
 
     def _recv(self, timeout: float):
