@@ -106,8 +106,11 @@ class CacheConfig:
 
     page_size: int = 16  # tokens per page
     max_total_tokens: int = 65536  # pool capacity in tokens (rounded down to whole pages)
+    mem_fraction: float | None = None  # if set: size the pool to this fraction of the memory free after loading
 
     def __post_init__(self) -> None:
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError(f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens < self.page_size:

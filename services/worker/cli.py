@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--context-length", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--page-size", type=int, default=cache.page_size, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=cache.max_total_tokens, help="KV pool capacity in tokens")
+    parser.add_argument("--mem-fraction", type=float, default=None,
+                        help="size the KV pool to this fraction of the memory free after loading the weights "
+                             "(overrides --max-total-tokens)")
     parser.add_argument("--max-running-requests", type=int, default=sched.max_running_requests)
     parser.add_argument("--max-prefill-tokens", type=int, default=sched.max_prefill_tokens,
                         help="new prompt tokens per prefill batch")
@@ -52,7 +55,8 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
     return RuntimeConfig(
         model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         context_length=args.context_length,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                          mem_fraction=args.mem_fraction),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy),

@@ -130,7 +130,10 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read weights from {path}: {exc}") from None
     return tensors

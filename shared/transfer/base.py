@@ -35,14 +35,15 @@ class Run(NamedTuple):
 
 def merge_runs(src_pages: list[int], dst_pages: list[int]) -> list[Run]:
     """Group (src, dst) page pairs into runs that are consecutive on both sides, in order."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    n = len(src_pages)
+    if n != len(dst_pages):
+        raise ValueError(f"{n} source pages but {len(dst_pages)} destination pages")
     runs: list[Run] = []
-    for s, d in zip(src_pages, dst_pages):
-        if runs and s == runs[-1].src_start + runs[-1].length and d == runs[-1].dst_start + runs[-1].length:
-            runs[-1] = runs[-1]._replace(length=runs[-1].length + 1)
-        else:
-            runs.append(Run(int(s), int(d), 1))
+    start = 0
+    for i in range(1, n + 1):  # close the current run at the end or where either side jumps
+        if i == n or src_pages[i] != src_pages[i - 1] + 1 or dst_pages[i] != dst_pages[i - 1] + 1:
+            runs.append(Run(int(src_pages[start]), int(dst_pages[start]), i - start))
+            start = i
     return runs
 
 

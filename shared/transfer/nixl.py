@@ -26,6 +26,7 @@ from pdserve.shared.transfer.base import KVTransfer, TransferError, b64, unb64
 log = logging.getLogger(__name__)
 
 WARMUP_BYTES = 64
+SPIN_S = 0.001  # poll a posted transfer without sleeping this long (GPU copies finish in ~0.1 ms)
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,13 @@ class NixlTransfer(KVTransfer):
                 remote_descs = self._agent.get_xfer_descs(remote, peer.mem)
                 handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer.nixl_name)
                 state = self._agent.transfer(handle)
-            spins = 0
+            spin_until = time.monotonic() + SPIN_S
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TransferError(f"{what}: no completion after {timeout:g} s (peer stalled or gone)")
-                # spin briefly (a KV write takes ~ms), then back off so the peer gets the CPU
-                spins += 1
-                time.sleep(0 if spins < 200 else 0.0002)
+                if now > spin_until:  # a long transfer: stop burning a core the peer may need
+                    time.sleep(0.0002)
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
             if state != "DONE":

@@ -12,7 +12,7 @@ Wire format, per message: HEADER (magic, page_bytes, number of runs), the runs a
 An empty message (no runs) is the liveness check `add_peer` uses.
 
 CPU pools are sent from and received into a byte view of the pool itself (no copies);
-CUDA pools are staged through host memory.
+CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
 RUN = struct.Struct("!QQ")  # dst_start page, number of pages
 ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
 RECV_TIMEOUT = 60.0  # a sender that stalls mid-message this long is dropped
+STAGING_BYTES = 8 << 20  # CUDA pools: pinned host chunk per connection end
 
 
 @dataclass
@@ -42,6 +43,7 @@ class _Peer:
     metadata: bytes
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
+    staging: torch.Tensor | None = None  # CUDA pools only
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -140,8 +142,9 @@ class TcpTransfer(KVTransfer):
             sock.sendall(HEADER.pack(MAGIC, self.page_bytes, len(runs))
                          + b"".join(RUN.pack(r.dst_start, r.length) for r in runs))
             for r in runs:
-                sock.settimeout(left())
-                sock.sendall(self._source(r))
+                for chunk in self._chunks(r.src_start, r.length, peer):
+                    sock.settimeout(left())
+                    sock.sendall(chunk)
             sock.settimeout(left())
             status, length = ACK.unpack(_recv_exact(sock, ACK.size))
             if status != 0:
@@ -158,11 +161,18 @@ class TcpTransfer(KVTransfer):
         finally:
             peer.lock.release()
 
-    def _source(self, r: Run) -> memoryview:
-        a, b = r.src_start * self.page_bytes, (r.src_start + r.length) * self.page_bytes
+    def _chunks(self, first: int, pages: int, peer: _Peer):
+        """The bytes of pages [first, first + pages): one view of the pool, or staged host chunks."""
+        a, b = first * self.page_bytes, (first + pages) * self.page_bytes
         if self._host_view is not None:
-            return self._host_view[a:b]
-        return memoryview(self._bytes[a:b].cpu().numpy())
+            yield self._host_view[a:b]
+            return
+        if peer.staging is None:
+            peer.staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        for lo in range(a, b, STAGING_BYTES):
+            n = min(STAGING_BYTES, b - lo)
+            peer.staging[:n].copy_(self._bytes[lo:lo + n])
+            yield memoryview(peer.staging.numpy())[:n]
 
     @staticmethod
     def _drop(peer: _Peer) -> None:
@@ -186,6 +196,7 @@ class TcpTransfer(KVTransfer):
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        staging = None
         try:
             while True:
                 conn.settimeout(None)  # idle between messages is normal
@@ -201,8 +212,10 @@ class TcpTransfer(KVTransfer):
                 if error:
                     conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
                     return
+                if self._host_view is None and staging is None:
+                    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
                 for dst, pages in runs:
-                    self._receive(conn, dst, pages)
+                    self._receive(conn, dst, pages, staging)
                 conn.sendall(ACK.pack(0, 0))
         except OSError:
             return  # sender died or stalled; it reports its own error
@@ -218,14 +231,15 @@ class TcpTransfer(KVTransfer):
                 return f"destination pages {dst}..{dst + pages - 1} outside the pool ({self.num_pages} pages)"
         return ""
 
-    def _receive(self, conn: socket.socket, dst: int, pages: int) -> None:
+    def _receive(self, conn: socket.socket, dst: int, pages: int, staging: torch.Tensor | None) -> None:
         a, b = dst * self.page_bytes, (dst + pages) * self.page_bytes
-        if self._host_view is not None:
+        if staging is None:
             _recv_into(conn, self._host_view[a:b])
             return
-        staging = torch.empty(b - a, dtype=torch.uint8)
-        _recv_into(conn, memoryview(staging.numpy()))
-        self._bytes[a:b].copy_(staging)
+        for lo in range(a, b, STAGING_BYTES):
+            n = min(STAGING_BYTES, b - lo)
+            _recv_into(conn, memoryview(staging.numpy())[:n])
+            self._bytes[lo:lo + n].copy_(staging[:n])
 
     def close(self) -> None:
         if self._closed:

@@ -67,3 +67,26 @@ def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backen
         for i, req in enumerate(reqs):
             req.num_computed += 1
             torch.testing.assert_close(out[i].cpu(), hf_logits(tiny_models[arch], req.fill_ids)[-1], atol=2e-4, rtol=1e-4)
+
+
+def test_mem_fraction_sizes_the_pool_from_free_memory(tiny_models):
+    from pdserve.shared.model_runner import free_memory_bytes
+
+    runner = ModelRunner(RuntimeConfig(model_path=str(tiny_models["llama"]), dtype="float32",
+                                       cache=CacheConfig(page_size=16, mem_fraction=0.001)))
+    page_bytes = runner.pool.layout.page_bytes
+    expected = free_memory_bytes(runner.device) * 0.001 / page_bytes
+    assert 0.8 * expected <= runner.pool.num_pages <= 1.2 * expected
+    assert runner.pool.buffer.shape[0] == runner.pool.num_pages
+
+
+def test_sharded_checkpoints_load(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded, single = make_runner(tmp_path, "torch"), make_runner(tiny_models["qwen2"], "torch")
+    for a, b in zip(sharded.model.layers, single.model.layers):
+        assert torch.equal(a.qkv, b.qkv) and torch.equal(a.qkv_bias, b.qkv_bias) and torch.equal(a.down, b.down)
+    assert torch.equal(sharded.model.lm_head, single.model.lm_head)
