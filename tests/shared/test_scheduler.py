@@ -288,3 +288,16 @@ def test_prefill_role_transfer_failure_fails_the_request_and_frees_pages():
         fut.result(timeout=1)
     assert engine.scheduler.check_integrity().held == 0
     assert_integrity(engine)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 0),
+                                         ("top_k", -5), ("min_p", 2.0)])
+def test_invalid_sampling_params_are_refused_naming_the_field_and_nothing_is_queued(field, value):
+    from pdserve.shared.sampling_params import InvalidParam
+
+    engine = make_engine()
+    with pytest.raises(InvalidParam) as err:
+        engine.add_request(make_req("bad", [1, 2, 3], {}, **{field: value}))
+    assert err.value.field == field and field in str(err.value)
+    assert not engine.has_work()
+    assert engine.scheduler.check_integrity().free == engine.allocator.num_pages
