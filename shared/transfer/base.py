@@ -106,7 +106,8 @@ class KVTransfer(ABC):
         """Decode a peer's metadata and check that its pool can take our pages."""
         try:
             md = json.loads(metadata)
-            backend, page_bytes, num_pages = md["backend"], int(md["page_bytes"]), int(md["num_pages"])
+            backend, page_bytes = md["backend"], int(md["page_bytes"])
+            md["num_pages"] = int(md["num_pages"])
         except (ValueError, TypeError, KeyError) as exc:
             raise TransferError(f"peer {peer_name}: unreadable transfer metadata ({exc})") from None
         if backend != self.name:

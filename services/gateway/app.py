@@ -1,0 +1,85 @@
+"""The gateway's aiohttp application: routes, middlewares, and the worker pool's lifecycle.
+
+Middlewares, outermost first: request counting (sees every final status), error mapping (every exception
+becomes an OpenAI-shaped error), API key check. The worker pool starts with the app and stops with it.
+Handlers are cancelled when their client disconnects (see `run`), which cancels the gRPC calls they hold
+and so aborts the requests on the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from pdserve.services.gateway import jobs_proxy, native_api, openai_api
+from pdserve.services.gateway.context import GATEWAY, Gateway
+from pdserve.services.gateway.errors import ApiError, error_middleware
+
+log = logging.getLogger("pdserve.gateway")
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key (orchestrators probe it)
+
+
+def _route_name(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler):
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        status = 499  # the client went away before the answer was complete
+        raise
+    finally:
+        request.app[GATEWAY].backend.metrics.requests.labels(_route_name(request), str(status)).inc()
+
+
+@web.middleware
+async def check_api_key(request: web.Request, handler):
+    key = request.app[GATEWAY].api_key
+    if key and request.path not in OPEN_PATHS:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.")
+    return await handler(request)
+
+
+def create_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[count_requests, error_middleware, check_api_key],
+                          client_max_size=64 << 20)
+    app[GATEWAY] = gateway
+    openai_api.add_routes(app)
+    native_api.add_routes(app)
+    jobs_proxy.add_routes(app)
+
+    async def pool_lifecycle(app: web.Application):
+        await gateway.backend.pool.start()
+        yield
+        await gateway.backend.pool.close()
+
+    app.cleanup_ctx.append(pool_lifecycle)
+    return app
+
+
+async def serve(app: web.Application, host: str, port: int, stop) -> None:
+    """Serve until `stop` (an asyncio.Event) is set."""
+    # handler_cancellation: a client that disconnects cancels its handler, and with it the worker request.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("gateway listening on http://%s:%d", host, port)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,109 @@
+"""`pdserve gateway`: the HTTP front end (OpenAI-compatible and native APIs) over runtime workers."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from pdserve.services.gateway.reasoning import PARSERS
+from pdserve.services.gateway.router import POLICIES
+
+log = logging.getLogger("pdserve.gateway")
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--model-path", default=None,
+                        help="HF directory or .gguf file; its tokenizer and chat template are used "
+                             "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: --model-path)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port")
+    parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                        help="colocated worker (repeatable; a DNS name may resolve to several)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                        help="prefill worker (repeatable; a DNS name may resolve to several)")
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                        help="decode worker (repeatable; a DNS name may resolve to several)")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: $PDSERVE_API_KEY)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="refuse requests (503) beyond this many waiting for a place on the workers")
+    parser.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead "
+                        "of the model's")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
+                        help="split <think> reasoning into message.reasoning_content")
+    parser.add_argument("--enable-cache-report", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens in every response")
+    parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
+    parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
+    parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker checks")
+    parser.add_argument("--log-level", default="info")
+
+
+def main(args: argparse.Namespace, command: str) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        print("error: --max-queued-requests must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        app = build(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(app, args))
+
+
+def build(args: argparse.Namespace):
+    """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts)."""
+    from pdserve.services.gateway.app import create_app
+    from pdserve.services.gateway.backend import Backend, BackendSettings
+    from pdserve.services.gateway.context import Gateway
+    from pdserve.services.gateway.metrics import GatewayMetrics
+    from pdserve.services.gateway.router import Router
+    from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
+    from pdserve.services.gateway.workers import HealthSettings, WorkerPool
+    from pdserve.shared.model_files import DEFAULT_MODEL_NAME, resolve_model_path
+
+    model_dir = resolve_model_path(args.model_path, quiet=True)
+    given = args.model_path if args.model_path not in (None, "", "default") else DEFAULT_MODEL_NAME
+    tokenizer_dir = args.tokenizer_path or str(model_dir)
+    tokenizer = ModelTokenizer(tokenizer_dir, args.chat_template)
+    config = read_model_config(model_dir)
+    pool = WorkerPool({"colocated": args.worker, "prefill": args.prefill, "decode": args.decode},
+                      HealthSettings(interval_s=args.health_check_interval))
+    backend = Backend(tokenizer, pool, Router(pool, args.routing_policy), GatewayMetrics(),
+                      BackendSettings(max_queued_requests=args.max_queued_requests),
+                      default_context_length=config.max_position_embeddings)
+    served = args.served_model_name or given
+    names = {served, given, str(model_dir), model_dir.name}
+    if given == DEFAULT_MODEL_NAME:
+        names.add("default")
+    public_args = {**{k: v for k, v in vars(args).items() if k not in ("api_key", "command")},
+                   "model_path": given, "tokenizer_path": args.tokenizer_path or given, "served_model_name": served,
+                   "api_key_required": bool(args.api_key)}
+    gateway = Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
+                      tokenizer_path=args.tokenizer_path or given, model_config=config,
+                      reasoning_parser=args.reasoning_parser, enable_cache_report=args.enable_cache_report,
+                      api_key=args.api_key or None, jobs_url=args.jobs_url, server_args=public_args,
+                      accepted_model_names=frozenset(names))
+    return create_app(gateway)
+
+
+async def _serve(app, args: argparse.Namespace) -> int:
+    from pdserve.services.gateway.app import serve
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await serve(app, args.host, args.port, stop)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d (%s); pass --port", args.host, args.port, exc)
+        return 1
+    return 0

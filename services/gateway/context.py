@@ -1,0 +1,120 @@
+"""The gateway's read-only state that every handler shares, and the request checks they have in common.
+
+Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from pdserve.services.gateway.backend import Backend
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
+from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+
+
+@dataclass
+class Gateway:
+    backend: Backend
+    tokenizer: ModelTokenizer
+    served_model_name: str
+    model_path: str  # as given (reported by /get_model_info)
+    tokenizer_path: str
+    model_config: ModelConfigInfo
+    reasoning_parser: str | None = None
+    enable_cache_report: bool = False
+    api_key: str | None = None
+    jobs_url: str | None = None
+    server_args: dict = field(default_factory=dict)  # for /get_server_info (never the API key)
+    accepted_model_names: frozenset[str] = frozenset()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this gateway does not serve (no name means the served model)."""
+        if name is None or name in self.accepted_model_names:
+            return
+        if ":" in name and name.split(":", 1)[0] in self.accepted_model_names:
+            raise ApiError(400, f"LoRA adapters are not supported yet (model {name!r}).", "model")
+        raise ApiError(404, f"The model {name!r} does not exist; this server serves {self.served_model_name!r}.",
+                       "model")
+
+    def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of one prompt, given as text or ids; checked against the vocabulary and the context."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"Token id {bad} in {param!r} is outside the vocabulary "
+                                    f"(size {self.tokenizer.vocab_size}).", param)
+        self.check_length(ids, param)
+        return ids
+
+    def check_length(self, ids: list[int], param: str) -> None:
+        limit = self.backend.context_length()
+        if not ids:
+            raise ApiError(400, f"The prompt ({param!r}) is empty.", param)
+        if len(ids) >= limit:
+            raise ApiError(400, f"The prompt ({param!r}) has {len(ids)} tokens, which is not shorter than the model's context "
+                                f"length of {limit} tokens.", param)
+
+    def build_params(self, values: dict, names: dict[str, str], prefix: str = "") -> SamplingParams:
+        """SamplingParams from API values; a bad value is a 400 naming the field as the API calls it."""
+        try:
+            params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
+            params.validate(self.tokenizer.vocab_size)
+        except InvalidParam as exc:
+            message = str(exc)
+            for internal, external in names.items():  # speak the API's field names, not the runtime's
+                message = message.replace(internal, external)
+            name = prefix + names.get(exc.field, exc.field)
+            raise ApiError(400, f"Invalid value for {name!r}: {message}", name) from None
+        return params
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class SSE:
+    """A Server-Sent Events response: `data: <json>` events, then `data: [DONE]`.
+
+    Headers go out with the first event, so a request that fails before producing anything (no worker,
+    worker refused it) still gets a plain HTTP error status.
+    """
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @property
+    def started(self) -> bool:
+        return self.response.prepared
+
+    async def send(self, obj: dict) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def fail(self, exc: ApiError) -> web.StreamResponse:
+        """End the stream with an error event; before anything was sent, answer with the error status instead."""
+        if not self.started:
+            raise exc
+        await self.send({"error": exc.body()})
+        return await self.done()
+
+    async def done(self) -> web.StreamResponse:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response

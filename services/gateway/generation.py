@@ -1,0 +1,305 @@
+"""One generation: a tokenized prompt sent to a worker pair, its output handed out as per-choice updates.
+
+Lifecycle: route -> Generate stream -> for each token of each choice: detokenize, match stop strings ->
+`Update`s -> every choice finished. The gRPC call is cancelled, which aborts the request on the worker,
+when every choice has ended on the gateway's side (a stop string), when the consumer stops reading (the
+client went away), or when a worker of the pair is taken out. A failure before anything was handed out
+is retried on another pair; after that it ends the generation with a 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.metrics import TokenTimer
+from pdserve.services.gateway.stops import StopMatcher
+from pdserve.services.gateway.tokenization import Detokenizer
+from pdserve.shared.sampling_params import SamplingParams, to_proto
+
+if TYPE_CHECKING:
+    from pdserve.services.gateway.backend import Backend
+    from pdserve.services.gateway.router import Pair
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class Job:
+    """What to generate for one prompt."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stops: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class Update:
+    """New output of one choice. `text` may be empty while text is held back (stop strings, partial UTF-8)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None  # stop token id or stop string
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for responses that are not streamed."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+    def add(self, u: Update) -> None:
+        self.text += u.text
+        self.token_ids += u.token_ids
+        self.logprobs += u.logprobs
+        if u.finish_reason is not None:
+            self.finish_reason, self.matched_stop = u.finish_reason, u.matched_stop
+
+
+class WorkerFailure(Exception):
+    """The pair failed this attempt (worker down, stream broken, no progress)."""
+
+
+class Restart:
+    """Handed out by `Generation.run(restartable=True)` before a retry: forget what came before."""
+
+
+class _Choice:
+    def __init__(self, gen: Generation) -> None:
+        job = gen.job
+        self.detok = Detokenizer(gen.backend.tokenizer, job.skip_special_tokens)
+        self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
+        self.finished = False
+        self.tokens = 0  # completion tokens, counted up to the one that ended the choice
+
+
+class Generation:
+    def __init__(self, backend: Backend, job: Job) -> None:
+        self.backend = backend
+        self.job = job
+        self.start = time.perf_counter()
+        self.prompt_tokens = len(job.input_ids)
+        self.cached_tokens = 0
+        self.choices: list[_Choice] = []
+        self.pair: Pair | None = None
+        self._call = None
+        self._failure: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    @property
+    def e2e_latency(self) -> float:
+        return time.perf_counter() - self.start
+
+    # ------------------------------------------------------------ consumers
+    async def updates(self) -> AsyncIterator[Update]:
+        """Streaming: updates as they come; retried only while nothing was handed out."""
+        # Each layer closes the one below at once, so the gRPC call is cancelled as soon as the consumer stops.
+        async with contextlib.aclosing(self.run(restartable=False)) as updates:
+            async for u in updates:
+                yield u
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Not streaming: every choice complete (a failed attempt may be retried from scratch)."""
+        results = [ChoiceResult(i) for i in range(self.job.params.n)]
+        async with contextlib.aclosing(self.run(restartable=True)) as updates:
+            async for u in updates:
+                if isinstance(u, Restart):
+                    results = [ChoiceResult(i) for i in range(self.job.params.n)]
+                else:
+                    results[u.index].add(u)
+        return results
+
+    async def run(self, restartable: bool) -> AsyncIterator[Update | Restart]:
+        settings = self.backend.settings
+        excluded: set[str] = set()
+        handed_out = False
+        for attempt in range(1, settings.max_attempts + 1):
+            pair = self.backend.route(self.job.input_ids, frozenset(excluded))
+            try:
+                async with contextlib.aclosing(self._attempt(pair)) as updates:
+                    async for u in updates:
+                        handed_out = handed_out or bool(u.token_ids)
+                        yield u
+                return
+            except WorkerFailure as exc:
+                reason = str(exc)
+                down = await self.backend.probe_pair(pair)
+                retry = attempt < settings.max_attempts and bool(down) and (restartable or not handed_out)
+                log.warning("request %s failed on %s: %s%s", self.job.rid, _names(pair), reason,
+                            "; retrying on another worker" if retry else "")
+                if not retry:
+                    raise ApiError(503, f"The request failed on the workers: {reason}") from None
+                excluded |= down
+                self.backend.metrics.retries.inc()
+                if handed_out:
+                    yield Restart()
+                    handed_out = False
+
+    # ------------------------------------------------------------ one attempt on one pair
+    async def _attempt(self, pair: Pair) -> AsyncIterator[Update]:
+        job, settings = self.job, self.backend.settings
+        self.pair, self._failure = pair, None
+        self.choices = [_Choice(self) for _ in range(job.params.n)]
+        timer = TokenTimer(self.backend.metrics, self.start)
+        request = pb.GenerateRequest(rid=job.rid, input_ids=job.input_ids, sampling=to_proto(job.params),
+                                     prefill_addr=pair.prefill.address if pair.prefill is not None else "")
+        call = self._call = pair.generate.stub.Generate(request)
+        for w in pair.workers:
+            w.in_flight += 1
+            w.on_out.add(self._fail)
+        first = True
+        try:
+            while not all(c.finished for c in self.choices):
+                try:
+                    async with asyncio.timeout(settings.first_output_timeout_s if first
+                                               else settings.stall_timeout_s):
+                        msg = await call.read()
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self._failure is not None and task is not None and not task.cancelling():
+                        raise WorkerFailure(self._failure) from None
+                    raise
+                except TimeoutError:
+                    raise WorkerFailure("no output from the worker in time") from None
+                except grpc.aio.AioRpcError as exc:
+                    raise self._map_rpc_error(exc) from None
+                if msg is grpc.aio.EOF:
+                    raise WorkerFailure("the worker closed the stream before every choice finished")
+                if first:
+                    self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, \
+                        msg.cached_tokens
+                    first = False
+                for delta in msg.choices:
+                    timer.tokens(len(delta.token_ids))
+                    update = self._on_delta(delta)
+                    if update is not None:
+                        yield update
+        finally:
+            for w in pair.workers:
+                w.in_flight -= 1
+                w.on_out.discard(self._fail)
+            if not call.done():
+                call.cancel()  # aborts the request on the worker, freeing its pages
+            self._call = None
+
+    def _fail(self, reason: str) -> None:
+        """A worker of the pair was taken out: end this attempt now."""
+        self._failure = reason
+        if self._call is not None:
+            self._call.cancel()
+
+    def _map_rpc_error(self, exc: grpc.aio.AioRpcError) -> Exception:
+        code, details = exc.code(), exc.details() or exc.code().name
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ApiError(400, details)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ApiError(503, f"The workers are out of capacity: {details}")
+        if code == grpc.StatusCode.CANCELLED and self._failure is not None:
+            return WorkerFailure(self._failure)
+        return WorkerFailure(details)
+
+    # ------------------------------------------------------------ output of one choice
+    def _on_delta(self, delta: pb.ChoiceDelta) -> Update | None:
+        if not 0 <= delta.index < len(self.choices):
+            return None
+        choice = self.choices[delta.index]
+        if choice.finished:
+            return None  # the gateway already ended this choice (stop string); the worker has not yet
+        update = Update(delta.index)
+        ids = list(delta.token_ids)
+        stop_token = delta.matched_stop_token if delta.finish_reason == "stop" else -1
+        for i, token in enumerate(ids):
+            choice.tokens += 1
+            update.token_ids.append(token)
+            if i < len(delta.logprobs):
+                top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else None
+                update.logprobs.append(TokenLogprob(token, delta.logprobs[i], list(zip(
+                    top.token_ids, top.logprobs)) if top is not None else []))
+            if i == len(ids) - 1 and token == stop_token and stop_token >= 0:
+                break  # the stop token itself is never shown
+            result = choice.stops.push(choice.detok.push([token]))
+            update.text += result.text
+            if result.matched is not None:
+                choice.finished = True
+                update.finish_reason, update.matched_stop = "stop", result.matched
+                return update
+        if delta.finish_reason:
+            result = choice.stops.push(choice.detok.flush())
+            update.text += result.text
+            choice.finished = True
+            if result.matched is not None:
+                update.finish_reason, update.matched_stop = "stop", result.matched
+            else:
+                update.text += choice.stops.flush()
+                update.finish_reason = delta.finish_reason
+                update.matched_stop = stop_token if stop_token >= 0 else None
+        if not update.token_ids and not update.text and update.finish_reason is None:
+            return None
+        return update
+
+
+def _names(pair: Pair) -> str:
+    return " + ".join(f"{w.role} {w.address}" for w in pair.workers)
+
+
+async def merge_updates(gens: list[Generation]) -> AsyncIterator[tuple[int, Update]]:
+    """Updates of several generations as they come, tagged with the generation's position."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].updates()) as updates:
+            async for u in updates:
+                yield 0, u
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, gen: Generation) -> None:
+        try:
+            async with contextlib.aclosing(gen.updates()) as updates:
+                async for u in updates:
+                    queue.put_nowait((k, u))
+            queue.put_nowait((k, None))
+        except Exception as exc:  # handed to the consumer, which stops everything
+            queue.put_nowait((k, exc))
+
+    tasks = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            k, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

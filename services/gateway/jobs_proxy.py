@@ -1,0 +1,57 @@
+"""/v1/files* and /v1/batches*: forwarded as they are to the jobs service (`--jobs-url`).
+
+Bodies stream through in both directions (file uploads and downloads may be large); the client's
+Authorization header goes along, so the jobs service sees the same API key. Its answers, errors included,
+come back unchanged.
+"""
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.services.gateway.context import GATEWAY
+from pdserve.services.gateway.errors import ApiError
+
+JOBS_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("jobs_session", aiohttp.ClientSession)
+FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Beta", "Idempotency-Key")
+FORWARDED_REPLY_HEADERS = ("Content-Type", "Content-Disposition")
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    if not gw.jobs_url:
+        raise ApiError(404, "Files and Batches need the jobs service: start the gateway with --jobs-url.")
+    session = request.app[JOBS_SESSION]
+    url = gw.jobs_url.rstrip("/") + request.rel_url.path_qs
+    headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
+    data = request.content if request.body_exists else None
+    reply: web.StreamResponse | None = None
+    try:
+        async with session.request(request.method, url, headers=headers, data=data) as upstream:
+            reply = web.StreamResponse(status=upstream.status, headers={
+                h: upstream.headers[h] for h in FORWARDED_REPLY_HEADERS if h in upstream.headers})
+            if upstream.content_length is not None:
+                reply.content_length = upstream.content_length
+            await reply.prepare(request)
+            async for chunk in upstream.content.iter_chunked(1 << 16):
+                await reply.write(chunk)
+            await reply.write_eof()
+            return reply
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        if reply is not None and reply.prepared:  # too late for an error status: cut the reply short
+            raise ConnectionResetError(f"the jobs service failed mid-reply: {exc}") from None
+        raise ApiError(503, f"The jobs service at {gw.jobs_url} is unreachable: {exc}") from None
+
+
+async def open_session(app: web.Application):
+    app[JOBS_SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10,
+                                                                            sock_read=600))
+    yield
+    await app[JOBS_SESSION].close()
+
+
+def add_routes(app: web.Application) -> None:
+    for prefix in ("/v1/files", "/v1/batches"):
+        app.router.add_route("*", prefix, forward)
+        app.router.add_route("*", prefix + "/{tail:.*}", forward)
+    app.cleanup_ctx.append(open_session)

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the gateway, on a registry of its own (served at /metrics).
+
+Request counts by route and status come from a middleware; latencies and token counts from each
+generation as it streams. Gauges of queue length and worker health are refreshed when scraped.
+"""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_gateway_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_gateway_inter_token_latency_seconds", "time between two output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_gateway_e2e_request_latency_seconds", "request latency, first byte in to "
+                             "last token out", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "prompt tokens sent to workers", registry=r)
+        self.cached_tokens = Counter("pdserve_gateway_cached_tokens", "prompt tokens served from prefix caches",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_gateway_generation_tokens", "tokens generated", registry=r)
+        self.running = Gauge("pdserve_gateway_running_requests", "generations in flight", registry=r)
+        self.queued = Gauge("pdserve_gateway_queued_requests", "generations beyond what the workers run at once",
+                            registry=r)
+        self.workers_healthy = Gauge("pdserve_gateway_worker_healthy", "1 if the worker is in rotation",
+                                     ["role", "address"], registry=r)
+        self.retries = Counter("pdserve_gateway_retries", "generations retried on another worker", registry=r)
+
+    def render(self) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class TokenTimer:
+    """TTFT and inter-token latency of one generation, fed one worker message at a time."""
+
+    def __init__(self, metrics: GatewayMetrics, start: float) -> None:
+        self.metrics = metrics
+        self.start = start
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        self.metrics.generation_tokens.inc(n)
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            gap = (now - self.last) / n  # several tokens in one message share the gap
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last = now

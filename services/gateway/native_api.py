@@ -1,0 +1,255 @@
+"""SGLang's native endpoints: /generate, model and server info, health, cache, tokenizer, abort, metrics."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiohttp import web
+
+from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.errors import ApiError, read_json, unsupported
+from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
+from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
+                                               DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
+                                               parse, refuse_unsupported)
+from pdserve.shared.sampling_params import SamplingParams
+
+NATIVE_NAMES = {"seed": "sampling_seed", "top_logprobs_num": "top_logprobs_num", "return_logprob": "return_logprob"}
+UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
+    "lora_path", "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
+    "custom_logit_processor")}
+VERSION = "0.1.0"
+
+
+# ---------------------------------------------------------------- /generate
+def _per_prompt(value, count: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ApiError(400, f"'{name}' has {len(value)} entries for {count} prompts.", name)
+        return value
+    return [value] * count
+
+
+def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool]]:
+    prompts, batch = req.prompts()
+    count = len(prompts)
+    sps = _per_prompt(req.sampling_params or {}, count, "sampling_params")
+    logprob_flags = [bool(x) for x in _per_prompt(req.return_logprob, count, "return_logprob")]
+    tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len")
+    rids = _per_prompt(req.rid, count, "rid") if req.rid is not None else None
+    if rids is not None and batch and len(set(rids)) != len(rids):
+        raise ApiError(400, "'rid' must be different for every prompt.", "rid")
+    base = new_id()
+    jobs = []
+    for k, prompt in enumerate(prompts):
+        prefix = f"sampling_params.{k}." if isinstance(req.sampling_params, list) else "sampling_params."
+        refuse_unsupported(sps[k], UNSUPPORTED_NATIVE_SAMPLING, prefix)
+        sp = parse(NativeSampling, sps[k], prefix.rstrip("."))
+        if starts[k] is not None and starts[k] >= 0 and logprob_flags[k]:
+            raise unsupported("logprob_start_len", "Prompt logprobs (logprob_start_len >= 0)")
+        param = f"text.{k}" if batch and req.text is not None else ("input_ids" if req.text is None else "text")
+        ids = gw.prompt_ids(prompt, param)
+        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else gw.backend.context_length() - len(ids)
+        values = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                      frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                      repetition_penalty=sp.repetition_penalty, max_new_tokens=max_new,
+                      min_new_tokens=sp.min_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()),
+                      ignore_eos=sp.ignore_eos, seed=sp.sampling_seed, n=sp.n, return_logprob=logprob_flags[k],
+                      top_logprobs_num=tops[k] if logprob_flags[k] else 0)
+        params = gw.build_params(values, NATIVE_NAMES, prefix)
+        rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
+        jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim))
+    return jobs, batch, logprob_flags
+
+
+def _finish(r: ChoiceResult, tokens: int) -> dict | None:
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "length":
+        return {"type": "length", "length": tokens}
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    return {"type": "abort", "message": "The request was aborted."}
+
+
+def _logprob_meta(gw: Gateway, lps: list[TokenLogprob], with_text: bool, top: bool) -> dict:
+    def entry(token_id: int, lp: float) -> list:
+        return [lp, token_id, gw.tokenizer.token_text(token_id) if with_text else None]
+
+    meta = {"output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps]}
+    if top:
+        meta["output_top_logprobs"] = [[entry(t, v) for t, v in lp.top] for lp in lps]
+    return meta
+
+
+def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: ChoiceResult, logprob: bool) -> dict:
+    tokens = len(r.token_ids)
+    meta = {"id": job.rid, "finish_reason": _finish(r, tokens), "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": tokens, "cached_tokens": gen.cached_tokens,
+            "e2e_latency": round(gen.e2e_latency, 6)}
+    if logprob:
+        meta.update(_logprob_meta(gw, r.logprobs, req.return_text_in_logprobs, job.params.top_logprobs_num > 0))
+    return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    body = await read_json(request)
+    refuse_unsupported(body, UNSUPPORTED_GENERATE)
+    req = parse(GenerateRequest, body)
+    gw.check_model(req.model)
+    jobs, batch, logprob_flags = _jobs(gw, req)
+    with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
+        gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]
+        if req.stream:
+            return await _stream_generate(request, gw, req, jobs, gens, logprob_flags)
+        results = await asyncio.gather(*(g.collect() for g in gens))
+    outputs = [_output(gw, req, job, gen, r, flag)
+               for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) for r in rs]
+    single = not batch and len(outputs) == 1
+    return web.json_response(outputs[0] if single else outputs)
+
+
+async def _stream_generate(request: web.Request, gw: Gateway, req: GenerateRequest, jobs: list[Job],
+                           gens: list[Generation], logprob_flags: list[bool]) -> web.StreamResponse:
+    sse = SSE(request)
+    so_far = {(k, i): ChoiceResult(i) for k, job in enumerate(jobs) for i in range(job.params.n)}
+    indexed = len(so_far) > 1
+    try:
+        async for k, u in merge_updates(gens):
+            acc = so_far[(k, u.index)]
+            acc.add(u)
+            out = _output(gw, req, jobs[k], gens[k], acc, logprob_flags[k])
+            if indexed:
+                out["index"] = k * jobs[k].params.n + u.index
+            await sse.send(out)
+    except ApiError as exc:
+        return await sse.fail(exc)
+    return await sse.done()
+
+
+# ---------------------------------------------------------------- info and health
+async def get_model_info(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.json_response({
+        "model_path": gw.model_path, "is_generation": True, "tokenizer_path": gw.tokenizer_path,
+        "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+        "has_audio_understanding": False, "model_type": gw.model_config.model_type,
+        "architectures": gw.model_config.architectures or None})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    backend = gw.backend
+    workers = sorted(backend.pool.workers.values(), key=lambda w: (w.role, w.address))
+    generating = [w for w in workers if w.role == backend.pool.generate_role and w.info is not None]
+    return web.json_response({
+        **gw.server_args, "version": VERSION, "mode": backend.pool.mode,
+        "context_length": backend.context_length(),
+        "max_total_num_tokens": sum(w.info.max_total_tokens for w in generating),
+        "internal_states": [{"running_requests": backend.in_flight, "queued_requests": backend.queued}],
+        "workers": [w.describe() for w in workers]})
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    if not gw.backend.pool.has_healthy_pair():
+        raise ApiError(503, "No healthy worker is available.")
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Generate one token through a real worker pair."""
+    gw = request.app[GATEWAY]
+    ids = gw.tokenizer.encode("Hello", add_special_tokens=True)
+    job = Job(f"health-{new_id()}", ids, SamplingParams(temperature=0.0, max_new_tokens=1))
+    try:
+        with gw.backend.generation(job) as gen:
+            results = await asyncio.wait_for(gen.collect(), timeout=30)
+    except asyncio.TimeoutError:
+        raise ApiError(503, "The workers did not generate a token within 30 s.") from None
+    except ApiError as exc:
+        raise ApiError(503, f"Generation health check failed: {exc.message}") from None
+    if not results or not results[0].token_ids:
+        raise ApiError(503, "Generation health check produced no token.")
+    return web.Response(text="")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    results = await gw.backend.flush_cache()
+    failed = [f"{addr}: {msg}" for addr, ok, msg in results if not ok]
+    if not results:
+        raise ApiError(503, "No worker to flush.")
+    if failed:
+        raise ApiError(400, "Cache not flushed on every worker (it is not flushed while requests are running): "
+                       + "; ".join(failed))
+    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                             "or waiting requests, the operation will not be performed.)\n")
+
+
+# ---------------------------------------------------------------- tokenizer
+async def tokenize(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    req = parse(TokenizeRequest, await read_json(request))
+    gw.check_model(req.model)
+    encode = gw.tokenizer.encode
+    limit = gw.backend.context_length()
+    if isinstance(req.prompt, str):
+        tokens = encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
+    lists = [encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
+    return web.json_response({"tokens": lists, "count": [len(t) for t in lists], "max_model_len": limit})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    req = parse(DetokenizeRequest, await read_json(request))
+    gw.check_model(req.model)
+    tok = gw.tokenizer
+    single = not (req.tokens and isinstance(req.tokens[0], list))
+    lists = [req.tokens] if single else req.tokens
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} in 'tokens' is outside the vocabulary (size {tok.vocab_size}).",
+                           "tokens")
+    texts = [tok.decode(ids, req.skip_special_tokens) for ids in lists]
+    return web.json_response({"text": texts[0] if single else texts})
+
+
+# ---------------------------------------------------------------- abort and metrics
+async def abort_request(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    req = parse(AbortRequestBody, await read_json(request))
+    if req.abort_all:
+        rids = list(gw.backend.generations)
+    elif req.rid:
+        rids = [req.rid]
+    else:
+        raise ApiError(400, "Give 'rid' (or 'abort_all': true).", "rid")
+    found = await asyncio.gather(*(gw.backend.abort(rid) for rid in rids))
+    return web.json_response({"rid": req.rid, "aborted": [r for r, f in zip(rids, found) if f]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    for w in gw.backend.pool.workers.values():
+        gw.backend.metrics.workers_healthy.labels(w.role, w.address).set(1 if w.healthy else 0)
+    gw.backend.metrics.queued.set(gw.backend.queued)
+    return gw.backend.metrics.render()
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/metrics", metrics)

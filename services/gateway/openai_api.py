@@ -1,0 +1,222 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each handler validates (protocol.py), tokenizes, admits, runs one generation per prompt (the worker does
+n > 1) and answers in OpenAI's shape, streamed as SSE or whole.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiohttp import web
+
+from pdserve.services.gateway import openai_format as fmt
+from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.errors import ApiError, read_json, unsupported
+from pdserve.services.gateway.generation import Job, Update, merge_updates
+from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
+                                               refuse_unsupported)
+from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
+
+CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
+              "return_logprob": "logprobs"}
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs",
+                    "return_logprob": "logprobs"}
+
+
+def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bool, top_logprobs: int) -> dict:
+    return dict(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
+                top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
+                presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+                max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n,
+                return_logprob=return_logprob, top_logprobs_num=top_logprobs)
+
+
+def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
+    return cached if gw.enable_cache_report or req.return_cached_tokens_details else None
+
+
+# ---------------------------------------------------------------- chat
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    body = await read_json(request)
+    refuse_unsupported(body)
+    req = parse(ChatCompletionRequest, body)
+    gw.check_model(req.model)
+    try:
+        ids = gw.tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message,
+                                       template_kwargs=req.chat_template_kwargs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+    gw.check_length(ids, "messages")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true.", "top_logprobs")
+    max_new = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
+                   gw.backend.context_length() - len(ids))
+    names = dict(CHAT_NAMES, max_new_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+                 else "max_tokens")
+    params = gw.build_params(sampling_values(req, max_new, req.logprobs, req.top_logprobs or 0), names)
+    job = Job(req.rid or new_id(), ids, params, req.stop_list(), req.skip_special_tokens, req.no_stop_trim)
+    parser = gw.reasoning_parser if req.separate_reasoning else None
+    with gw.backend.admit(), gw.backend.generation(job) as gen:
+        if req.stream:
+            return await _stream_chat(request, gw, req, job, gen, parser)
+        results = await gen.collect()
+    choices, reasoning_tokens = [], 0
+    for r in results:
+        content, reasoning = r.text, None
+        if parser is not None:
+            split = split_text(parser, r.text)
+            content, reasoning = split.content, split.reasoning or None
+            reasoning_tokens += len(gw.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        lps = fmt.chat_logprobs(gw.tokenizer, r.logprobs) if req.logprobs else None
+        choices.append(fmt.chat_choice(r, content, reasoning, lps))
+    usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
+                      reasoning_tokens)
+    return web.json_response(fmt.chat_completion(job.rid, int(time.time()), req.model or gw.served_model_name,
+                                                 choices, usage))
+
+
+async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionRequest, job: Job, gen,
+                       parser: str | None) -> web.StreamResponse:
+    created, model = int(time.time()), req.model or gw.served_model_name
+    sse = SSE(request)
+    splitters = [ReasoningSplitter(parser) if parser else None for _ in range(req.n)]
+    reasoning_tokens = 0
+    try:
+        async with contextlib.aclosing(gen.updates()) as updates:
+            async for u in updates:
+                if not sse.started:  # the role comes first, once the workers have accepted the request
+                    for i in range(req.n):
+                        await sse.send(fmt.chat_chunk(job.rid, created, model,
+                                                      [fmt.chunk_choice(i, {"role": "assistant", "content": ""})]))
+                splitter = splitters[u.index]
+                if splitter is not None and splitter.in_reasoning:
+                    reasoning_tokens += len(u.token_ids)
+                delta = _chat_delta(u, splitter)
+                lps = fmt.chat_logprobs(gw.tokenizer, u.logprobs) if req.logprobs and u.logprobs else None
+                if delta or lps or u.finish_reason is not None:
+                    await sse.send(fmt.chat_chunk(job.rid, created, model, [
+                        fmt.chunk_choice(u.index, delta, lps, u.finish_reason, u.matched_stop)]))
+    except ApiError as exc:
+        return await sse.fail(exc)
+    if req.include_usage:
+        usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
+                          reasoning_tokens)
+        await sse.send(fmt.chat_chunk(job.rid, created, model, [], usage))
+    return await sse.done()
+
+
+def _chat_delta(u: Update, splitter: ReasoningSplitter | None) -> dict:
+    if splitter is None:
+        return {"content": u.text} if u.text else {}
+    split = splitter.push(u.text)
+    if u.finish_reason is not None:
+        rest = splitter.flush()
+        split.reasoning += rest.reasoning
+        split.content += rest.content
+    delta = {}
+    if split.reasoning:
+        delta["reasoning_content"] = split.reasoning
+    if split.content:
+        delta["content"] = split.content
+    return delta
+
+
+# ---------------------------------------------------------------- completions
+async def completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    body = await read_json(request)
+    refuse_unsupported(body)
+    req = parse(CompletionRequest, body)
+    gw.check_model(req.model)
+    if req.echo and req.logprobs is not None:
+        raise unsupported("logprobs", "logprobs together with echo (prompt logprobs)")
+    prompts = req.prompts()
+    many = len(prompts) > 1
+    ids_list = [gw.prompt_ids(p, f"prompt.{k}" if many else "prompt") for k, p in enumerate(prompts)]
+    rid = req.rid or new_id()
+    jobs = []
+    for k, ids in enumerate(ids_list):
+        max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
+        params = gw.build_params(sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0),
+                                 COMPLETION_NAMES)
+        jobs.append(Job(f"{rid}-{k}" if many else rid, ids, params, req.stop_list(), req.skip_special_tokens,
+                        req.no_stop_trim))
+    echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
+              for p, ids in zip(prompts, ids_list)]
+    with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
+        gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]
+        if req.stream:
+            return await _stream_completions(request, gw, req, rid, gens, echoes)
+        results = await asyncio.gather(*(g.collect() for g in gens))
+    choices = []
+    for k, rs in enumerate(results):
+        for r in rs:
+            lps = fmt.completion_logprobs(gw.tokenizer, r.logprobs, len(echoes[k]), bool(req.logprobs)) \
+                if req.logprobs is not None else None
+            choices.append(fmt.completion_choice(k * req.n + r.index, echoes[k] + r.text, lps, r.finish_reason,
+                                                 r.matched_stop))
+    usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
+                      cached_report(gw, req, sum(g.cached_tokens for g in gens)))
+    return web.json_response(fmt.completion(rid, int(time.time()), req.model or gw.served_model_name, choices,
+                                            usage))
+
+
+async def _stream_completions(request: web.Request, gw: Gateway, req: CompletionRequest, rid: str, gens: list,
+                              echoes: list[str]) -> web.StreamResponse:
+    created, model = int(time.time()), req.model or gw.served_model_name
+    sse = SSE(request)
+    offsets = {k * req.n + i: len(echo) for k, echo in enumerate(echoes) for i in range(req.n)}
+    try:
+        async for k, u in merge_updates(gens):
+            if not sse.started and any(echoes):  # the prompts come first, once the workers accepted them
+                for k2, echo in enumerate(echoes):
+                    for i in range(req.n):
+                        await sse.send(fmt.completion(rid, created, model, [
+                            fmt.completion_choice(k2 * req.n + i, echo, None, None, None)], None))
+            index = k * req.n + u.index
+            lps = None
+            if req.logprobs is not None and u.logprobs:
+                lps = fmt.completion_logprobs(gw.tokenizer, u.logprobs, offsets[index], bool(req.logprobs))
+            offsets[index] += len(u.text)
+            if u.text or lps or u.finish_reason is not None:
+                await sse.send(fmt.completion(rid, created, model, [
+                    fmt.completion_choice(index, u.text, lps, u.finish_reason, u.matched_stop)], None))
+    except ApiError as exc:
+        return await sse.fail(exc)
+    if req.include_usage:
+        usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
+                          cached_report(gw, req, sum(g.cached_tokens for g in gens)))
+        await sse.send(fmt.completion(rid, created, model, [], usage))
+    return await sse.done()
+
+
+# ---------------------------------------------------------------- models
+async def list_models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    card = fmt.model_card(gw.served_model_name, gw.created, gw.backend.context_length())
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    name = request.match_info["model"]
+    if name not in gw.accepted_model_names:
+        raise ApiError(404, f"The model {name!r} does not exist.", "model")
+    return web.json_response(fmt.model_card(gw.served_model_name, gw.created, gw.backend.context_length()))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    raise ApiError(400, "Embeddings are not supported yet: this server serves a generation model.", "input")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
+    app.router.add_post("/v1/embeddings", embeddings)

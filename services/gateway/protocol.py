@@ -1,0 +1,289 @@
+"""Request schemas of the OpenAI-compatible and native APIs (pydantic), and their validation.
+
+Unknown fields are ignored, as OpenAI does, except fields that name features this server does not offer
+yet: those are refused with a 400 naming the field, never silently dropped (`refuse_unsupported`).
+Value ranges are checked once, by the runtime's SamplingParams; these schemas check shapes and types.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pdserve.services.gateway.errors import ApiError, from_validation_error, unsupported
+
+StopField = Union[str, list[str], None]
+
+# Fields that belong to later work, with the feature they stand for. A field is refused when present with a
+# value that asks for something (None, empty containers and the neutral values below are accepted).
+UNSUPPORTED_OPENAI = {
+    "response_format": "response_format (structured output)",
+    "regex": "regex (constrained decoding)",
+    "ebnf": "ebnf (constrained decoding)",
+    "json_schema": "json_schema (constrained decoding)",
+    "structural_tag": "structural_tag (constrained decoding)",
+    "tools": "tools (function calling)",
+    "functions": "functions (function calling)",
+    "function_call": "function_call (function calling)",
+    "tool_choice": "tool_choice (function calling)",
+    "lora_path": "LoRA adapters",
+    "logit_bias": "logit_bias",
+    "suffix": "suffix",
+    "best_of": "best_of",
+    "audio": "audio output",
+    "modalities": "modalities other than text",
+    "image_data": "image input",
+    "audio_data": "audio input",
+    "video_data": "video input",
+    "input_embeds": "input_embeds",
+    "return_hidden_states": "return_hidden_states",
+    "custom_logit_processor": "custom logit processors",
+}
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),
+    "modalities": (["text"],),
+    "best_of": (1,),
+}
+
+
+def refuse_unsupported(body: dict, fields: dict[str, str] = UNSUPPORTED_OPENAI, prefix: str = "") -> None:
+    for name, what in fields.items():
+        value = body.get(name)
+        if value is None or value == [] or value == {} or value is False or value in NEUTRAL_VALUES.get(name, ()):
+            continue
+        if name == "tool_choice" and not body.get("tools"):
+            continue
+        raise unsupported(prefix + name, what)
+
+
+def parse(model: type[BaseModel], body: dict, prefix: str = "") -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix) from None
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+# ---------------------------------------------------------------- shared sampling fields
+class OpenAISampling(_Schema):
+    """Sampling fields common to /v1/chat/completions and /v1/completions (SGLang's extensions included)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stop: StopField = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+    user: str | None = None
+    return_cached_tokens_details: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: StopField) -> StopField:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+# ---------------------------------------------------------------- chat
+class TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
+
+    def text(self, where: str) -> str | None:
+        """The content as one string; content parts other than text are refused."""
+        if not isinstance(self.content, list):
+            return self.content
+        texts = []
+        for i, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                if kind in ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file"):
+                    raise unsupported(f"{where}.content.{i}.type", f"{kind} content (multimodal input)")
+                raise ApiError(400, f"Content part type {kind!r} is not valid; use 'text'.",
+                               f"{where}.content.{i}.type")
+            texts.append(parse(TextPart, part, f"{where}.content.{i}.").text)
+        return " ".join(texts)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = None
+
+    def template_messages(self) -> list[dict]:
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": m.text(f"messages.{i}") or ""}
+            for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
+                value = getattr(m, key)
+                if value is not None:
+                    msg[key] = value
+            out.append(msg)
+        return out
+
+
+# ---------------------------------------------------------------- completions
+PromptField = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: PromptField
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: PromptField) -> PromptField:
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("the prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# ---------------------------------------------------------------- native /generate
+UNSUPPORTED_NATIVE_SAMPLING = {
+    "json_schema": "json_schema (constrained decoding)",
+    "regex": "regex (constrained decoding)",
+    "ebnf": "ebnf (constrained decoding)",
+    "structural_tag": "structural_tag (constrained decoding)",
+    "custom_params": "custom_params (custom logit processors)",
+    "logit_bias": "logit_bias",
+}
+
+
+class NativeSampling(BaseModel):
+    """SGLang's sampling_params; unknown names are refused (they are most likely typos)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    stop: StopField = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+    # Accepted by name so that the refusal below can name them.
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    custom_params: Any = None
+    logit_bias: Any = None
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class GenerateRequest(_Schema):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    model: str | None = None
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """(one entry per prompt, whether the request is a batch)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "Give exactly one of 'text' and 'input_ids'.", "text")
+        if self.text is not None:
+            return ([self.text], False) if isinstance(self.text, str) else (list(self.text), True)
+        ids = self.input_ids
+        if ids and isinstance(ids[0], list):
+            return [list(x) for x in ids], True
+        return [list(ids)], False
+
+
+class TokenizeRequest(_Schema):
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeRequest(_Schema):
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+    model: str | None = None
+
+
+class AbortRequestBody(_Schema):
+    rid: str = ""
+    abort_all: bool = False
+
+
+OpenAISampling.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

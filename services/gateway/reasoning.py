@@ -1,0 +1,87 @@
+"""Splitting a reasoning model's output into `reasoning_content` and `content`, incrementally.
+
+One `ReasoningSplitter` per choice. Text between `<think>` and `</think>` is reasoning; what follows is
+content. Parsers differ in where reasoning starts: `deepseek-r1` models begin inside the reasoning (the
+template already opened it), `qwen3` models reason only when their output opens with `<think>`. A tag split
+across pieces is held back until it is complete, so no piece of a tag is ever shown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS: dict[str, bool] = {  # name -> output starts inside the reasoning
+    "deepseek-r1": True,
+    "qwen3": False,
+    "qwen3-thinking": True,
+}
+START, END = "<think>", "</think>"
+
+
+@dataclass
+class Split:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningSplitter:
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
+        self.forced = PARSERS[parser]
+        self.state = "start"  # start -> reasoning -> content, or start -> content
+        self.buf = ""
+        self.strip_content = False  # drop whitespace between </think> and the answer
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == "reasoning" or (self.state == "start" and self.forced)
+
+    def push(self, piece: str) -> Split:
+        self.buf += piece
+        out = Split()
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(START):
+                self.buf, self.state = head[len(START):], "reasoning"
+            elif START.startswith(head):
+                return out  # might still become the opening tag
+            else:
+                self.state = "reasoning" if self.forced else "content"
+        if self.state == "reasoning":
+            pos = self.buf.find(END)
+            if pos < 0:
+                keep = _partial_suffix(self.buf, END)
+                out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return out
+            out.reasoning, self.buf = self.buf[:pos], self.buf[pos + len(END):]
+            self.state, self.strip_content = "content", True
+        if self.strip_content:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return out
+            self.strip_content = False
+        out.content, self.buf = self.buf, ""
+        return out
+
+    def flush(self) -> Split:
+        """The output ended: what was held back belongs to the part we are in."""
+        rest, self.buf = self.buf, ""
+        if self.state == "content":
+            return Split(content="" if self.strip_content else rest)
+        if self.in_reasoning:
+            return Split(reasoning=rest)
+        return Split(content=rest)
+
+
+def split_text(parser: str, text: str) -> Split:
+    """The whole output at once (non-streaming responses)."""
+    splitter = ReasoningSplitter(parser)
+    a, b = splitter.push(text), splitter.flush()
+    return Split(a.reasoning + b.reasoning, a.content + b.content)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

@@ -1,0 +1,120 @@
+"""Routing policies: which worker(s) serve a request.
+
+A request goes to a `Pair`: the worker it streams from (colocated, or decode in PD mode) and, in PD mode,
+the prefill worker that computes its prompt. `cache_aware` sends a prompt to the worker that last saw its
+longest known prefix (its radix cache probably still holds those pages) unless that worker is clearly
+busier than the least loaded one; decode workers are picked by load and free KV pages. `round_robin`
+ignores both, for comparison. The prefix table is the router's only state: a bounded LRU map from hashes
+of leading pages of token ids to the worker address that last served them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import count
+
+from pdserve.services.gateway.workers import Worker, WorkerPool
+
+POLICIES = ("cache_aware", "round_robin")
+
+
+class NoWorker(Exception):
+    """No healthy worker (pair) can take the request."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    generate: Worker  # serves Generate: colocated or decode
+    prefill: Worker | None = None  # PD mode only
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [self.generate] if self.prefill is None else [self.prefill, self.generate]
+
+
+def load_of(worker: Worker) -> int:
+    """Requests on `worker` now: what this gateway sent, or what it reports if that is more (other clients)."""
+    reported = (worker.load.running + worker.load.waiting) if worker.load is not None else 0
+    return max(worker.in_flight, reported)
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, policy: str = "cache_aware", balance_abs: int = 4,
+                 balance_rel: float = 1.5, max_prefix_pages: int = 64, table_size: int = 100_000) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.pool = pool
+        self.policy = policy
+        # Affinity wins unless its worker has more than `balance_abs` requests over the least loaded one
+        # and more than `balance_rel` times as many.
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.max_prefix_pages = max_prefix_pages
+        self.table_size = table_size
+        self.prefixes: OrderedDict[int, str] = OrderedDict()
+        self._turn = count()
+
+    def choose(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair:
+        cache_workers = [w for w in self.pool.healthy(self.pool.cache_role) if w.address not in exclude]
+        if not cache_workers:
+            raise NoWorker(f"no healthy {self.pool.cache_role} worker")
+        if self.pool.mode == "colocated":
+            return Pair(self._pick_cache_worker(cache_workers, input_ids))
+        decodes = [w for w in self.pool.healthy("decode") if w.address not in exclude]
+        if not decodes:
+            raise NoWorker("no healthy decode worker")
+        prefill = self._pick_cache_worker(cache_workers, input_ids)
+        return Pair(self._pick_decode(decodes, len(input_ids)), prefill)
+
+    # ------------------------------------------------------------ policies
+    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> Worker:
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)]
+        by_address = {w.address: w for w in workers}
+        hashes = self._prefix_hashes(input_ids, workers[0].page_size)
+        least = min(workers, key=lambda w: (load_of(w), w.address))
+        chosen = least
+        for h in reversed(hashes):  # longest known prefix first
+            owner = by_address.get(self.prefixes.get(h, ""))
+            if owner is not None:
+                if self._balanced(owner, least):
+                    chosen = owner
+                break
+        self._remember(hashes, chosen.address)
+        return chosen
+
+    def _pick_decode(self, workers: list[Worker], prompt_len: int) -> Worker:
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)]
+
+        def key(w: Worker) -> tuple:
+            fits = w.free_pages * w.page_size > prompt_len
+            return (not fits, load_of(w), -w.free_pages, w.address)
+        return min(workers, key=key)
+
+    def _balanced(self, owner: Worker, least: Worker) -> bool:
+        a, b = load_of(owner), load_of(least)
+        return a - b <= self.balance_abs or a <= b * self.balance_rel
+
+    # ------------------------------------------------------------ prefix table
+    def _prefix_hashes(self, input_ids: list[int], page_size: int) -> list[int]:
+        """Hash of the first 1, 2, ... full pages of the prompt (at most max_prefix_pages)."""
+        hashes: list[int] = []
+        h = 0
+        pages = min(len(input_ids) // page_size, self.max_prefix_pages)
+        for i in range(pages):
+            h = hash((h, tuple(input_ids[i * page_size:(i + 1) * page_size])))
+            hashes.append(h)
+        return hashes
+
+    def _remember(self, hashes: list[int], address: str) -> None:
+        for h in hashes:
+            self.prefixes[h] = address
+            self.prefixes.move_to_end(h)
+        while len(self.prefixes) > self.table_size:
+            self.prefixes.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """Drop every prefix owned by `address` (its cache was flushed or it restarted)."""
+        for h in [h for h, a in self.prefixes.items() if a == address]:
+            del self.prefixes[h]

@@ -1,0 +1,138 @@
+"""Text <-> tokens for the gateway: the model's tokenizer and chat template, incremental detokenization.
+
+`ModelTokenizer` is loaded once at start-up and only read afterwards. `Detokenizer` owns the text of one
+choice as it grows: it emits a piece of text only once the bytes behind it are complete, so a multi-byte
+UTF-8 character split over several tokens never reaches a client as replacement characters.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+@dataclass(frozen=True)
+class ModelConfigInfo:
+    """What the gateway reports about the model, read from its config.json."""
+
+    model_type: str | None
+    architectures: list[str]
+    max_position_embeddings: int | None
+    vocab_size: int | None
+
+
+def read_model_config(model_dir: Path) -> ModelConfigInfo:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return ModelConfigInfo(config.get("model_type"), list(config.get("architectures") or []),
+                           config.get("max_position_embeddings"), config.get("vocab_size"))
+
+
+class ModelTokenizer:
+    """The model's tokenizer and chat template (transformers), with helpers the APIs share."""
+
+    def __init__(self, path: str | Path, chat_template_file: str | Path | None = None) -> None:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+        if chat_template_file is not None:
+            self.tok.chat_template = Path(chat_template_file).read_text()
+        self.eos_token_ids: frozenset[int] = frozenset(
+            i for i in (self.tok.eos_token_id,) if isinstance(i, int))
+        self.special_ids: frozenset[int] = frozenset(self.tok.all_special_ids)
+        self.vocab_size = len(self.tok)
+        self._byte_decoder = _byte_decoder()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tok.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        """The prompt text for `messages`; raises ValueError when the template rejects them."""
+        if not self.has_chat_template:
+            raise ValueError("the model has no chat template; pass --chat-template FILE to the gateway")
+        try:
+            return self.tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except Exception as exc:  # jinja errors (e.g. raise_exception in the template) are user input problems
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        # The rendered template already holds any special tokens it wants (BOS included): add none.
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The raw bytes of one token (byte-level BPE tokens may hold part of a UTF-8 character)."""
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return []
+        if all(ch in self._byte_decoder for ch in piece):
+            return [self._byte_decoder[ch] for ch in piece]
+        return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte -> printable character map of byte-level BPE (GPT-2 style) vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+@dataclass
+class Detokenizer:
+    """Incremental decoding of one choice: push token ids, get the new text that is final.
+
+    Keeps two offsets into the ids: text up to `read_offset` has been emitted; each step decodes from
+    `prefix_offset` (the start of the previous step's tokens), because a token decoded alone loses its
+    context (a leading space, the first bytes of a character). New text is held back
+    while it ends in an incomplete character (U+FFFD), and released by `flush()` when the choice ends.
+    """
+
+    tokenizer: ModelTokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new yet, or the last character is still missing bytes
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an incomplete character at the very end becomes U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):] if full.startswith(prefix) else full

@@ -1,0 +1,208 @@
+"""The runtime workers the gateway talks to: gRPC clients, health checks, DNS discovery.
+
+`WorkerPool` owns one `Worker` per address. A background loop asks every worker for Health and Load about
+once a second with a short deadline; a worker that fails twice in a row is taken out (and the requests in
+flight on it are failed at once through their `on_out` callbacks) until it answers again. Worker lists
+may name DNS hosts that resolve to several addresses (compose/Kubernetes services); they are resolved
+again every few seconds, so workers that come and go are picked up.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.shared.addresses import expand_hostports
+
+log = logging.getLogger("pdserve.gateway")
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                # A restarted worker must be found again within seconds, not after gRPC's 2-minute backoff.
+                ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+                ("grpc.max_reconnect_backoff_ms", 2_000)]
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 1.0  # between two checks of a worker
+    deadline_s: float = 2.0  # for one Health answer (a dead process is refused at once; this catches hangs)
+    failures_to_remove: int = 2  # consecutive failed checks that take a worker out
+    resolve_interval_s: float = 5.0  # between two DNS resolutions of the worker lists
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    role: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    healthy: bool = False
+    failures: int = 0
+    info: pb.InfoReply | None = None
+    load: pb.LoadReply | None = None
+    in_flight: int = 0  # requests this gateway has on the worker now
+    last_error: str = ""
+    # Requests in flight on this worker: each callback fails its request when the worker is taken out.
+    on_out: set[Callable[[str], None]] = field(default_factory=set)
+
+    @property
+    def page_size(self) -> int:
+        return (self.info.compat.page_size if self.info is not None else 0) or 16
+
+    @property
+    def free_pages(self) -> int:
+        return self.load.free_pages if self.load is not None else 0
+
+    def describe(self) -> dict:
+        return {"address": self.address, "role": self.role, "healthy": self.healthy,
+                "in_flight": self.in_flight, "last_error": self.last_error or None,
+                "running": self.load.running if self.load else None,
+                "waiting": self.load.waiting if self.load else None,
+                "free_pages": self.load.free_pages if self.load else None,
+                "total_pages": self.load.total_pages if self.load else None,
+                "max_total_tokens": self.info.max_total_tokens if self.info else None,
+                "max_running_requests": self.info.max_running_requests if self.info else None,
+                "context_length": self.info.context_length if self.info else None}
+
+
+class WorkerPool:
+    def __init__(self, specs: dict[str, list[str]], settings: HealthSettings = HealthSettings()) -> None:
+        unknown = set(specs) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown worker roles: {sorted(unknown)}")
+        self.specs = {role: list(specs.get(role, [])) for role in ROLES}
+        if self.specs["colocated"] and (self.specs["prefill"] or self.specs["decode"]):
+            raise ValueError("give either --worker (colocated) or --prefill and --decode, not both")
+        if not self.specs["colocated"] and not (self.specs["prefill"] and self.specs["decode"]):
+            raise ValueError("give --worker HOST:PORT (colocated), or both --prefill and --decode")
+        self.mode = "colocated" if self.specs["colocated"] else "pd"
+        self.settings = settings
+        self.workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self._resolve()
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="worker-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_resolve = loop.time() + self.settings.resolve_interval_s
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                if loop.time() >= next_resolve:
+                    next_resolve = loop.time() + self.settings.resolve_interval_s
+                    await self._resolve()
+                await self.check_all()
+            except Exception:  # the loop must survive anything one round throws
+                log.exception("worker health round failed")
+
+    async def _resolve(self) -> None:
+        seen: set[str] = set()
+        for role in ROLES:
+            for spec in self.specs[role]:
+                addresses = await asyncio.to_thread(expand_hostports, spec)
+                for address in addresses:
+                    seen.add(address)
+                    if address not in self.workers:
+                        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                        self.workers[address] = Worker(address, role, channel, pb_grpc.WorkerStub(channel))
+                        log.info("%s worker %s added", role, address)
+        for address in [a for a, w in self.workers.items() if a not in seen and w.in_flight == 0]:
+            worker = self.workers.pop(address)
+            log.info("%s worker %s no longer resolves: removed", worker.role, address)
+            await worker.channel.close()
+
+    # ------------------------------------------------------------ health
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def check(self, worker: Worker) -> bool:
+        deadline = self.settings.deadline_s
+        try:
+            health = await worker.stub.Health(pb.Empty(), timeout=deadline)
+            if not health.ok:
+                raise RuntimeError("worker reports it is not ready")
+            if worker.info is None or not worker.healthy:  # (re)joining: it may have restarted differently
+                worker.info = await worker.stub.Info(pb.Empty(), timeout=deadline)
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self._failed(worker, reason or "no answer")
+            return False
+        if not worker.healthy:
+            log.info("%s worker %s is healthy", worker.role, worker.address)
+        worker.healthy, worker.failures, worker.last_error = True, 0, ""
+        try:
+            # Load waits for the worker's engine thread, which a long prefill keeps busy: a late answer only
+            # leaves the previous figures in place, it says nothing about health.
+            worker.load = await worker.stub.Load(pb.Empty(), timeout=deadline)
+        except grpc.aio.AioRpcError:
+            pass
+        return True
+
+    def _failed(self, worker: Worker, reason: str) -> None:
+        worker.failures += 1
+        worker.last_error = reason
+        if worker.healthy and worker.failures >= self.settings.failures_to_remove:
+            self.take_out(worker, reason)
+
+    def take_out(self, worker: Worker, reason: str) -> None:
+        """Stop routing to `worker` until it answers a health check again; fail its requests now."""
+        if worker.healthy:
+            log.warning("%s worker %s taken out: %s", worker.role, worker.address, reason)
+        worker.healthy = False
+        worker.last_error = reason
+        for fail in list(worker.on_out):
+            fail(f"{worker.role} worker {worker.address} is down ({reason})")
+
+    async def probe(self, worker: Worker) -> bool:
+        """One immediate check after a request failed on `worker`: takes it out at once if it is down."""
+        if await self.check(worker):
+            return True
+        self.take_out(worker, worker.last_error)
+        return False
+
+    # ------------------------------------------------------------ views
+    def healthy(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.healthy]
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    @property
+    def generate_role(self) -> str:
+        """The role that serves Generate: colocated workers, or decode workers in PD mode."""
+        return "colocated" if self.mode == "colocated" else "decode"
+
+    @property
+    def cache_role(self) -> str:
+        """The role that holds the prefix cache: colocated workers, or prefill workers in PD mode."""
+        return "colocated" if self.mode == "colocated" else "prefill"
+
+    def has_healthy_pair(self) -> bool:
+        if self.mode == "colocated":
+            return bool(self.healthy("colocated"))
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+
+    def capacity(self) -> int:
+        """Requests the healthy generating workers run at once (0 while none has answered Info)."""
+        return sum(w.info.max_running_requests for w in self.healthy(self.generate_role) if w.info is not None)
+
+    def context_length(self) -> int | None:
+        lengths = [w.info.context_length for w in self.workers.values() if w.info is not None and w.info.context_length]
+        return min(lengths) if lengths else None

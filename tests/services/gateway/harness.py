@@ -1,0 +1,88 @@
+"""Real gateway and worker processes on loopback for the gateway's integration tests."""
+from __future__ import annotations
+
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from procs import Proc, free_port, start_worker
+
+API_KEY = "sk-test-gateway-key"
+QUIET = {"OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Gateway:
+    proc: Proc
+    url: str
+    api_key: str | None = None
+
+    @property
+    def base(self) -> str:
+        return f"{self.url}/v1"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def start_gateway(model_dir, *targets: str) -> Gateway:
+    """Start `pdserve gateway` with `targets` (--worker/--prefill/--decode/--api-key ... flags)."""
+    port = free_port()
+    args = ["gateway", "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--health-check-interval", "0.5", *targets]
+    proc = Proc(f"gateway:{port}", args, health_url=f"http://127.0.0.1:{port}/health").start(QUIET)
+    key = targets[targets.index("--api-key") + 1] if "--api-key" in targets else None
+    return Gateway(proc, f"http://127.0.0.1:{port}", key)
+
+
+def wait_listening(gw: Gateway, timeout: float = 120) -> Gateway:
+    """Wait until the gateway answers HTTP at all (its /health may stay 503 when no worker is up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not gw.proc.alive():
+            raise RuntimeError(f"gateway exited:\n{gw.proc.tail()}")
+        try:
+            urllib.request.urlopen(gw.url + "/health", timeout=1)
+            return gw
+        except urllib.error.HTTPError:
+            return gw
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"gateway not listening after {timeout} s:\n{gw.proc.tail()}")
+
+
+@dataclass
+class System:
+    """Workers (by gRPC address) and the gateways in front of them."""
+
+    workers: dict[str, Proc] = field(default_factory=dict)
+    gateways: list[Gateway] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for g in self.gateways:
+            g.proc.stop()
+        for w in self.workers.values():
+            w.stop()
+
+
+def worker_call(addr: str, method: str, timeout: float = 10.0):
+    with grpc.insecure_channel(addr) as ch:
+        return getattr(pb_grpc.WorkerStub(ch), method)(pb.Empty(), timeout=timeout)
+
+
+def wait_idle(addr: str, timeout: float = 15.0) -> tuple[pb.LoadReply, pb.PoolStats]:
+    """Wait until the worker runs nothing and holds no pages for requests; returns its last Load and Stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load, stats = worker_call(addr, "Load"), worker_call(addr, "Stats")
+        if (load.running == 0 and load.waiting == 0 and stats.used_pages == 0) or time.monotonic() > deadline:
+            return load, stats
+        time.sleep(0.1)
+
+
+__all__ = ["API_KEY", "Gateway", "System", "start_gateway", "start_worker", "wait_idle", "wait_listening",
+           "worker_call"]

@@ -1,0 +1,176 @@
+"""Generation logic over scripted in-process gRPC workers: stop strings, stop tokens, cancellation, retries.
+
+The workers here are stand-ins that replay token ids, so the gateway's side of the protocol can be checked
+exactly (what is shown, what is counted, when the call is cancelled); real workers are in the API tests.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.gateway.backend import Backend, BackendSettings
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.generation import Job
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.router import Router
+from pdserve.services.gateway.tokenization import ModelTokenizer
+from pdserve.services.gateway.workers import WorkerPool
+from pdserve.shared.sampling_params import SamplingParams
+
+EOS = 2
+
+
+class ScriptedWorker(pb_grpc.WorkerServicer):
+    """Streams `script` (one list of token ids per message) for choice 0, then finishes as told."""
+
+    def __init__(self, script: list[list[int]], finish: str = "length", stop_token: int = -1,
+                 delay: float = 0.01) -> None:
+        self.script, self.finish, self.stop_token, self.delay = script, finish, stop_token, delay
+        self.sent = 0
+        self.ended = asyncio.Event()
+        self.completed = False
+
+    async def Generate(self, request, context):
+        try:
+            for i, ids in enumerate(self.script):
+                last = i == len(self.script) - 1
+                yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), cached_tokens=3, choices=[
+                    pb.ChoiceDelta(index=0, token_ids=ids, finish_reason=self.finish if last else "",
+                                   matched_stop_token=self.stop_token if last else -1)])
+                self.sent += 1
+                await asyncio.sleep(self.delay)
+            self.completed = True
+        finally:
+            self.ended.set()
+
+    async def Health(self, request, context):
+        return pb.HealthReply(ok=True, role="colocated")
+
+    async def Load(self, request, context):
+        return pb.LoadReply(free_pages=100, total_pages=100)
+
+    async def Info(self, request, context):
+        return pb.InfoReply(max_running_requests=8, context_length=8192, compat=pb.Compat(page_size=16))
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir):
+    return ModelTokenizer(default_model_dir)
+
+
+async def serve(worker: ScriptedWorker) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def make_backend(tok, addresses: list[str]) -> Backend:
+    pool = WorkerPool({"colocated": addresses})
+    await pool.start()
+    return Backend(tok, pool, Router(pool, "round_robin"), GatewayMetrics(), BackendSettings(stall_timeout_s=5))
+
+
+def job(tok, stops=(), n=1, max_new=100) -> Job:
+    return Job("r1", tok.encode("hello"), SamplingParams(temperature=0.0, max_new_tokens=max_new, n=n), list(stops))
+
+
+async def test_stop_string_cuts_the_text_cancels_the_worker_and_counts_tokens(tok):
+    ids = tok.encode("The answer is 42 🤖.\nUser: and this must never be generated", add_special_tokens=False)
+    worker = ScriptedWorker([[t] for t in ids])
+    server, addr = await serve(worker)
+    backend = await make_backend(tok, [addr])
+    try:
+        with backend.generation(job(tok, stops=["\nUser:"])) as gen:
+            shown, updates = "", []
+            async for u in gen.updates():
+                updates.append(u)
+                shown += u.text
+                assert "The answer is 42 🤖.".startswith(shown)  # never a piece of the stop string
+        await asyncio.wait_for(worker.ended.wait(), 5)
+        assert not worker.completed and worker.sent < len(ids)  # the call was cancelled at the stop string
+        assert shown == "The answer is 42 🤖."
+        assert (updates[-1].finish_reason, updates[-1].matched_stop) == ("stop", "\nUser:")
+        upto = len(tok.encode("The answer is 42 🤖.\nUser:", add_special_tokens=False))
+        assert gen.completion_tokens == upto and gen.cached_tokens == 3
+    finally:
+        await backend.pool.close()
+        await server.stop(0)
+
+
+async def test_stop_token_is_counted_but_never_shown(tok):
+    ids = tok.encode("Paris.", add_special_tokens=False)
+    worker = ScriptedWorker([[t] for t in ids[:-1]] + [[ids[-1], EOS]], finish="stop", stop_token=EOS)
+    server, addr = await serve(worker)
+    backend = await make_backend(tok, [addr])
+    try:
+        with backend.generation(job(tok)) as gen:
+            [result] = await gen.collect()
+        assert result.text == "Paris."
+        assert (result.finish_reason, result.matched_stop) == ("stop", EOS)
+        assert result.token_ids == ids + [EOS] and gen.completion_tokens == len(ids) + 1
+    finally:
+        await backend.pool.close()
+        await server.stop(0)
+
+
+async def test_dead_worker_before_any_output_is_retried_on_another(tok):
+    ids = tok.encode("fine", add_special_tokens=False)
+    dead_worker, live_worker = ScriptedWorker([[t] for t in ids]), ScriptedWorker([[t] for t in ids])
+    dead_server, dead = await serve(dead_worker)
+    live_server, live = await serve(live_worker)
+    backend = await make_backend(tok, [dead, live])
+    await dead_server.stop(0)  # dies after the pool saw it healthy
+    try:
+        for _ in range(2):  # round robin would pick the dead one first or second
+            with backend.generation(job(tok)) as gen:
+                [result] = await gen.collect()
+            assert result.text == "fine" and gen.pair.generate.address == live
+        assert not backend.pool.workers[dead].healthy
+        assert backend.metrics.retries._value.get() >= 1
+    finally:
+        await backend.pool.close()
+        await live_server.stop(0)
+
+
+async def test_worker_taken_out_fails_its_streams_fast(tok):
+    worker = ScriptedWorker([[5]] * 1000, delay=0.05)
+    server, addr = await serve(worker)
+    backend = await make_backend(tok, [addr])
+    try:
+        with backend.generation(job(tok)) as gen:
+            updates = gen.updates()
+            await updates.__anext__()  # output reached the client: no retry possible any more
+            asyncio.get_running_loop().call_later(0.1, backend.pool.take_out, backend.pool.workers[addr], "test")
+            with pytest.raises(ApiError) as info:
+                async for _ in updates:
+                    pass
+        assert info.value.status == 503 and "down" in info.value.message
+        await asyncio.wait_for(worker.ended.wait(), 5)
+        assert not worker.completed
+    finally:
+        await backend.pool.close()
+        await server.stop(0)
+
+
+async def test_consumer_that_stops_reading_cancels_the_worker_call_at_once(tok):
+    worker = ScriptedWorker([[5]] * 1000, delay=0.02)
+    server, addr = await serve(worker)
+    backend = await make_backend(tok, [addr])
+    try:
+        with backend.generation(job(tok)) as gen:
+            updates = gen.updates()
+            for _ in range(3):
+                await updates.__anext__()
+            await updates.aclose()  # what a client disconnect does to the handler's loop
+            await asyncio.wait_for(worker.ended.wait(), 1)
+        assert not worker.completed and worker.sent < 10
+        assert backend.pool.workers[addr].in_flight == 0 and not backend.pool.workers[addr].on_out
+    finally:
+        await backend.pool.close()
+        await server.stop(0)

@@ -1,0 +1,110 @@
+"""Two prefill and two decode workers behind one gateway; workers are killed while requests run.
+
+What a user must see: requests keep being answered by the surviving workers, a request whose worker died
+before it streamed anything is retried transparently, one that was already streaming ends quickly with an
+error (never a hang), and the dead worker is out of rotation within seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+import requests
+
+from harness import System, start_gateway, start_worker, wait_idle
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def pd(default_model_dir):
+    system = System()
+    try:
+        prefills = [start_worker("prefill", str(default_model_dir), "--transfer-backend", "tcp") for _ in range(2)]
+        paddrs = [a for _, a in prefills]
+        decode_flags = [flag for a in paddrs for flag in ("--prefill", a)]
+        decodes = [start_worker("decode", str(default_model_dir), "--transfer-backend", "tcp", *decode_flags)
+                   for _ in range(2)]
+        for proc, addr in prefills + decodes:
+            system.workers[addr] = proc
+        targets = decode_flags + [flag for _, a in decodes for flag in ("--decode", a)]
+        gw = start_gateway(default_model_dir, *targets)
+        system.gateways.append(gw)
+        for proc, _ in prefills + decodes:
+            proc.wait_healthy(240)
+        gw.proc.wait_healthy(60)
+        yield system, gw, paddrs, [a for _, a in decodes]
+    finally:
+        system.stop()
+
+
+def healthy_workers(gw) -> dict[str, bool]:
+    info = requests.get(gw.url + "/get_server_info", timeout=30).json()
+    return {w["address"]: w["healthy"] for w in info["workers"]}
+
+
+def test_pd_answers_through_every_pair(pd):
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model=c.models.list().data[0].id, messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    info = requests.get(gw.url + "/get_server_info", timeout=30).json()
+    assert info["mode"] == "pd" and sorted(w["role"] for w in info["workers"]) == ["decode"] * 2 + ["prefill"] * 2
+    assert all(healthy_workers(gw).values())
+
+
+async def test_killing_workers_mid_run(pd):
+    system, gw, paddrs, daddrs = pd
+    c = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    model = (await c.models.list()).data[0].id
+
+    started = [asyncio.Event() for _ in range(4)]
+
+    async def streamed(i: int) -> tuple[str, float]:
+        """A long stream; returns ('ok' or the error it ended with, when it ended)."""
+        try:
+            stream = await c.completions.create(model=model, prompt=f"Tell me story number {i} about a dragon.",
+                                                max_tokens=80, stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                started[i].set()
+            return "ok", time.monotonic()
+        except openai.APIError as exc:
+            return f"error: {exc}", time.monotonic()
+
+    async def whole(i: int) -> str:
+        r = await c.completions.create(model=model, prompt=f"Count to {i}:", max_tokens=12, temperature=0)
+        return r.choices[0].finish_reason
+
+    victim = daddrs[0]
+    streams = [asyncio.create_task(streamed(i)) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # all four are streaming
+    system.workers[victim].kill()
+    killed_at = time.monotonic()
+    # Sent before the gateway has noticed: any that lands on the dead worker is retried on the other.
+    early = asyncio.gather(*(whole(i) for i in range(4)))
+    results = await asyncio.wait_for(asyncio.gather(*streams), 90)
+    assert await asyncio.wait_for(early, 90) == ["length"] * 4
+    # The streams on the dead worker (the router spread them by load) end with an error within seconds;
+    # the others complete.
+    errors = [(r, t) for r, t in results if r != "ok"]
+    assert 0 < len(errors) < 4, results
+    assert all("failed on the workers" in r and t - killed_at < 5 for r, t in errors), (results, killed_at)
+    # Whole (non-streamed) requests sent now all succeed on the survivors.
+    finishes = await asyncio.gather(*(whole(i) for i in range(4)))
+    assert finishes == ["length"] * 4
+    deadline = killed_at + 10
+    while healthy_workers(gw)[victim] and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not healthy_workers(gw)[victim]
+
+    # A prefill worker dies too: prompts go to the other one.
+    system.workers[paddrs[0]].kill()
+    finishes = await asyncio.gather(*(whole(i) for i in range(4)))
+    assert finishes == ["length"] * 4
+    assert requests.get(gw.url + "/health", timeout=30).status_code == 200
+    await c.close()
+    for addr in (daddrs[1], paddrs[1]):
+        load, stats = wait_idle(addr)
+        assert (load.running, stats.used_pages, stats.integrity_ok) == (0, 0, True), (addr, stats)

@@ -1,0 +1,126 @@
+"""Routing policies over a pool of workers whose health and load are set by hand (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.router import NoWorker, Router
+from pdserve.services.gateway.workers import Worker, WorkerPool
+
+PAGE = 16
+
+
+def make_pool(mode: str, counts: dict[str, int]) -> WorkerPool:
+    specs = {role: [f"10.0.0.{i}:{5000 + n}" for n in range(c)] for i, (role, c) in enumerate(counts.items())}
+    pool = WorkerPool(specs)
+    for role, addresses in specs.items():
+        for address in addresses:
+            pool.workers[address] = Worker(address, role, None, None, healthy=True,
+                                           info=pb.InfoReply(compat=pb.Compat(page_size=PAGE), max_running_requests=8),
+                                           load=pb.LoadReply(free_pages=100, total_pages=100))
+    assert pool.mode == mode
+    return pool
+
+
+def prompt(seed: int, pages: int = 4) -> list[int]:
+    return [seed * 1000 + i for i in range(pages * PAGE + 3)]
+
+
+def test_cache_aware_sends_a_shared_prefix_back_to_the_same_worker():
+    pool = make_pool("colocated", {"colocated": 3})
+    router = Router(pool)
+    first = router.choose(prompt(1)).generate
+    first.in_flight += 1  # it is now the busiest, but only slightly
+    again = router.choose(prompt(1)[:2 * PAGE] + [7] * 40).generate  # same first two pages, different tail
+    assert again is first
+    other = router.choose(prompt(2)).generate  # an unrelated prompt goes to a less loaded worker
+    assert other is not first
+
+
+def test_cache_aware_gives_up_affinity_when_the_owner_is_overloaded():
+    pool = make_pool("colocated", {"colocated": 2})
+    router = Router(pool, balance_abs=2, balance_rel=1.5)
+    owner = router.choose(prompt(1)).generate
+    owner.in_flight = 10
+    assert router.choose(prompt(1)).generate is not owner
+
+
+def test_short_prompts_without_a_full_page_go_by_load():
+    pool = make_pool("colocated", {"colocated": 2})
+    router = Router(pool)
+    a = router.choose([1, 2, 3]).generate
+    a.in_flight += 1
+    assert router.choose([1, 2, 3]).generate is not a
+
+
+def test_pd_pairs_prefill_by_affinity_and_decode_by_load_and_free_pages():
+    pool = make_pool("pd", {"prefill": 2, "decode": 3})
+    router = Router(pool)
+    decodes = pool.of_role("decode")
+    decodes[0].in_flight = 3
+    decodes[1].load = pb.LoadReply(free_pages=10, total_pages=100)
+    decodes[2].load = pb.LoadReply(free_pages=90, total_pages=100)
+    pair = router.choose(prompt(1))
+    assert pair.prefill.role == "prefill"
+    assert pair.generate is decodes[2]  # idle, and the most free pages
+    assert router.choose(prompt(1)).prefill is pair.prefill
+    # A decode worker whose free pages cannot hold the prompt is the last resort.
+    decodes[2].load = pb.LoadReply(free_pages=2, total_pages=100)
+    assert router.choose(prompt(3, pages=8)).generate is decodes[1]
+
+
+def test_round_robin_cycles_over_healthy_workers_only():
+    pool = make_pool("colocated", {"colocated": 3})
+    router = Router(pool, "round_robin")
+    ws = pool.of_role("colocated")
+    ws[1].healthy = False
+    picks = [router.choose(prompt(1)).generate.address for _ in range(4)]
+    assert picks == [ws[0].address, ws[2].address] * 2
+
+
+def test_excluded_and_unhealthy_workers_are_never_chosen():
+    pool = make_pool("pd", {"prefill": 2, "decode": 2})
+    router = Router(pool)
+    p0, p1 = pool.of_role("prefill")
+    d0, d1 = pool.of_role("decode")
+    pair = router.choose(prompt(1), exclude=frozenset({p0.address, d0.address}))
+    assert (pair.prefill, pair.generate) == (p1, d1)
+    d1.healthy = False
+    with pytest.raises(NoWorker, match="decode"):
+        router.choose(prompt(1), exclude=frozenset({d0.address}))
+
+
+def test_forget_drops_affinity_after_a_cache_flush():
+    pool = make_pool("colocated", {"colocated": 2})
+    router = Router(pool)
+    owner = router.choose(prompt(1)).generate
+    router.forget(owner.address)
+    assert owner.address not in router.prefixes.values()
+
+
+def test_pool_refuses_incomplete_or_mixed_worker_lists():
+    with pytest.raises(ValueError, match="--prefill and --decode"):
+        WorkerPool({"prefill": ["a:1"]})
+    with pytest.raises(ValueError, match="not both"):
+        WorkerPool({"colocated": ["a:1"], "decode": ["b:2"]})
+
+
+async def test_dns_names_expand_to_every_address_and_follow_changes(monkeypatch):
+    answers = {"decode.svc:50052": ["10.1.0.1:50052", "10.1.0.2:50052"], "prefill.svc:50051": ["10.2.0.1:50051"]}
+    monkeypatch.setattr("pdserve.services.gateway.workers.expand_hostports", lambda spec: answers[spec])
+    pool = WorkerPool({"prefill": ["prefill.svc:50051"], "decode": ["decode.svc:50052"]})
+    try:
+        await pool._resolve()
+        assert sorted(w.address for w in pool.of_role("decode")) == ["10.1.0.1:50052", "10.1.0.2:50052"]
+        busy = pool.workers["10.1.0.1:50052"]
+        busy.in_flight = 1
+        answers["decode.svc:50052"] = ["10.1.0.3:50052"]  # a scale-down and a new pod
+        await pool._resolve()
+        # The new pod joins; the idle vanished one goes; the one with requests stays until they finish.
+        assert sorted(w.address for w in pool.of_role("decode")) == ["10.1.0.1:50052", "10.1.0.3:50052"]
+        busy.in_flight = 0
+        await pool._resolve()
+        assert [w.address for w in pool.of_role("decode")] == ["10.1.0.3:50052"]
+        assert [w.address for w in pool.of_role("prefill")] == ["10.2.0.1:50051"]
+    finally:
+        await pool.close()
