@@ -79,7 +79,8 @@ class WorkerApp:
         self.engine.start()
         server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(
-            WorkerService(self.engine, self.role, self.compat, self.info, self.peers), server)
+            WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
+                          is_ready=lambda: self.ready and self.engine.is_alive()), server)
         if self.role == Role.PREFILL:
             pb_grpc.add_PrefillServicer_to_server(PrefillService(self.engine, self.compat, self.transfer), server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -36,8 +37,10 @@ class Timeouts:
 
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
-                 peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts()) -> None:
+                 peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
+                 is_ready: Callable[[], bool] | None = None) -> None:
         self.engine = engine
+        self.is_ready = is_ready or engine.is_alive
         self.role = role
         self.compat = compat
         self.info = info
@@ -144,7 +147,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.AbortReply(found=found)
 
     async def Health(self, request, context):
-        return pb.HealthReply(ok=self.engine.is_alive(), role=self.role.value)
+        return pb.HealthReply(ok=self.is_ready(), role=self.role.value)
 
     async def Info(self, request, context):
         return self.info
