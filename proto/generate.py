@@ -1,7 +1,8 @@
 """Regenerate the gRPC stubs from the .proto files in this folder.
 
-Run `python -m pdserve.proto.generate` after editing a .proto; a test checks the
-committed stubs match, so they are never edited by hand.
+Run `python -m pdserve.proto.generate` after editing a .proto; a test runs
+`python -m pdserve.proto.generate --check` to prove the committed stubs match, so
+they are never edited by hand.
 """
 from __future__ import annotations
 
@@ -32,7 +33,18 @@ def render() -> dict[str, str]:
         return stubs
 
 
+def stale() -> list[str]:
+    """Names of the committed stubs that differ from what protoc generates now."""
+    return [name for name, text in render().items()
+            if not (HERE / name).exists() or (HERE / name).read_text() != text]
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--check"]:
+        names = stale()
+        for name in names:
+            print(f"{name} is stale: run `python -m pdserve.proto.generate`", file=sys.stderr)
+        return 1 if names else 0
     for name, text in render().items():
         (HERE / name).write_text(text)
         print(f"wrote {HERE / name}")

@@ -50,7 +50,9 @@ class SamplingParams:
     min_new_tokens: int = 0
     """Until this many tokens are out, eos (unless ignore_eos) and stop_token_ids cannot be sampled."""
     stop_token_ids: tuple[int, ...] = ()
+    """Sampling one of these ends the request (finish reason "stop"), as eos does."""
     ignore_eos: bool = False
+    """Eos does not end the request."""
     seed: int | None = None
     """Same seed, params and model: the same tokens, whatever else runs in the batch."""
     n: int = 1

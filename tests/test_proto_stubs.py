@@ -1,12 +1,13 @@
 """The committed gRPC stubs are exactly what protoc generates from the .proto files."""
 from __future__ import annotations
 
-from pathlib import Path
-
-from pdserve.proto import generate
+import subprocess
+import sys
 
 
 def test_committed_stubs_match_the_proto_files():
-    for name, text in generate.render().items():
-        committed = (Path(generate.__file__).parent / name).read_text()
-        assert committed == text, f"{name} is stale: run `python -m pdserve.proto.generate`"
+    # In a process of its own: grpc_tools' bundled protoc extension can crash a process that already
+    # loaded torch, NIXL and the protobuf runtime (as the test session has).
+    run = subprocess.run([sys.executable, "-m", "pdserve.proto.generate", "--check"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
