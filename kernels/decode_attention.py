@@ -12,7 +12,6 @@ sequence's end write an empty partial (weight zero), so no host sync on lengths 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -22,18 +21,22 @@ _MAX_SPLITS = 32
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [P, S, Hk, D] (strided); page_table: [B, max_pages]; seq_lens: [B]."""
-    B, _, D = q.shape
+    B, num_heads, D = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    num_pages = triton.cdiv(max_len, page_size)
+    num_pages = triton.cdiv(int(seq_lens.max()), page_size)
+    n = num_pages * page_size
     # Padded gather of every sequence's pages (index_select is far faster than fancy indexing on CPU).
     pages = page_table[:, :num_pages].clamp(min=0).reshape(-1).long()
-    k = k_cache.index_select(0, pages).view(B, num_pages * page_size, num_kv_heads, D).transpose(1, 2)
-    v = v_cache.index_select(0, pages).view(B, num_pages * page_size, num_kv_heads, D).transpose(1, 2)
-    positions = torch.arange(num_pages * page_size, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, N]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)  # [B, Hq, D]
+    k = k_cache.index_select(0, pages).view(B, n, num_kv_heads, D).permute(0, 2, 3, 1)  # [B, Hk, D, N]
+    v = v_cache.index_select(0, pages).view(B, n, num_kv_heads, D).transpose(1, 2)  # [B, Hk, N, D]
+    # GQA as a batched matmul: the query heads of one kv head are rows of one small matrix. With a single
+    # query row per head this is several times faster on CPU than scaled_dot_product_attention.
+    q = q.view(B, num_kv_heads, num_heads // num_kv_heads, D)
+    scores = torch.matmul(q, k).float().mul_(scale)  # [B, Hk, G, N] fp32
+    padding = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]  # [B, N]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, num_heads, D)  # [B, Hq, D]
 
 
 @triton.jit
