@@ -33,7 +33,9 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         pages = page_table[b, :triton.cdiv(seq_len, page_size)].long()
         k = _gather_kv(k_cache, pages, seq_len).transpose(0, 1)  # [Hk, L, D]
         v = _gather_kv(v_cache, pages, seq_len).transpose(0, 1)
-        qb = q[start:start + ext].transpose(0, 1)  # [Hq, ext, D]
+        # 4-D inputs: with 3-D ones torch falls back from its CPU flash kernel to a ~5x slower math path.
+        qb = q[start:start + ext].transpose(0, 1)[None]  # [1, Hq, ext, D]
+        k, v = k[None], v[None]
         prefix = seq_len - ext
         if prefix == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -42,7 +44,7 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             keys = torch.arange(seq_len, device=q.device)
             mask = keys[None, :] <= torch.arange(prefix, seq_len, device=q.device)[:, None]  # [ext, L]
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + ext] = o.transpose(0, 1)
+        out[start:start + ext] = o[0].transpose(0, 1)
     return out
 
 
