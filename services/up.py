@@ -450,7 +450,8 @@ def validate(args: argparse.Namespace) -> None:
 def banner(plan: Plan, log_dir: Path) -> str:
     workers = [s.name for s in plan.services if s.args and s.args[0] in ("colocated", "prefill", "decode")]
     auth = " -H 'Authorization: Bearer YOUR_API_KEY'" if plan.api_key else ""
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 32}'
+    # Greedy, so the first answer a user sees is the model's best one rather than a sample.
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "%s"}], "temperature": 0, "max_tokens": 32}'
             % (plan.model_name, CHAT_EXAMPLE))
     return "\n".join([
         f"[up] pdserve is ready: workers {', '.join(workers)}; model {plan.model_name}",

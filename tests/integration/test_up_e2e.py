@@ -5,6 +5,7 @@ dir), talks to it, and stops it with a signal; nothing may outlive `up`.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -130,6 +131,9 @@ def test_up_serves_chat_streaming_and_files_over_prefill_decode(start_up):
                                             stream=True)
     assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert model in [m.id for m in client.models.list()]
+    curl = re.search(r"^  (curl .*\\\n    -d '.*')$", up.output, re.M).group(1)  # the banner's example, as printed
+    answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert "Paris" in json.loads(answer.stdout)["choices"][0]["message"]["content"]
     line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}\n'
     uploaded = client.files.create(file=("batch.jsonl", line), purpose="batch")
     assert client.files.retrieve(uploaded.id).bytes == len(line)
