@@ -21,6 +21,35 @@ _MAX_SPLITS = 32
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; caches: [P, S, Hk, D] (strided); page_table: [B, max_pages]; seq_lens: [B]."""
+    groups = _length_groups(seq_lens.tolist())
+    if len(groups) == 1:
+        return _padded_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
+    out = torch.empty_like(q)
+    for rows in groups:
+        index = torch.tensor(rows, device=q.device)
+        out[index] = _padded_decode_attention(q[index], k_cache, v_cache, page_table[index], seq_lens[index], scale)
+    return out
+
+
+def _length_groups(lens: list[int], slack: int = 2, min_len: int = 256) -> list[list[int]]:
+    """Rows grouped so that padding a group to its longest sequence at most doubles its work.
+
+    One long sequence among short ones would otherwise make every sequence of the batch gather and
+    attend over the long one's length. Sequences up to `min_len` tokens always share a group.
+    """
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    floor = 0
+    for row in order:
+        if not groups or lens[row] > max(slack * floor, min_len):
+            groups.append([])
+            floor = lens[row]
+        groups[-1].append(row)
+    return groups
+
+
+def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     B, num_heads, D = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_pages = triton.cdiv(int(seq_lens.max()), page_size)
@@ -31,7 +60,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     v = v_cache.index_select(0, pages).view(B, n, num_kv_heads, D).transpose(1, 2)  # [B, Hk, N, D]
     # GQA as a batched matmul: the query heads of one kv head are rows of one small matrix. With a single
     # query row per head this is several times faster on CPU than scaled_dot_product_attention.
-    q = q.view(B, num_kv_heads, num_heads // num_kv_heads, D)
+    q = q.reshape(B, num_kv_heads, num_heads // num_kv_heads, D)
     scores = torch.matmul(q, k).float().mul_(scale)  # [B, Hk, G, N] fp32
     padding = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]  # [B, N]
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))

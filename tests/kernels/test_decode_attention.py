@@ -45,3 +45,26 @@ def test_triton_matches_torch(dtype, page_size, group, num_splits):
     q, kv = make_case(LENS, page_size, group, dtype, TRITON_DEVICE)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
     assert_close(decode_attention_triton(*args, num_splits=num_splits), decode_attention_torch(*args), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_reference_with_one_long_sequence_among_short_ones(device):
+    # Short and long rows are attended in separate groups; every row must still see exactly its own tokens.
+    lens = [3, 600, 17, 290, 5, 1200]
+    q, kv = make_case(lens, 16, 3, torch.float32, device)
+    out = decode_attention_torch(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
+    for b, n in enumerate(lens):
+        expected = naive_attention(q[b:b + 1], kv.keys[b], kv.values[b], n - 1, D ** -0.5)
+        torch.testing.assert_close(out[b:b + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_bound_padding_and_keep_short_rows_together():
+    from pdserve.kernels.decode_attention import _length_groups
+
+    assert _length_groups([40, 100, 7, 255]) == [[2, 0, 1, 3]]
+    groups = _length_groups([50, 1100, 60, 300, 2500])
+    assert sorted(r for g in groups for r in g) == [0, 1, 2, 3, 4]
+    assert groups[0] == [0, 2]  # the short rows together; 300 would more than double their work
+    lens = [50, 1100, 60, 300, 2500]
+    for g in groups:
+        assert max(lens[r] for r in g) <= max(2 * min(lens[r] for r in g), 256)
