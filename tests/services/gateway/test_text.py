@@ -174,3 +174,15 @@ def test_template_errors_are_value_errors(tok, tmp_path):
     strict = ModelTokenizer(tok.tok.name_or_path, chat_template_file=template)
     with pytest.raises(ValueError, match="roles must alternate"):
         strict.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_kwargs_reach_the_template(default_model_dir, tmp_path):
+    # The switch Qwen3-style templates read: `chat_template_kwargs: {"enable_thinking": false}` in a request.
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    tok = ModelTokenizer(default_model_dir, chat_template_file=template)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.render_chat(messages) == "Hi\n"
+    assert tok.render_chat(messages, template_kwargs={"enable_thinking": True}) == "Hi\n"
+    assert tok.render_chat(messages, template_kwargs={"enable_thinking": False}) == "Hi\n<think></think>"
