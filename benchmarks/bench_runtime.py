@@ -14,7 +14,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig
 from pdserve.shared.engine import Engine
@@ -39,15 +38,14 @@ def _timed(fn) -> float:
 
 
 def matmul_floor_s(engine: Engine, batch: int) -> float:
-    """One decode step's weight matmuls alone, in the model's order and dtype."""
+    """One decode step's weight matmuls alone, in the model's order, dtype and form (packed on CPU)."""
     model = engine.runner.model
-    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=model.dtype) for w in weights + [model.lm_head]}
+    linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
+    x = {lin.shape[1]: torch.randn(batch, lin.shape[1], dtype=model.dtype) for lin in linears}
 
     def step():
-        for w in weights:
-            F.linear(x[w.shape[1]], w)
-        F.linear(x[model.lm_head.shape[1]], model.lm_head)
+        for lin in linears:
+            lin(x[lin.shape[1]])
 
     step()
     return statistics.median(_timed(step) for _ in range(7))
@@ -55,8 +53,7 @@ def matmul_floor_s(engine: Engine, batch: int) -> float:
 
 def weight_bytes(engine: Engine) -> int:
     model = engine.runner.model
-    tensors = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return sum(t.numel() * t.element_size() for t in tensors + [model.lm_head])
+    return sum(lin.nbytes for layer in model.layers for lin in layer.linears()) + model.lm_head.nbytes
 
 
 def runtime_decode_step_s(engine: Engine, batch: int, new_tokens: int) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "build_cos_sin_cache": "rotary",
     "decode_attention_torch": "decode_attention", "decode_attention_triton": "decode_attention",
+    "plan_decode_torch": "decode_attention", "plan_decode_triton": "decode_attention",
     "extend_attention_torch": "extend_attention", "extend_attention_triton": "extend_attention",
     "rmsnorm_torch": "rmsnorm", "rmsnorm_triton": "rmsnorm",
     "rotary_torch": "rotary", "rotary_triton": "rotary",

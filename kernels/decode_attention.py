@@ -8,8 +8,14 @@ The Triton path is split-K (flash decoding): stage one gives each (sequence, kv 
 split) program one slice of the sequence and all query heads of that kv head, writing a
 partial output and its log-sum-exp; stage two merges the splits. Splits past a
 sequence's end write an empty partial (weight zero), so no host sync on lengths is needed.
+
+The torch path gathers each sequence's pages into a padded batch. What that needs from the
+page table and lengths (rows grouped by length, page indices, padding mask) is the same for
+every layer of a step: `plan_decode_torch` computes it once and each layer's call reuses it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,16 +24,47 @@ import triton.language as tl
 _MAX_SPLITS = 32
 
 
-def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; caches: [P, S, Hk, D] (strided); page_table: [B, max_pages]; seq_lens: [B]."""
+@dataclass(frozen=True)
+class _PaddedGroup:
+    rows: torch.Tensor | None  # [b] int64 rows of the batch in this group; None: all rows, in order
+    pages: torch.Tensor  # [b * num_pages] int64 pages to gather, page-table order
+    padding: torch.Tensor  # [b, 1, 1, N] bool, True past each row's length
+    num_tokens: int  # N: the group's padded length, a whole number of pages
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    groups: list[_PaddedGroup]
+
+
+def plan_decode_torch(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
+    """Everything decode_attention_torch derives from the page table and lengths, for all layers of a step."""
     groups = _length_groups(seq_lens.tolist())
-    if len(groups) == 1:
-        return _padded_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
-    out = torch.empty_like(q)
+    planned = []
     for rows in groups:
-        index = torch.tensor(rows, device=q.device)
-        out[index] = _padded_decode_attention(q[index], k_cache, v_cache, page_table[index], seq_lens[index], scale)
+        index = None if len(groups) == 1 else torch.tensor(rows, device=page_table.device)
+        table = page_table if index is None else page_table[index]
+        lens = seq_lens if index is None else seq_lens[index]
+        num_pages = triton.cdiv(int(lens.max()), page_size)
+        n = num_pages * page_size
+        pages = table[:, :num_pages].clamp(min=0).reshape(-1).long()
+        padding = torch.arange(n, device=lens.device)[None, :] >= lens[:, None]  # [b, N]
+        planned.append(_PaddedGroup(index, pages, padding[:, None, None, :], n))
+    return DecodePlan(planned)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           plan: DecodePlan | None = None) -> torch.Tensor:
+    """q: [B, Hq, D]; caches: [P, S, Hk, D] (strided); page_table: [B, max_pages]; seq_lens: [B].
+
+    `plan`: from plan_decode_torch on the same page_table and seq_lens (computed here when None)."""
+    plan = plan or plan_decode_torch(page_table, seq_lens, k_cache.shape[1])
+    if len(plan.groups) == 1:
+        return _padded_decode_attention(q, k_cache, v_cache, plan.groups[0], scale)
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        out[group.rows] = _padded_decode_attention(q[group.rows], k_cache, v_cache, group, scale)
     return out
 
 
@@ -48,22 +85,18 @@ def _length_groups(lens: list[int], slack: int = 2, min_len: int = 256) -> list[
     return groups
 
 
-def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _PaddedGroup,
+                             scale: float) -> torch.Tensor:
     B, num_heads, D = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_pages = triton.cdiv(int(seq_lens.max()), page_size)
-    n = num_pages * page_size
+    n, num_kv_heads = group.num_tokens, k_cache.shape[2]
     # Padded gather of every sequence's pages (index_select is far faster than fancy indexing on CPU).
-    pages = page_table[:, :num_pages].clamp(min=0).reshape(-1).long()
-    k = k_cache.index_select(0, pages).view(B, n, num_kv_heads, D).permute(0, 2, 3, 1)  # [B, Hk, D, N]
-    v = v_cache.index_select(0, pages).view(B, n, num_kv_heads, D).transpose(1, 2)  # [B, Hk, N, D]
+    k = k_cache.index_select(0, group.pages).view(B, n, num_kv_heads, D).permute(0, 2, 3, 1)  # [B, Hk, D, N]
+    v = v_cache.index_select(0, group.pages).view(B, n, num_kv_heads, D).transpose(1, 2)  # [B, Hk, N, D]
     # GQA as a batched matmul: the query heads of one kv head are rows of one small matrix. With a single
     # query row per head this is several times faster on CPU than scaled_dot_product_attention.
     q = q.reshape(B, num_kv_heads, num_heads // num_kv_heads, D)
     scores = torch.matmul(q, k).float().mul_(scale)  # [B, Hk, G, N] fp32
-    padding = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]  # [B, N]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    scores.masked_fill_(group.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(B, num_heads, D)  # [B, Hq, D]
 
@@ -163,8 +196,8 @@ def _num_splits(device: torch.device, batch_kv_programs: int, max_len: int, bloc
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            num_splits: int | None = None) -> torch.Tensor:
-    """Same contract as decode_attention_torch; `num_splits` overrides the split heuristic."""
+                            plan: None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as decode_attention_torch (it needs no plan); `num_splits` overrides the split heuristic."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -200,3 +233,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1), splits, D,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def plan_decode_triton(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """The Triton kernel reads the page table and lengths directly: nothing to plan."""
+    return None

@@ -16,6 +16,7 @@ class KernelOps:
     rotary: Callable
     silu_and_mul: Callable
     store_kv: Callable
+    plan_decode: Callable  # (page_table, seq_lens, page_size) -> plan handed to every layer's decode_attention
     decode_attention: Callable
     extend_attention: Callable
 
@@ -32,6 +33,7 @@ def get_kernel_ops(backend: str) -> KernelOps:
         rotary=getattr(rotary, "rotary" + suffix),
         silu_and_mul=getattr(silu_mul, "silu_and_mul" + suffix),
         store_kv=getattr(kv_store, "store_kv" + suffix),
+        plan_decode=getattr(decode_attention, "plan_decode" + suffix),
         decode_attention=getattr(decode_attention, "decode_attention" + suffix),
         extend_attention=getattr(extend_attention, "extend_attention" + suffix),
     )

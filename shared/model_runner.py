@@ -67,7 +67,7 @@ class ModelRunner:
         return self.pool.page_size
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [B, V] (fp32) for the last new token of every request in the batch."""
+        """Logits [B, V] (model dtype) for the last new token of every request in the batch."""
         return self.model.forward(self.prepare(batch), self.pool, self.ops)
 
     def prepare(self, batch: Batch) -> ForwardBatch:

@@ -2,7 +2,7 @@
 
 One class covers both architectures: Qwen2 is Llama with a bias on the q, k and v
 projections. Weights are fused at load time (q|k|v into one matrix, gate|up into
-another) so a layer is four matmuls.
+another) so a layer is four matmuls, each a `Linear` prepared for the device.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pdserve.kernels.rotary import build_cos_sin_cache
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
+from pdserve.shared.linear import Linear
 
 
 @dataclass
@@ -37,12 +38,14 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hk) * D, H]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
+    qkv: Linear  # [(Hq + 2 Hk) * D, H], with Qwen2's bias
+    o: Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Linear  # [2 I, H]
+    down: Linear  # [H, I]
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class LlamaForCausalLM:
@@ -53,7 +56,7 @@ class LlamaForCausalLM:
         self.layers: list[LayerWeights] = []
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.lm_head: Linear | None = None
         self.cos_sin = build_cos_sin_cache(config.head_dim, max_positions, config.rope_theta,
                                            config.rope_scaling, self.device)  # [max_pos, D] fp32
         self.scale = config.head_dim ** -0.5
@@ -76,34 +79,36 @@ class LlamaForCausalLM:
                 qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
-                qkv_bias=qkv_bias,
-                o=take(p + "self_attn.o_proj.weight"),
+                qkv=Linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                o=Linear(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=Linear(take(p + "mlp.down_proj.weight")),
             ))
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head = self.embed
+            # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed copy.
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = Linear(take("lm_head.weight"))
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, ops: KernelOps) -> torch.Tensor:
-        """Run the new tokens through the model; return fp32 logits [B, V] of each sequence's last row."""
+        """Run the new tokens through the model; return the logits [B, V] of each sequence's last row, in the
+        model's dtype (the sampler widens to fp32 only what it must: greedy rows need no copy at all)."""
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
         residual = None
+        plan = ops.plan_decode(batch.page_table, batch.seq_lens, pool.page_size) if batch.is_decode else None
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
                 x = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (Hq + 2 Hk) * D]
+            qkv = layer.qkv(x)  # [T, (Hq + 2 Hk) * D]
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -112,16 +117,16 @@ class LlamaForCausalLM:
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
             ops.store_kv(k, v, k_cache, v_cache, batch.slots)
             if batch.is_decode:
-                attn = ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+                attn = ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale, plan)
             else:
                 attn = ops.extend_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
                                             batch.extend_lens, batch.q_start, self.scale)
-            hidden = F.linear(attn.reshape(-1, q_size), layer.o)  # [T, H]
+            hidden = layer.o(attn.reshape(-1, q_size))  # [T, H]
             x, residual = ops.rmsnorm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
         last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()  # [B, V]
+        return self.lm_head(last)  # [B, V]
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -88,5 +88,7 @@ def test_sharded_checkpoints_load(tiny_models, tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     sharded, single = make_runner(tmp_path, "torch"), make_runner(tiny_models["qwen2"], "torch")
     for a, b in zip(sharded.model.layers, single.model.layers):
-        assert torch.equal(a.qkv, b.qkv) and torch.equal(a.qkv_bias, b.qkv_bias) and torch.equal(a.down, b.down)
-    assert torch.equal(sharded.model.lm_head, single.model.lm_head)
+        for x, y in zip(a.linears(), b.linears()):
+            assert torch.equal(x.dense_weight(), y.dense_weight())
+        assert torch.equal(a.qkv.bias, b.qkv.bias)
+    assert torch.equal(sharded.model.lm_head.dense_weight(), single.model.lm_head.dense_weight())

