@@ -185,8 +185,10 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def check_ports(services: list[Service]) -> None:
+    """Mistakes in the plan first, then ports something else holds (the answer to those may change)."""
+    uses = [u for s in services for u in s.ports]
     seen: dict[int, PortUse] = {}
-    for use in (u for s in services for u in s.ports):
+    for use in uses:
         if not 0 < use.port < 65536:
             raise UpError(f"port {use.port} ({use.what}) is out of range: choose another with {use.flag}")
         if use.port in seen:
@@ -194,6 +196,7 @@ def check_ports(services: list[Service]) -> None:
             raise UpError(f"port {use.port} is planned twice: {other.what} ({other.flag}) and {use.what} "
                           f"({use.flag})")
         seen[use.port] = use
+    for use in uses:
         if port_in_use(use.host, use.port):
             raise UpError(f"port {use.port} is in use ({use.what}): stop what holds it or choose another port "
                           f"with {use.flag}")

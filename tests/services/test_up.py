@@ -389,7 +389,12 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = holder.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--port", str(taken), "--state-dir",
+        # Every other port free too: the defaults sit in the ephemeral range, where a test's client
+        # connections may hold one for a moment.
+        ports = free_ports(2)
+        others = ["--jobs-port", str(ports["jobs_port"]), "--redis-port", str(ports["redis_port"]),
+                  "--worker-port", str(ports["worker_port"])]
+        result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--port", str(taken), *others, "--state-dir",
                                  str(tmp_path / "state"), "--model-path", str(tmp_path / "missing")],
                                 capture_output=True, text=True, timeout=60)
     assert result.returncode == 1

@@ -145,7 +145,8 @@ def test_cancel_keeps_results_and_stops_sending(jobs_system):
 
     t0 = time.monotonic()
     cancelling = c.batches.cancel(batch.id)
-    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    # The reply is the batch as read after the cancel: a worker may already have finished cancelling it.
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     done, seen = wait_batch(c, batch.id, timeout=10)
     assert done.status == "cancelled" and time.monotonic() - t0 < 5, seen
     assert done.cancelled_at >= done.cancelling_at
