@@ -80,9 +80,8 @@ def build(args: argparse.Namespace):
                       BackendSettings(max_queued_requests=args.max_queued_requests),
                       default_context_length=config.max_position_embeddings)
     served = args.served_model_name or given
-    names = {served, given, str(model_dir), model_dir.name}
-    if given == DEFAULT_MODEL_NAME:
-        names.add("default")
+    # One model per gateway: "default" always names it, as in SGLang's examples and clients written for them.
+    names = {served, given, str(model_dir), model_dir.name, "default"}
     public_args = {**{k: v for k, v in vars(args).items() if k not in ("api_key", "command")},
                    "model_path": given, "tokenizer_path": args.tokenizer_path or given, "served_model_name": served,
                    "api_key_required": bool(args.api_key)}

@@ -125,7 +125,8 @@ def test_up_serves_chat_streaming_and_files_over_prefill_decode(start_up):
     assert {"redis", "prefill", "decode", "jobs", "gateway"} <= set(
         m.group(1) for m in re.finditer(r"^\[up\] started (\S+)", up.output, re.M))
     client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120)
-    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+    # As in the README's example: "default" names the served model.
+    reply = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=16)
     assert "Paris" in reply.choices[0].message.content
     stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16,
                                             stream=True)
