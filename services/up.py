@@ -12,54 +12,18 @@ is reported with its last log lines, everything else is stopped, and `up` exits 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-LAST_LINES = 20  # lines of a failed child's log shown to the user
-POLL_S = 0.2
-PROBE_TIMEOUT_S = 2.0
+from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
+
 CHAT_EXAMPLE = "What is the capital of France?"
-
-
-class UpError(RuntimeError):
-    """A problem the user can fix before anything runs (port in use, missing executable, bad flag)."""
-
-
-@dataclass(frozen=True)
-class PortUse:
-    port: int
-    host: str
-    what: str  # e.g. "prefill HTTP port"
-    flag: str  # the flag that moves it
-
-
-@dataclass
-class Service:
-    """One child process: how to run it, when to start it, and how to tell it is ready."""
-
-    name: str
-    launcher: list[str]  # the executable part of the command line; `--substitute` swaps only this
-    args: list[str]
-    stage: int
-    health_url: str  # http://.../health or redis://...
-    ports: list[PortUse]
-    env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def argv(self) -> list[str]:
-        return self.launcher + self.args
 
 
 @dataclass
@@ -210,198 +174,6 @@ def check_executables(services: list[Service]) -> None:
                 raise UpError("redis-server is not installed: install it (Debian/Ubuntu: `sudo apt-get install "
                               "redis-server`; macOS: `brew install redis`) or pass --redis-url to use a running Redis")
             raise UpError(f"cannot run {service.name}: {exe!r} not found")
-
-
-def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True when the service behind `url` answers healthy: HTTP 200 on /health, or PONG from Redis."""
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        import redis
-
-        try:
-            with redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout) as client:
-                return bool(client.ping())
-        except (redis.RedisError, OSError):
-            return False
-    # No proxies: every health URL is local, and an http_proxy variable must not reroute it.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as response:
-            return response.status == 200
-    except (OSError, ValueError):
-        return False
-
-
-# ---------------------------------------------------------------- supervision
-
-
-class Console:
-    """Serialises output from the supervisor and the children's reader threads, line by line."""
-
-    def __init__(self, out=None, err=None) -> None:
-        self._out, self._err = out or sys.stdout, err or sys.stderr
-        self._lock = threading.Lock()
-
-    def print(self, text: str, err: bool = False) -> None:
-        with self._lock:
-            try:
-                print(text, file=self._err if err else self._out, flush=True)
-            except (OSError, ValueError):  # a closed terminal must not stop the supervision
-                pass
-
-
-class Child:
-    """One running service: its process (leader of its own process group), its log, its last lines."""
-
-    def __init__(self, service: Service, console: Console, log_dir: Path) -> None:
-        self.service = service
-        self.name = service.name
-        self.tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
-        self.log_path = log_dir / f"{service.name}.log"
-        self._console = console
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
-        try:
-            # Own session: Ctrl-C reaches only `up`, which stops the children in order.
-            self.proc = subprocess.Popen(service.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        except OSError as exc:
-            self._log.close()
-            raise UpError(f"cannot start {service.name} ({shlex.join(service.argv)}): {exc}") from exc
-        self._reader = threading.Thread(target=self._pump, name=f"log-{self.name}", daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            self._log.write(raw)
-            self._log.flush()
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            self.tail.append(line)
-            self._console.print(f"[{self.name}] {line}")
-        self._log.close()
-
-    def exited(self) -> bool:
-        return self.proc.poll() is not None
-
-    def describe_exit(self) -> str:
-        code = self.proc.returncode
-        if code is not None and code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
-
-    def last_lines(self) -> list[str]:
-        self._reader.join(timeout=2.0)  # let the reader drain what the process wrote before it died
-        return list(self.tail)
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class Supervisor:
-    """Starts services stage by stage, watches them, and stops them all on any way out."""
-
-    def __init__(self, services: list[Service], console: Console, log_dir: Path, startup_timeout: float = 300.0,
-                 stop_timeout: float = 10.0, health: Callable[[str], bool] = probe) -> None:
-        self.services = services
-        self.console = console
-        self.log_dir = log_dir
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.health = health
-        self.children: list[Child] = []
-        self._stop = threading.Event()
-        self._force = threading.Event()
-        self.reason = ""
-
-    def request_stop(self, reason: str) -> None:
-        """Ask for an orderly stop; asked again while stopping, kill at once (signal-handler safe)."""
-        if self._stop.is_set():
-            self._force.set()
-        self._stop.set()
-        self.reason = reason
-
-    def run(self, on_ready: Callable[[], None]) -> int:
-        """Start everything, serve until stopped; 0 after a requested stop, 1 when any child failed."""
-        try:
-            for stage in sorted({s.stage for s in self.services}):
-                group = [s for s in self.services if s.stage == stage]
-                for service in group:
-                    self._start(service)
-                outcome = self._wait_healthy(group)
-                if outcome is not None:
-                    return outcome
-            on_ready()
-            while not self._stop.wait(POLL_S):
-                dead = next((c for c in self.children if c.exited()), None)
-                if dead is not None:
-                    self._report(dead, dead.describe_exit())
-                    return 1
-            self.console.print(f"[up] {self.reason}: stopping every service")
-            return 0
-        except UpError as exc:
-            self.console.print(f"error: {exc}", err=True)
-            return 1
-        finally:
-            self.stop_all()
-
-    def _start(self, service: Service) -> None:
-        child = Child(service, self.console, self.log_dir)
-        self.children.append(child)
-        self.console.print(f"[up] started {service.name} (pid {child.proc.pid}): {shlex.join(service.argv)}")
-
-    def _wait_healthy(self, group: list[Service]) -> int | None:
-        """None once every child of the group is healthy; else the exit code `run` should return."""
-        pending = [c for c in self.children if c.service in group]
-        deadline = time.monotonic() + self.startup_timeout
-        while pending:
-            if self._stop.is_set():
-                self.console.print(f"[up] {self.reason} during start-up: stopping every service")
-                return 0
-            dead = next((c for c in self.children if c.exited()), None)
-            if dead is not None:
-                self._report(dead, f"{dead.describe_exit()} before the system was ready")
-                return 1
-            if time.monotonic() > deadline:
-                child = pending[0]
-                self._report(child, f"did not become healthy within {self.startup_timeout:g} s "
-                                    f"(checked {child.service.health_url})")
-                return 1
-            for child in list(pending):
-                if self.health(child.service.health_url):
-                    pending.remove(child)
-                    self.console.print(f"[up] {child.name} is healthy")
-            if pending:
-                self._stop.wait(POLL_S)
-        return None
-
-    def _report(self, child: Child, what: str) -> None:
-        lines = child.last_lines()
-        text = [f"error: {child.name} {what}; stopping everything.",
-                f"last {len(lines)} lines of {child.name} (full log: {child.log_path}):"]
-        text += [f"  | {line}" for line in lines] or ["  | (no output)"]
-        self.console.print("\n".join(text), err=True)
-
-    def stop_all(self) -> None:
-        """SIGTERM each stage's process groups (last stage first), SIGKILL what outlives the grace period."""
-        for stage in sorted({c.service.stage for c in self.children}, reverse=True):
-            group = [c for c in self.children if c.service.stage == stage]
-            for child in group:
-                if not child.exited():
-                    child.signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + self.stop_timeout
-            while any(not c.exited() for c in group) and time.monotonic() < deadline and not self._force.is_set():
-                time.sleep(0.05)
-            for child in group:
-                if not child.exited():
-                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it")
-                # Also reaches what the child started itself and left behind.
-                child.signal_group(signal.SIGKILL)
-                child.proc.wait()
-        for child in self.children:
-            child.last_lines()
 
 
 # ---------------------------------------------------------------- CLI
