@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from pdserve.kernels import (build_cos_sin_cache, decode_attention_torch, decode_attention_triton,
+from pdserve.kernels import (build_cos_sin_cache, cos_sin_rows, decode_attention_torch, decode_attention_triton,
                              extend_attention_torch, extend_attention_triton, rmsnorm_torch, rmsnorm_triton,
-                             rotary_torch, rotary_triton, silu_and_mul_torch, silu_and_mul_triton,
-                             store_kv_torch, store_kv_triton)
+                             rotary_torch, rotary_triton, silu_and_mul_torch, silu_and_mul_triton, store_kv_torch,
+                             store_kv_triton)
 
 
 def timed(fn, device: str, reps: int) -> float:
@@ -68,8 +68,8 @@ def cases(device: str, small: bool, dtype: torch.dtype):
     yield "rmsnorm+residual", (rmsnorm_torch, rmsnorm_triton), (rnd(T, H), rnd(H), 1e-5, rnd(T, H)), T * H * 2 * 4
     yield "silu_and_mul", (silu_and_mul_torch, silu_and_mul_triton), (rnd(T, 2 * I),), T * I * 2 * 3
     cache = build_cos_sin_cache(d, 8192, 500000.0, None, device)
-    pos = torch.randint(0, 8192, (T,), device=device)
-    yield "rotary", (rotary_torch, rotary_triton), (rnd(T, hq, d), rnd(T, hk, d), pos, cache), T * (hq + hk) * d * 4
+    rows = cos_sin_rows(cache, torch.randint(0, 8192, (T,), device=device))
+    yield "rotary", (rotary_torch, rotary_triton), (rnd(T, hq + hk, d), rows), T * (hq + hk) * d * 4
     k_cache, v_cache, _, _ = paged_batch([T], 16, hk, d, dtype, device)
     slots = torch.randperm(k_cache.shape[0] * 16, device=device)[:T]
     yield "store_kv", (store_kv_torch, store_kv_triton), (rnd(T, hk, d), rnd(T, hk, d), k_cache, v_cache, slots), \

@@ -37,8 +37,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def matmul_floor_s(engine: Engine, batch: int) -> float:
-    """One decode step's weight matmuls alone, in the model's order, dtype and form (packed on CPU)."""
+def matmul_floor(engine: Engine, batch: int):
+    """A callable running one decode step's weight matmuls alone, in the model's order, dtype and form
+    (packed on CPU)."""
     model = engine.runner.model
     linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
     x = {lin.shape[1]: torch.randn(batch, lin.shape[1], dtype=model.dtype) for lin in linears}
@@ -48,7 +49,7 @@ def matmul_floor_s(engine: Engine, batch: int) -> float:
             lin(x[lin.shape[1]])
 
     step()
-    return statistics.median(_timed(step) for _ in range(7))
+    return step
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -56,18 +57,22 @@ def weight_bytes(engine: Engine) -> int:
     return sum(lin.nbytes for layer in model.layers for lin in layer.linears()) + model.lm_head.nbytes
 
 
-def runtime_decode_step_s(engine: Engine, batch: int, new_tokens: int) -> float:
+def runtime_decode_step_s(engine: Engine, batch: int, new_tokens: int) -> tuple[float, float]:
+    """Median decode step and median matmul floor, the floor timed right after each step so that both
+    see the same machine (a shared host's speed drifts from second to second)."""
+    floor = matmul_floor(engine, batch)
     for i in range(batch):
         engine.add_request(Req(rid=f"b{batch}-{i}", input_ids=[1, 504, 3300 + i, 42, 9, 17, 88, 11],
                                params=SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)))
-    times = []
+    steps, floors = [], []
     while engine.has_work():
         decoding = not engine.scheduler.waiting and engine.scheduler.chunked is None
         engine.step()
         if decoding and engine.scheduler.running and len(engine.scheduler.running) == batch:
-            times.append(engine.stats.last_step_s)
+            steps.append(engine.stats.last_step_s)
+            floors.append(_timed(floor))
     engine.flush_cache()
-    return statistics.median(times[2:])
+    return statistics.median(steps[2:]), statistics.median(floors[2:])
 
 
 def hf_generate_tok_s(model, batch: int, new_tokens: int) -> float:
@@ -120,8 +125,7 @@ def main() -> None:
           f"read bandwidth {bw:.1f} GB/s; roofline {wbytes / bw / 1e6:.1f} ms/step")
     print(f"{'batch':>5} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'tok/s':>8} {'hf tok/s':>8} {'vs hf':>6}")
     for batch in (int(b) for b in args.batches.split(",")):
-        step = runtime_decode_step_s(engine, batch, args.new_tokens)
-        floor = matmul_floor_s(engine, batch)
+        step, floor = runtime_decode_step_s(engine, batch, args.new_tokens)
         hf_tps = hf_generate_tok_s(hf, batch, args.new_tokens)
         tps = batch / step
         print(f"{batch:>5} {step * 1e3:>8.1f} {floor * 1e3:>8.1f} {step / floor:>10.2f} {tps:>8.1f} {hf_tps:>8.1f} "

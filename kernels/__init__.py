@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "build_cos_sin_cache": "rotary",
+    "build_cos_sin_cache": "rotary", "cos_sin_rows": "rotary",
     "decode_attention_torch": "decode_attention", "decode_attention_triton": "decode_attention",
     "plan_decode_torch": "decode_attention", "plan_decode_triton": "decode_attention",
     "extend_attention_torch": "extend_attention", "extend_attention_triton": "extend_attention",

@@ -13,11 +13,30 @@ import triton.language as tl
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor) -> None:
-    """k, v: [T, Hk, D]; k_cache, v_cache: [P, S, Hk, D] (strided views); slots: [T] int64."""
-    page_size = k_cache.shape[1]
-    pages, offsets = slots // page_size, slots % page_size
-    k_cache[pages, offsets] = k
-    v_cache[pages, offsets] = v
+    """k, v: [T, Hk, D]; k_cache, v_cache: [P, S, Hk, D] (strided views); slots: [T] int64, distinct."""
+    rows = _slot_rows(k_cache, slots)
+    _token_rows(k_cache).index_copy_(0, rows, k)
+    if v_cache.stride() != k_cache.stride():  # pool views share strides: their rows are the same
+        rows = _slot_rows(v_cache, slots)
+    _token_rows(v_cache).index_copy_(0, rows, v)
+
+
+def _token_rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row of [Hk, D] per token slot it can address, over its own storage.
+
+    One index_copy_ into this view writes every new token; indexing pages and offsets
+    separately costs several times more on CPU."""
+    P, S, H, D = cache.shape
+    row = H * D
+    if cache.stride(3) != 1 or cache.stride(2) != D or cache.stride(1) != row or cache.stride(0) % row:
+        raise ValueError("KV cache views must hold each token's [heads, head_dim] contiguously, page rows in order")
+    num_rows = (P - 1) * (cache.stride(0) // row) + S
+    return cache.as_strided((num_rows, H, D), (row, D, 1))
+
+
+def _slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    page_size, page_rows = cache.shape[1], cache.stride(0) // cache.stride(1)
+    return slots + (slots // page_size) * (page_rows - page_size)
 
 
 @triton.jit

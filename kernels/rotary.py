@@ -2,8 +2,12 @@
 
 The cos/sin table is built once per model (`build_cos_sin_cache`) as fp32
 `[max_pos, D]`: columns `[:D/2]` hold cos and `[D/2:]` hold sin of the D/2 inverse
-frequencies. Each op returns new q and k tensors and leaves its inputs untouched; the
-rotation is computed in fp32 and rounded once to the input dtype.
+frequencies. A forward step selects the rows of its tokens' positions once
+(`cos_sin_rows`) and every layer rotates with them.
+
+The op rotates q and k in one call: they are adjacent in the fused qkv projection, so
+the model hands over one `[T, Hq + Hk, D]` view. It returns a new tensor and leaves its
+input untouched; the rotation is computed in fp32 and rounded once to the input dtype.
 """
 from __future__ import annotations
 
@@ -47,32 +51,37 @@ def build_cos_sin_cache(head_dim: int, max_pos: int, base: float, rope_scaling: 
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def cos_sin_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[T, D] fp32: the cache row of each token's position, shared by every layer of a step."""
+    return cos_sin_cache.index_select(0, positions)
 
 
-def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D]; k: [T, Hk, D]; positions: [T] int64. Returns rotated (q, k)."""
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    return _rotate_torch(q, cos, sin), _rotate_torch(k, cos, sin)
+def rotary_torch(qk: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """qk: [T, H, D] (q and k heads together, may be strided); cos_sin: [T, D]. Returns rotated [T, H, D].
+
+    With x = (x1, x2) the two halves of a head: out = (x1 cos - x2 sin, x2 cos + x1 sin), written as
+    x * cos + (-x2 sin, x1 sin) so the whole step is a handful of ops over all heads at once.
+    """
+    T, H, D = qk.shape
+    half = D // 2
+    cos, sin = cos_sin.view(T, 1, 2, half).split(1, dim=2)  # [T, 1, 1, D/2] each
+    x = qk.float().view(T, H, 2, half)
+    swapped = x.flip(2).mul_(sin)  # (x2 sin, x1 sin)
+    swapped[:, :, 0].neg_()
+    return torch.addcmul(swapped, x, cos).reshape(T, H, D).to(qk.dtype)
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr,
-                   stride_xt, stride_xh, stride_ot, stride_oh, stride_cache,
+def _rotary_kernel(x_ptr, out_ptr, cs_ptr,
+                   stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
                    num_heads,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """One program per token: every head of that token, one cos/sin row."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    cos = tl.load(cs_ptr + t * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + t * stride_cs + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
     heads = tl.arange(0, BLOCK_H)
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + heads
@@ -87,9 +96,10 @@ def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr,
         tl.store(out_ptr + o_off + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rotate_triton(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+def rotary_triton(qk: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as rotary_torch."""
+    x = qk if qk.stride(-1) == 1 else qk.contiguous()
+    cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     T, H, D = x.shape
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T == 0:
@@ -97,13 +107,6 @@ def _rotate_triton(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
     half = D // 2
     block_half = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_half))
-    _rotary_kernel[(T,)](x, out, positions, cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                         cache.stride(0), H, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+    _rotary_kernel[(T,)](x, out, cos_sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                         cos_sin.stride(0), H, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
     return out
-
-
-def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as rotary_torch; q and k may be strided views (e.g. of a fused qkv output)."""
-    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    return _rotate_triton(q, positions, cache), _rotate_triton(k, positions, cache)

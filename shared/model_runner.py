@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
+from pdserve.shared.host_memory import keep_freed_memory
 from pdserve.shared.kernel_ops import get_kernel_ops
 from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
@@ -44,6 +45,8 @@ class ModelRunner:
         self.model_config = model_config or ModelConfig.from_dir(config.model_path)
         mc = self.model_config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations are re-allocated every layer: reuse warm pages, not fresh mmaps
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, config.device)
         self.context_length = config.context_length or mc.max_position_embeddings
         if self.context_length > mc.max_position_embeddings and not mc.rope_scaling:

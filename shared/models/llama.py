@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from pdserve.kernels.rotary import build_cos_sin_cache
+from pdserve.kernels.rotary import build_cos_sin_cache, cos_sin_rows
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
@@ -101,6 +101,8 @@ class LlamaForCausalLM:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
         residual = None
+        # What every layer of the step shares is computed once: rotary rows, and the decode attention plan.
+        cos_sin = cos_sin_rows(self.cos_sin, batch.positions)  # [T, D]
         plan = ops.plan_decode(batch.page_table, batch.seq_lens, pool.page_size) if batch.is_decode else None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -109,11 +111,10 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = layer.qkv(x)  # [T, (Hq + 2 Hk) * D]
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q, k = ops.rotary(q, k, batch.positions, self.cos_sin)
+            qk = ops.rotary(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                            cos_sin)  # q and k heads rotated together
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
             ops.store_kv(k, v, k_cache, v_cache, batch.slots)
             if batch.is_decode:

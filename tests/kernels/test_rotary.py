@@ -6,7 +6,7 @@ from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pdserve.kernels.rotary import build_cos_sin_cache, rotary_torch, rotary_triton
+from pdserve.kernels.rotary import build_cos_sin_cache, cos_sin_rows, rotary_torch, rotary_triton
 
 HEAD_DIM = 32
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -59,7 +59,10 @@ def test_torch_reference_matches_transformers(device):
     q = torch.randn(5, 6, HEAD_DIM)
     k = torch.randn(5, 2, HEAD_DIM)
     cache = build_cos_sin_cache(HEAD_DIM, 512, 10000.0, None, device)
-    out_q, out_k = rotary_torch(q.to(device), k.to(device), positions.to(device), cache)
+    qk = torch.cat([q, k], dim=1).to(device)
+    out = rotary_torch(qk, cos_sin_rows(cache, positions.to(device)))
+    out_q, out_k = out[:, :6], out[:, 6:]
+    assert torch.equal(qk.cpu(), torch.cat([q, k], dim=1))  # input untouched
     cos, sin = hf_cos_sin({"rope_type": "default", "rope_theta": 10000.0}, positions)
     # transformers wants [batch, heads, tokens, D]
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
@@ -71,15 +74,13 @@ def test_torch_reference_matches_transformers(device):
 def test_triton_matches_torch(dtype):
     torch.manual_seed(1)
     T, hq, hk = 5, 6, 2
-    # q and k as views of one fused projection output, as the model produces them.
+    # q and k heads as one strided view of a fused projection output, as the model hands them over.
     qkv = torch.randn(T, (hq + 2 * hk) * HEAD_DIM, device=TRITON_DEVICE).to(dtype)
-    q, k, _ = qkv.split([hq * HEAD_DIM, hk * HEAD_DIM, hk * HEAD_DIM], dim=-1)
-    q, k = q.view(T, hq, HEAD_DIM), k.view(T, hk, HEAD_DIM)
+    qk = qkv[:, :(hq + hk) * HEAD_DIM].view(T, hq + hk, HEAD_DIM)
     positions = torch.tensor([0, 1, 9, 250, 511], device=TRITON_DEVICE)
     cache = build_cos_sin_cache(HEAD_DIM, 512, 10000.0, {"rope_type": "llama3", **LLAMA3}, TRITON_DEVICE)
+    rows = cos_sin_rows(cache, positions)
     before = qkv.clone()
-    out_q, out_k = rotary_triton(q, k, positions, cache)
-    ref_q, ref_k = rotary_torch(q, k, positions, cache)
-    assert_close(out_q, ref_q, dtype)
-    assert_close(out_k, ref_k, dtype)
+    out = rotary_triton(qk, rows)
+    assert_close(out, rotary_torch(qk, rows), dtype)
     assert torch.equal(qkv, before)
