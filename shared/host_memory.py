@@ -2,12 +2,11 @@
 
 torch takes CPU tensors straight from the C library's malloc. glibc by default serves
 blocks above a moving threshold with fresh mmap()s and hands freed memory at the top of
-the heap back to the kernel. A forward step frees and re-allocates the same megabytes of
-activations and gathered KV in every layer, so each of those allocations comes back as
-new pages and faults them in again, one by one. With freed memory kept in the heap the
-next layer and the next step reuse warm pages: a batch-32 decode step at 300 tokens of
-context went from about 210 ms to 75 ms on a 2-core host (`benchmarks/bench_runtime.py`
-shows the same effect at shorter contexts, smaller).
+the heap back to the kernel. A forward step allocates and frees megabytes of activations
+and gathered KV in every layer, in sizes that change with the batch, so those blocks keep
+coming back as new pages that fault in one by one. Kept in the heap, they are reused warm:
+`benchmarks/bench_host_memory.py` (a mixed prefill and decode workload) counts 40-160x
+fewer page faults.
 """
 from __future__ import annotations
 
