@@ -2,8 +2,8 @@
 
 On CPU the weight is packed once into oneDNN's blocked layout, so a forward pass skips the re-layout
 that `F.linear` does on every call. Measured on the default model's shapes in bf16: 2x faster at
-batch 1, 1.1-1.3x at 32-64 tokens, results bit-identical to `F.linear`. Elsewhere (CUDA; fp16 on CPUs
-without AVX512-FP16, where oneDNN cannot pack) it is a plain `F.linear`.
+batch 1, 1.1-1.3x at 32-64 tokens, results bit-identical to `F.linear`. Elsewhere (CUDA, fp16, or a
+CPU whose oneDNN cannot pack the dtype) it is a plain `F.linear`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close, make_paged_kv, naive_attention
 
-from pdserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from pdserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton, plan_decode_torch
 
 D = 32
 LENS = [1, 16, 37, 5]  # a lone token, an exact page, several pages with a ragged tail
@@ -30,11 +30,15 @@ def test_torch_reference_matches_naive(device, page_size, group):
         torch.testing.assert_close(out[b:b + 1].double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_reference_in_bf16_stays_close():
-    q, kv = make_case(LENS, 16, 3, torch.bfloat16, "cpu")
-    out = decode_attention_torch(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5)
+# A small batch runs its matmuls in fp32; a wide and long one in the cache's bf16. Both must be right.
+@pytest.mark.parametrize("lens,in_fp32", [(LENS, True), ([200 + 7 * i for i in range(12)], False)])
+def test_torch_reference_in_bf16_stays_close(lens, in_fp32):
+    q, kv = make_case(lens, 16, 3, torch.bfloat16, "cpu")
+    plan = plan_decode_torch(kv.page_table, kv.seq_lens, 16)
+    assert [g.in_fp32 for g in plan.groups] == [in_fp32]
+    out = decode_attention_torch(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, D ** -0.5, plan)
     assert out.dtype == torch.bfloat16
-    for b, n in enumerate(LENS):
+    for b, n in enumerate(lens):
         expected = naive_attention(q[b:b + 1], kv.keys[b], kv.values[b], n - 1, D ** -0.5)
         torch.testing.assert_close(out[b:b + 1].double(), expected, atol=2e-2, rtol=2e-2)
 
