@@ -18,6 +18,7 @@ from pdserve.services.gateway.generation import Job, Update, merge_updates
 from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
                                                refuse_unsupported)
 from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
+from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 
 CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
               "return_logprob": "logprobs"}
@@ -49,6 +50,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ids = gw.tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
                                        template_kwargs=req.chat_template_kwargs)
+    except ReservedTemplateKwarg as exc:
+        raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages") from None
     gw.check_length(ids, "messages")

@@ -6,6 +6,7 @@ UTF-8 character split over several tokens never reaches a client as replacement 
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,6 +31,19 @@ def read_model_config(model_dir: Path) -> ModelConfigInfo:
                            config.get("max_position_embeddings"), config.get("vocab_size"))
 
 
+class ReservedTemplateKwarg(ValueError):
+    """A request's template variables tried to set `name`, which is not a template variable of its own."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name!r} cannot be set through chat_template_kwargs: it may hold template variables "
+                         "only (such as 'enable_thinking').")
+        self.name = name
+
+
+# Names apply_chat_template hands its renderer besides its own arguments, and the functions templates may call.
+RENDER_NAMES = frozenset({"conversations", "messages", "raise_exception", "strftime_now", "dict", "namespace"})
+
+
 class ModelTokenizer:
     """The model's tokenizer and chat template (transformers), with helpers the APIs share."""
 
@@ -46,6 +60,11 @@ class ModelTokenizer:
         self.special_ids: frozenset[int] = frozenset(self.tok.all_special_ids)
         self.vocab_size = len(self.tok)
         self._byte_decoder = _byte_decoder()
+        # What a request's template variables may not replace: which template runs and with what (the
+        # arguments of apply_chat_template), what the renderer passes it, and the tokenizer's special tokens.
+        params = inspect.signature(self.tok.apply_chat_template).parameters.values()
+        self.reserved_template_kwargs: frozenset[str] = RENDER_NAMES | frozenset(self.tok.special_tokens_map) \
+            | {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     @property
     def has_chat_template(self) -> bool:
@@ -59,7 +78,11 @@ class ModelTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
-        """The prompt text for `messages`; raises ValueError when the template rejects them."""
+        """The prompt text for `messages`; raises ValueError when the template rejects them, and its subclass
+        ReservedTemplateKwarg when `template_kwargs` names more than template variables."""
+        reserved = next((k for k in template_kwargs or {} if k in self.reserved_template_kwargs), None)
+        if reserved is not None:
+            raise ReservedTemplateKwarg(reserved)
         if not self.has_chat_template:
             raise ValueError("the model has no chat template; pass --chat-template FILE to the gateway")
         try:

@@ -13,8 +13,8 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from pdserve.services.jobs import batches, files
-from pdserve.services.jobs.errors import ApiError, bad_request, conflict, not_found
-from pdserve.services.jobs.store import Store, dump, new_id, now
+from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invalid_id, not_found
+from pdserve.services.jobs.store import BATCH_ID, FILE_ID, Store, dump, is_id, new_id, now
 
 log = logging.getLogger("pdserve.jobs")
 
@@ -74,6 +74,21 @@ def query_limit(request: web.Request, default: int, maximum: int) -> int:
     return limit
 
 
+def client_id(value: str | None, what: str, prefix: str, param: str) -> str | None:
+    """An id from a path or query, checked to be one this service could have issued (None stays None)."""
+    if value is not None and not is_id(value, prefix):
+        raise invalid_id(what, value, prefix, param)
+    return value
+
+
+def path_file_id(request: web.Request) -> str:
+    return client_id(request.match_info["file_id"], "file", FILE_ID, "file_id")
+
+
+def path_batch_id(request: web.Request) -> str:
+    return client_id(request.match_info["batch_id"], "batch", BATCH_ID, "batch_id")
+
+
 def listing(data: list[dict], has_more: bool) -> web.Response:
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": has_more})
@@ -92,7 +107,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def create_file(request: web.Request) -> web.Response:
     upload = await files.read_upload(request, request.app[SETTINGS].max_file_size)
-    meta = await request.app[STORE].put_file(new_id("file-"), upload.filename, upload.purpose, upload.content)
+    meta = await request.app[STORE].put_file(new_id(FILE_ID), upload.filename, upload.purpose, upload.content)
     return web.json_response(files.render(meta))
 
 
@@ -103,7 +118,7 @@ async def list_files(request: web.Request) -> web.Response:
     if order not in ("asc", "desc"):
         raise bad_request("'order' must be 'asc' or 'desc'.", "order")
     purpose = request.query.get("purpose")
-    after = request.query.get("after")
+    after = client_id(request.query.get("after"), "file", FILE_ID, "after")
     found: list[dict] = []
     while True:  # pages of ids, filtered by purpose, until `limit` objects or the end
         page = await store.page(store.k.files, after, limit, descending=order == "desc")
@@ -117,7 +132,7 @@ async def list_files(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = path_file_id(request)
     meta = await request.app[STORE].get_file(file_id)
     if meta is None:
         raise not_found("file", file_id, "file_id")
@@ -125,7 +140,7 @@ async def get_file(request: web.Request) -> web.Response:
 
 
 async def file_content(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = path_file_id(request)
     content = await request.app[STORE].file_content(file_id)
     if content is None:
         raise not_found("file", file_id, "file_id")
@@ -133,7 +148,7 @@ async def file_content(request: web.Request) -> web.Response:
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    file_id = request.match_info["file_id"]
+    file_id = path_file_id(request)
     outcome = await request.app[STORE].delete_file(file_id)
     if outcome == "missing":
         raise not_found("file", file_id, "file_id")
@@ -156,7 +171,7 @@ async def create_batch(request: web.Request) -> web.Response:
     settings: Settings = request.app[SETTINGS]
     created = now()
     window = settings.completion_window_s or batches.COMPLETION_WINDOWS[params.completion_window]
-    batch_id = new_id("batch_")
+    batch_id = new_id(BATCH_ID)
     fields: dict[str, str | int] = {
         "id": batch_id, "status": "validating", "endpoint": params.endpoint, "input_file_id": params.input_file_id,
         "completion_window": params.completion_window, "created_at": created, "expires_at": created + window,
@@ -173,7 +188,7 @@ async def create_batch(request: web.Request) -> web.Response:
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = path_batch_id(request)
     record = await request.app[STORE].get_batch(batch_id)
     if record is None:
         raise not_found("batch", batch_id, "batch_id")
@@ -182,13 +197,14 @@ async def get_batch(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     store: Store = request.app[STORE]
-    page = await store.page(store.k.batches, request.query.get("after"), query_limit(request, 20, 100))
+    after = client_id(request.query.get("after"), "batch", BATCH_ID, "after")
+    page = await store.page(store.k.batches, after, query_limit(request, 20, 100))
     records = await store.get_batches(page.ids)
     return listing([batches.render(r) for r in records if r], page.has_more)
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    batch_id = request.match_info["batch_id"]
+    batch_id = path_batch_id(request)
     store: Store = request.app[STORE]
     outcome = await store.cancel_batch(batch_id)
     if outcome == "missing":

@@ -10,15 +10,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdserve.services.jobs.errors import bad_request
+from pdserve.services.jobs.errors import bad_request, invalid_id
+from pdserve.services.jobs.store import FILE_ID, is_id
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# OpenAI's batch endpoints. A batch's endpoint and its lines' urls may name each with or without its "/v1"
+# ("/chat/completions" is "/v1/chat/completions"); a batch stores the full path and posts its items there.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+SERVED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # the gateway serves a generation model only
+ENDPOINT_SPELLINGS = {**{e: e for e in ENDPOINTS}, **{e.removeprefix("/v1"): e for e in ENDPOINTS}}
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_REQUESTS = 50_000
 MAX_ERRORS = 100  # errors reported per failed batch; the rest are counted in the last message
 MAX_METADATA = 16
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
               "cancelled_at")
+
+
+def endpoint_path(spelling: object) -> str | None:
+    """The full path of the batch endpoint `spelling` names; None when it names none."""
+    return ENDPOINT_SPELLINGS.get(spelling) if isinstance(spelling, str) else None
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,12 @@ def parse_create(body: object) -> CreateParams:
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str) or not file_id:
         raise bad_request("'input_file_id' is required and must be a file id string.", "input_file_id")
-    endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise bad_request(f"Unsupported endpoint {endpoint!r}: use one of {', '.join(ENDPOINTS)}.", "endpoint",
-                          "invalid_endpoint")
+    if not is_id(file_id, FILE_ID):
+        raise invalid_id("file", file_id, FILE_ID, "input_file_id")
+    endpoint = endpoint_path(body.get("endpoint"))
+    if endpoint not in SERVED_ENDPOINTS:
+        raise bad_request(f"Unsupported endpoint {body.get('endpoint')!r}: use one of {', '.join(SERVED_ENDPOINTS)} "
+                          "(the '/v1' may be left out).", "endpoint", "invalid_endpoint")
     window = body.get("completion_window")
     if window not in COMPLETION_WINDOWS:
         raise bad_request(f"Unsupported completion_window {window!r}: use '24h'.", "completion_window")
@@ -80,7 +92,8 @@ class LineErrors:
 
 
 def parse_input(content: bytes, endpoint: str) -> tuple[list[Item], LineErrors]:
-    """Every request of a JSONL input file, or the errors that make the batch fail (then no items)."""
+    """Every request of a JSONL input file for a batch on `endpoint` (a full path), or the errors that make
+    the batch fail (then no items)."""
     errors = LineErrors([])
     try:
         text = content.decode("utf-8")
@@ -128,7 +141,7 @@ def parse_line(line: str, number: int, endpoint: str, index: int, errors: LineEr
         errors.add(number, "invalid_method", f"Line {number}: 'method' must be 'POST', not {method!r}.", "method")
         return None
     url = request.get("url")
-    if url != endpoint:
+    if endpoint_path(url) != endpoint:
         errors.add(number, "mismatched_url", f"Line {number}: 'url' is {url!r} but the batch endpoint is "
                    f"{endpoint!r}; every request must use the batch endpoint.", "url")
         return None

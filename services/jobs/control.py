@@ -14,7 +14,7 @@ from redis.exceptions import WatchError
 
 from pdserve.services.jobs.batches import parse_input
 from pdserve.services.jobs.files import OUTPUT_PURPOSE
-from pdserve.services.jobs.store import Store, dump, new_id, now
+from pdserve.services.jobs.store import FILE_ID, Store, dump, new_id, now
 from pdserve.services.jobs.workqueue import Queue
 
 log = logging.getLogger("pdserve.jobs.control")
@@ -58,7 +58,7 @@ async def validate(store: Store, batch_id: str) -> None:
 
 async def finalize(store: Store, queue: Queue, batch_id: str) -> None:
     input_file_id = await store.r.hget(store.k.batch(batch_id), "input_file_id")
-    frozen = await queue.freeze(batch_id, new_id("file-"), new_id("file-"))
+    frozen = await queue.freeze(batch_id, new_id(FILE_ID), new_id(FILE_ID))
     if input_file_id is None or frozen is None:
         return
     final_status, output_id, error_id = frozen

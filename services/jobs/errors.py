@@ -25,6 +25,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param, code)
 
 
+def invalid_id(what: str, value: object, prefix: str, param: str) -> ApiError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return ApiError(400, f"Invalid {what} id {shown} in {param!r}: {what} ids look like '{prefix}...' as this "
+                         "service issues them.", param, "invalid_id")
+
+
 def not_found(what: str, id_: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"No such {what}: {id_!r}", param, f"{what}_not_found")
 

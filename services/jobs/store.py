@@ -17,6 +17,7 @@ append-only persistence) never leaves half a transition behind.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -34,9 +35,20 @@ GROUP = "workers"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
+FILE_ID = "file-"  # prefixes of the ids this service issues
+BATCH_ID = "batch_"
+_STAMP_DIGITS, _RANDOM_BYTES = 14, 5
+_ID_BODY = re.compile("[0-9a-f]{%d}" % (_STAMP_DIGITS + 2 * _RANDOM_BYTES))
+
+
 def new_id(prefix: str) -> str:
     """`prefix` + 14 hex digits of microseconds + 10 random hex digits: ids of one kind sort by creation."""
-    return f"{prefix}{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+    return f"{prefix}{time.time_ns() // 1000:0{_STAMP_DIGITS}x}{secrets.token_hex(_RANDOM_BYTES)}"
+
+
+def is_id(value: object, prefix: str) -> bool:
+    """Whether `value` has the exact form of `new_id(prefix)`: only such ids may become part of a Redis key."""
+    return isinstance(value, str) and value.startswith(prefix) and _ID_BODY.fullmatch(value, len(prefix)) is not None
 
 
 def now() -> int:

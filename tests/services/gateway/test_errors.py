@@ -50,6 +50,22 @@ def test_invalid_requests_are_400_naming_the_field(colocated, path, body, param)
     assert param.split(".")[-1] in err["message"] or "not supported yet" in err["message"]
 
 
+@pytest.mark.parametrize("name, value", [
+    ("chat_template", "INJECTED {{ 7*7 }} {{ messages[0]['content'] }}"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("messages", [{"role": "user", "content": "other"}]),
+    ("add_generation_prompt", False),
+])
+def test_chat_template_kwargs_may_set_template_variables_only(colocated, name, value):
+    r = requests.post(colocated.open.url + "/v1/chat/completions",
+                      json={**CHAT, "chat_template_kwargs": {"enable_thinking": False, name: value}}, timeout=60)
+    err = check_error(r, 400, f"chat_template_kwargs.{name}")
+    assert name in err["message"] and "49" not in err["message"]
+    ok = requests.post(colocated.open.url + "/v1/chat/completions",
+                       json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_prompt_longer_than_context_names_both_lengths(colocated):
     long_text = "hello " * 9000
     r = requests.post(colocated.open.url + "/v1/completions", json={"prompt": long_text}, timeout=60)

@@ -8,8 +8,10 @@ import time
 import openai
 import pytest
 
-from jobs_harness import (CONCURRENCY, PREFIX, RETRIES, batch_keys, chat_line, create_batch, jsonl, read_lines,
-                          upload, wait_batch)
+import requests
+
+from jobs_harness import (API_KEY, CONCURRENCY, PREFIX, RETRIES, batch_keys, chat_line, create_batch, jsonl,
+                          read_lines, upload, wait_batch)
 
 
 def reversed_text(line: dict) -> str:
@@ -79,6 +81,46 @@ def test_server_errors_are_retried_then_recorded(jobs_system):
     assert jobs_system.upstream.stats()["by_prompt"][prompt] == RETRIES + 1
 
 
+# A batch input file as client code often writes it: each line's "url" without the "/v1" of the endpoint.
+SHORT_URL_LINES = [
+    {"custom_id": "request-1", "method": "POST", "url": "/chat/completions",
+     "body": {"model": "qwen/qwen2.5-0.5b-instruct",
+              "messages": [{"role": "user", "content": "Tell me a joke about programming"}], "max_tokens": 50}},
+    {"custom_id": "request-2", "method": "POST", "url": "/chat/completions",
+     "body": {"model": "qwen/qwen2.5-0.5b-instruct", "messages": [{"role": "user", "content": "What is Python?"}],
+              "max_tokens": 50}},
+]
+
+
+def test_urls_with_or_without_v1_name_the_same_endpoint(jobs_system):
+    c = jobs_system.client()
+    f = upload(c, jsonl(SHORT_URL_LINES), name="batch_requests.jsonl")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done, _ = wait_batch(c, batch.id)
+    assert done.status == "completed", done.errors
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
+    answers = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"]
+               for o in read_lines(c, done.output_file_id)}
+    assert answers == {line["custom_id"]: reversed_text(line) for line in SHORT_URL_LINES}
+    # The batch's endpoint may leave out "/v1" as well; the batch reports the full path.
+    short = c.batches.create(input_file_id=f.id, endpoint="/chat/completions", completion_window="24h")
+    assert short.endpoint == "/v1/chat/completions"
+    assert wait_batch(c, short.id)[0].request_counts.completed == 2
+    completions = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": {"prompt": f"text {i}"}}
+                   for i, url in enumerate(["/completions", "/v1/completions"])]
+    done, _ = wait_batch(c, create_batch(c, completions, endpoint="/completions").id)
+    assert done.status == "completed" and done.endpoint == "/v1/completions"
+    assert sorted(o["response"]["body"]["choices"][0]["text"] for o in read_lines(c, done.output_file_id)) == [
+        "0 txet", "1 txet"]
+    # A line naming another endpoint, however spelled, still fails the batch at that line.
+    mixed = create_batch(c, [SHORT_URL_LINES[0], {**SHORT_URL_LINES[1], "url": "/completions"}])
+    failed, _ = wait_batch(c, mixed.id)
+    assert failed.status == "failed"
+    assert [(e.line, e.code, e.param) for e in failed.errors.data] == [(2, "mismatched_url", "url")]
+    assert "'/completions'" in failed.errors.data[0].message
+    assert "'/v1/chat/completions'" in failed.errors.data[0].message
+
+
 BAD_FILES = {
     "malformed_json": ([json.dumps(chat_line("a", "x")), '{"custom_id": "b", "url": ', json.dumps(chat_line("c", "y"))],
                        2, "invalid_json"),
@@ -116,7 +158,11 @@ def test_create_errors_leave_nothing_behind(jobs_system):
     count_before = r.zcard(PREFIX + "batches")
     cases = [
         (dict(input_file_id=f.id, endpoint="/v1/embeddings"), openai.BadRequestError, "endpoint"),
-        (dict(input_file_id="file-nope", endpoint="/v1/chat/completions"), openai.NotFoundError, "input_file_id"),
+        (dict(input_file_id="file-" + "0" * 24, endpoint="/v1/chat/completions"), openai.NotFoundError,
+         "input_file_id"),
+        (dict(input_file_id="file-nope", endpoint="/v1/chat/completions"), openai.BadRequestError, "input_file_id"),
+        (dict(input_file_id=f"{f.id}:content", endpoint="/v1/chat/completions"), openai.BadRequestError,
+         "input_file_id"),
         (dict(input_file_id=other.id, endpoint="/v1/chat/completions"), openai.BadRequestError, "input_file_id"),
     ]
     for params, error, param in cases:
@@ -128,10 +174,31 @@ def test_create_errors_leave_nothing_behind(jobs_system):
     assert info.value.body["param"] == "completion_window"
     for call in (c.batches.retrieve, c.batches.cancel):
         with pytest.raises(openai.NotFoundError):
-            call("batch_missing")
+            call("batch_" + "0" * 24)  # well formed, never issued
     assert set(r.keys(PREFIX + "*")) == keys_before and r.zcard(PREFIX + "batches") == count_before
     c.files.delete(f.id)
     c.files.delete(other.id)
+
+
+def test_malformed_batch_ids_are_400_and_touch_nothing(jobs_system):
+    c = jobs_system.client()
+    r = jobs_system.redis.client()
+    done, _ = wait_batch(c, create_batch(c, [chat_line("a", "x")]).id)
+    keys_before = {k: r.type(k) for k in r.keys(PREFIX + "*")}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path, param in [
+        ("GET", f"/{done.id}:out", "batch_id"),  # names the key of batch `done`'s results
+        ("POST", f"/{done.id}:err/cancel", "batch_id"),
+        ("POST", "/batch_missing/cancel", "batch_id"),
+        ("GET", f"/{done.id[:-1]}", "batch_id"),
+        ("GET", "?after=batch_x", "after"),
+    ]:
+        reply = requests.request(method, f"{jobs_system.jobs_url}/v1/batches{path}", headers=auth, timeout=10)
+        assert reply.status_code == 400, (method, path, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert {k: r.type(k) for k in r.keys(PREFIX + "*")} == keys_before
+    assert c.batches.retrieve(done.id).status == "completed"
 
 
 def test_cancel_keeps_results_and_stops_sending(jobs_system):

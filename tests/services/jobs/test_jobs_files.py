@@ -6,8 +6,9 @@ import urllib.request
 
 import openai
 import pytest
+import requests
 
-from jobs_harness import MAX_FILE_SIZE, PREFIX, chat_line, jsonl, upload
+from jobs_harness import API_KEY, MAX_FILE_SIZE, PREFIX, chat_line, jsonl, upload
 
 
 def test_file_lifecycle(jobs_system):
@@ -87,3 +88,33 @@ def test_api_key_is_required_except_for_health(jobs_system):
         jobs_system.client(api_key="wrong").batches.list()
     with urllib.request.urlopen(f"{jobs_system.jobs_url}/health", timeout=5) as r:
         assert r.status == 200 and r.read() == b"ok"
+
+
+def test_malformed_file_ids_are_400_and_touch_nothing(jobs_system):
+    c = jobs_system.client()
+    r = jobs_system.redis.client()
+    content = jsonl([chat_line("a", "hello")])
+    f = upload(c, content)
+    keys_before = {k: r.type(k) for k in r.keys(PREFIX + "*")}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    base = f"{jobs_system.jobs_url}/v1/files"
+    for method, path, param in [
+        ("DELETE", f"/{f.id}:content", "file_id"),  # would name the content key of file f
+        ("DELETE", f"/{f.id}:users", "file_id"),
+        ("GET", f"/{f.id}:content", "file_id"),
+        ("GET", f"/{f.id}:content/content", "file_id"),
+        ("DELETE", f"/{f.id.upper()}", "file_id"),
+        ("DELETE", "/file-*", "file_id"),
+        ("GET", f"?after={f.id}:x", "after"),
+    ]:
+        reply = requests.request(method, base + path, headers=auth, timeout=10)
+        assert reply.status_code == 400, (method, path, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert {k: r.type(k) for k in r.keys(PREFIX + "*")} == keys_before
+    assert c.files.content(f.id).read() == content and c.files.retrieve(f.id).bytes == len(content)
+    unknown = "file-" + "0" * 24  # well formed, never issued: 404 as for any file that does not exist
+    for call in (c.files.retrieve, c.files.content, c.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(unknown)
+    assert c.files.delete(f.id).deleted

@@ -7,8 +7,10 @@ import pytest
 
 from pdserve.services.jobs.batches import MAX_ERRORS, parse_create, parse_input
 from pdserve.services.jobs.errors import ApiError
+from pdserve.services.jobs.store import FILE_ID, new_id
 
 CHAT = "/v1/chat/completions"
+FILE = new_id(FILE_ID)
 
 
 def line(custom_id: str, url: str = CHAT, **body) -> str:
@@ -58,13 +60,41 @@ def test_errors_are_capped_with_a_count_of_the_rest():
 @pytest.mark.parametrize("body, param", [
     ([], None),
     ({"endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
-    ({"input_file_id": "f", "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
-    ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "48h"}, "completion_window"),
-    ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": 1}}, "metadata"),
-    ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h",
+    ({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
+    ({"input_file_id": FILE + ":content", "endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
+    ({"input_file_id": FILE.upper(), "endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
+    ({"input_file_id": FILE, "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": FILE, "endpoint": "/embeddings", "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": FILE, "endpoint": "chat/completions", "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": FILE, "endpoint": ["/v1/completions"], "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "48h"}, "completion_window"),
+    ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": 1}}, "metadata"),
+    ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "24h",
       "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
 ])
 def test_create_parameters_are_checked(body, param):
     with pytest.raises(ApiError) as info:
         parse_create(body)
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("given, stored", [
+    ("/v1/chat/completions", "/v1/chat/completions"), ("/chat/completions", "/v1/chat/completions"),
+    ("/v1/completions", "/v1/completions"), ("/completions", "/v1/completions"),
+])
+def test_endpoint_may_leave_out_v1(given, stored):
+    params = parse_create({"input_file_id": FILE, "endpoint": given, "completion_window": "24h"})
+    assert params.endpoint == stored and params.input_file_id == FILE
+
+
+def test_line_urls_may_leave_out_v1_but_must_name_the_batch_endpoint():
+    items, errors = parse_input("\n".join([line("a"), line("b", url="/chat/completions")]).encode(), CHAT)
+    assert not errors.errors and [i.custom_id for i in items] == ["a", "b"]
+    items, errors = parse_input(line("c", url="/completions").encode(), "/v1/completions")
+    assert not errors.errors and [i.custom_id for i in items] == ["c"]
+    text = "\n".join([line("a", url="/chat/completions"), line("b", url="/completions"),
+                      line("c", url="/v1/embeddings"), line("d", url="/embeddings"), line("e", url="chat/completions")])
+    items, errors = parse_input(text.encode(), CHAT)
+    assert items == [] and [(e["line"], e["code"], e["param"]) for e in errors.errors] == [
+        (n, "mismatched_url", "url") for n in (2, 3, 4, 5)]
+    assert "'/completions'" in errors.errors[0]["message"] and CHAT in errors.errors[0]["message"]
