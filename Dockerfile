@@ -10,7 +10,11 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PDSERVE_CACHE_DIR=/var/cache/pdserve
+    PDSERVE_CACHE_DIR=/var/cache/pdserve \
+    PDSERVE_KERNEL_CACHE=/opt/pdserve/kernel-cache
+
+# A C++ compiler for the native CPU kernels (built below, and rebuilt at start-up on a CPU with other flags).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, in its own layer: the largest download, and it changes least often.
 RUN case "$VARIANT" in \
@@ -32,10 +36,13 @@ COPY kernels ./kernels
 COPY proto ./proto
 COPY services ./services
 RUN pip install . && python -c "import pdserve.cli, pdserve.services.up, torch, nixl"
+# Best effort: a build machine without the run machine's CPU flags leaves the build to the first start.
+RUN python -m pdserve.kernels.native || echo "native kernels not built in the image"
 
 RUN useradd --create-home --uid 1000 pdserve \
     && mkdir -p "$PDSERVE_CACHE_DIR" \
-    && chown pdserve:pdserve "$PDSERVE_CACHE_DIR"
+    && mkdir -p "$PDSERVE_KERNEL_CACHE" \
+    && chown -R pdserve:pdserve "$PDSERVE_CACHE_DIR" "$PDSERVE_KERNEL_CACHE"
 USER pdserve
 
 EXPOSE 30000

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
+
 _MAX_SPLITS = 32
 
 
@@ -113,6 +115,19 @@ def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One copy that both converts and lays out contiguously (`to` alone keeps a permuted layout)."""
     return x.contiguous() if x.dtype == dtype else x.to(dtype, memory_format=torch.contiguous_format)
+
+
+def decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            plan: None = None) -> torch.Tensor:
+    """Same contract as decode_attention_torch (CPU, fp32 or bf16): reads each sequence's pages in place,
+    one (sequence, kv head) per task, with no gather and no padding."""
+    return native.load().decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
+
+
+def plan_decode_native(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """The native kernel reads the page table and lengths directly: nothing to plan."""
+    return None
 
 
 @triton.jit

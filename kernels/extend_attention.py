@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
+
 
 def _gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """[length, Hk, D] contiguous copy of one sequence's tokens from a strided paged cache."""
@@ -46,6 +48,16 @@ def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + ext] = o[0].transpose(0, 1)
     return out
+
+
+def extend_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                            q_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as extend_attention_torch (CPU, fp32 or bf16): every query row attends on its own, in
+    the same order as decode_attention_native, so a token's output does not depend on how its prompt was
+    chunked or cached. Its cost grows with the square of the new tokens, where the torch twin's flash kernel
+    tiles them: `extend_attention_cpu` picks between the two."""
+    return native.load().extend_attention(q, k_cache, v_cache, page_table, seq_lens, extend_lens, q_start, scale)
 
 
 @triton.jit
@@ -142,3 +154,19 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         NATIVE_DOT=native, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         num_warps=4, num_stages=2)
     return out
+
+
+# While every sequence's attention work (new tokens x keys) stays below this, the native per-row kernel beats
+# the torch twin's flash kernel, whose set-up per sequence dominates short prompts; above it the tiled kernel
+# wins (measured on bf16 SmolLM2 shapes: 40 new tokens 0.06 vs 0.13 ms, 128: 0.53 vs 0.43 ms).
+NATIVE_EXTEND_MAX_WORK = 96 * 96
+
+
+def extend_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                         q_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as extend_attention_torch: the faster of the native kernel and the torch twin."""
+    work = int((extend_lens.long() * seq_lens.long()).max()) if len(seq_lens) else 0
+    if work <= NATIVE_EXTEND_MAX_WORK:
+        return extend_attention_native(q, k_cache, v_cache, page_table, seq_lens, extend_lens, q_start, scale)
+    return extend_attention_torch(q, k_cache, v_cache, page_table, seq_lens, extend_lens, q_start, scale)

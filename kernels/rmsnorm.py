@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
+
 
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +23,13 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(x.dtype)
     return (out, x) if residual is not None else out
+
+
+def rmsnorm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as rmsnorm_torch (CPU, fp32 or bf16; rows may be strided)."""
+    out = native.load().rmsnorm(x, weight, eps, residual)
+    return out[0] if residual is None else (out[0], out[1])
 
 
 @triton.jit

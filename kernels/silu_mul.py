@@ -10,11 +10,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
+
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] -> [T, I]."""
     half = x.shape[-1] // 2
     return F.silu(x[:, :half]) * x[:, half:]
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as silu_and_mul_torch (CPU, fp32 or bf16)."""
+    return native.load().silu_and_mul(x)
 
 
 @triton.jit

@@ -146,19 +146,20 @@ class RuntimeConfig:
     model_path: str
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    attention_backend: str = "auto"  # auto | native | torch | triton (auto: triton on CUDA, native on CPU)
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    # Same prompt, same greedy tokens, bit for bit, whatever else is batched, cached or chunked with it.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
-
-    def resolved_attention_backend(self) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        if self.attention_backend not in ("auto", "native", "torch", "triton"):
+            raise ValueError("--attention-backend must be auto, native, torch or triton, "
+                             f"got {self.attention_backend!r}")
+        if self.deterministic and (self.device.startswith("cuda") or self.attention_backend in ("torch", "triton")):
+            raise ValueError("--enable-deterministic-inference needs the CPU's native kernels "
+                             "(--device cpu, --attention-backend auto or native)")

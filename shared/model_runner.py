@@ -11,7 +11,7 @@ import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.host_memory import keep_freed_memory
-from pdserve.shared.kernel_ops import get_kernel_ops
+from pdserve.shared.kernel_ops import get_kernel_ops, resolve_kernel_set
 from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
@@ -52,7 +52,9 @@ class ModelRunner:
         if self.context_length > mc.max_position_embeddings and not mc.rope_scaling:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
-        self.ops = get_kernel_ops(config.resolved_attention_backend())
+        kernel_set = resolve_kernel_set("native" if config.deterministic else config.attention_backend,
+                                        self.device, self.dtype)
+        self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
         if mc.model_type not in ("llama", "qwen2"):
             raise ValueError(f"unsupported model type {mc.model_type!r}")
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length)

@@ -25,8 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port for /health and /metrics (default: port + 1000)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                        help="kernels: triton (default on CUDA) or torch (default on CPU)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch", "triton"],
+                        help="kernels: triton (default on CUDA), native C++ (default on CPU) or the torch twins")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="greedy output bit-identical for a prompt whatever it is batched, cached or chunked with "
+                             "(CPU, native kernels)")
     parser.add_argument("--context-length", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--page-size", type=int, default=cache.page_size, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=cache.max_total_tokens, help="KV pool capacity in tokens")
@@ -54,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
     return RuntimeConfig(
         model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-        context_length=args.context_length,
+        context_length=args.context_length, deterministic=args.enable_deterministic_inference,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           mem_fraction=args.mem_fraction),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,

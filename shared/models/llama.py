@@ -98,7 +98,7 @@ class LlamaForCausalLM:
         """Run the new tokens through the model; return the logits [B, V] of each sequence's last row, in the
         model's dtype (the sampler widens to fp32 only what it must: greedy rows need no copy at all)."""
         cfg = self.config
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size = cfg.num_heads * cfg.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
         residual = None
         # What every layer of the step shares is computed once: rotary rows, and the decode attention plan.
@@ -111,12 +111,9 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = layer.qkv(x)  # [T, (Hq + 2 Hk) * D]
-            qk = ops.rotary(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                            cos_sin)  # q and k heads rotated together
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
-            ops.store_kv(k, v, k_cache, v_cache, batch.slots)
+            q = ops.rotary_store_kv(qkv, cos_sin, k_cache, v_cache, batch.slots, cfg.num_heads,
+                                    cfg.num_kv_heads)  # [T, Hq, D]; k and v are in the cache now
             if batch.is_decode:
                 attn = ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale, plan)
             else:

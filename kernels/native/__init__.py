@@ -1,0 +1,81 @@
+"""Native CPU kernels: C++ ops compiled once per machine with `torch.utils.cpp_extension`.
+
+They implement the same contracts as the Triton kernels and torch twins beside them (rmsnorm, silu_and_mul,
+rotary_store_kv, decode and extend attention) and are tested against the same torch reference. They are built
+for the CPU they run on (`-march=native`: AVX-512 and its bf16 conversions where present), into a cache folder
+keyed by the sources, torch's version and the CPU's flags, so a second machine or a changed source builds anew.
+`scripts/setup` builds them (`python -m pdserve.kernels.native`); a worker that finds no build compiles
+them on first use, and where that is impossible (no C++ compiler) the runtime falls back to the torch twins
+and says so in its log.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "bindings.cpp")
+_HEADERS = ("common.h",)
+_HERE = Path(__file__).resolve().parent
+# -fopenmp: at::parallel_for is inlined into our code and runs on torch's OpenMP pool only when compiled with it
+# (the library resolves to the libgomp torch has already loaded, by its soname).
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives: `$PDSERVE_KERNEL_CACHE` or ~/.cache/pdserve/kernels, then a key."""
+    import torch
+
+    digest = hashlib.sha1()
+    for name in SOURCES + _HEADERS:
+        digest.update((_HERE / name).read_bytes())
+    digest.update(" ".join([torch.__version__, sys.version, _cpu_flags(), *_FLAGS]).encode())
+    root = Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
+    return root / digest.hexdigest()[:16]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here; the message says why."""
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled module, built first if this machine has no build yet. Raises NativeUnavailable."""
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        raise NativeUnavailable("disabled by PDSERVE_NATIVE_KERNELS=0")
+    try:
+        from torch.utils import cpp_extension
+
+        out = build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name="pdserve_native", sources=[str(_HERE / s) for s in SOURCES],
+                                  extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+    except Exception as exc:  # compiler missing, build failure, import failure: all mean "use the twins"
+        raise NativeUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}") \
+            from exc
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeUnavailable:
+        return False
+    return True
+

@@ -1,0 +1,25 @@
+// The Python module of the native CPU kernels. Every call releases the GIL while it computes, so the
+// worker's gRPC and I/O threads keep running during a forward step.
+#include <torch/extension.h>
+
+namespace pdserve {
+std::vector<at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                const c10::optional<at::Tensor>& residual);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos_sin, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, double scale);
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                            const at::Tensor& q_start, double scale);
+}  // namespace pdserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("rmsnorm", &pdserve::rmsnorm, release());
+  m.def("silu_and_mul", &pdserve::silu_and_mul, release());
+  m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
+  m.def("decode_attention", &pdserve::decode_attention, release());
+  m.def("extend_attention", &pdserve::extend_attention, release());
+}
