@@ -76,6 +76,8 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     common = ["--model-path", str(model_dir), "--host", local, "--threads", str(threads)]
     if args.device:
         common += ["--device", args.device]
+    if args.enable_deterministic_inference:
+        common += ["--enable-deterministic-inference"]
     workers: dict[str, list[str]] = {}  # role -> host:port of each worker
     index = 0
     for role, count in roles:
@@ -202,6 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--device", default=None, help="device for the workers: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: this machine's cores split among the workers)")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="workers give a prompt the same greedy output, bit for bit, whatever it is batched, "
+                             "cached or chunked with")
     parser.add_argument("--state-dir", default=str(default_state_dir()),
                         help="Redis data and service logs (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,

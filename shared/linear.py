@@ -11,16 +11,27 @@ import torch
 import torch.nn.functional as F
 
 
+# oneDNN computes a row of a packed bf16 matmul with one kernel for fewer than 8 rows and another, which
+# accumulates in a different order, from 8 rows up (measured for M = 1..4096); every M >= 8 gives each row
+# the same bits. A batch-invariant Linear therefore pads its input to 8 rows.
+BATCH_INVARIANT_MIN_ROWS = 8
+
+
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False) -> None:
+        """`batch_invariant`: a row's result does not depend on the other rows computed with it (see above)."""
         self.shape = weight.shape  # [out_features, in_features]
         self.dtype = weight.dtype
         self.bias = bias
         self._packed = _pack(weight)
         self._weight = weight if self._packed is None else None  # one copy only: the packed one replaces it
+        self.min_rows = BATCH_INVARIANT_MIN_ROWS if batch_invariant else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            return self(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self._weight, self.bias)

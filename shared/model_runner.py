@@ -57,7 +57,8 @@ class ModelRunner:
         self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
         if mc.model_type not in ("llama", "qwen2"):
             raise ValueError(f"unsupported model type {mc.model_type!r}")
-        self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length)
+        self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
+                                     batch_invariant=config.deterministic)
         self.model.load(config.model_path)
         layout = KVLayout(1, config.cache.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = config.cache.num_pages

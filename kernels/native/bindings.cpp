@@ -1,5 +1,6 @@
-// The Python module of the native CPU kernels. Every call releases the GIL while it computes, so the
-// worker's gRPC and I/O threads keep running during a forward step.
+// The Python module of the native CPU kernels. The attention ops release the GIL while they compute, so the
+// worker's I/O threads can run meanwhile; the short ops (a few microseconds per layer) keep it: taking the GIL
+// back after each would let the I/O threads' Python run first and stall the step behind it.
 #include <torch/extension.h>
 
 namespace pdserve {
@@ -17,9 +18,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("rmsnorm", &pdserve::rmsnorm, release());
-  m.def("silu_and_mul", &pdserve::silu_and_mul, release());
-  m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
+  m.def("rmsnorm", &pdserve::rmsnorm);
+  m.def("silu_and_mul", &pdserve::silu_and_mul);
+  m.def("rotary_store_kv", &pdserve::rotary_store_kv);
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
 }

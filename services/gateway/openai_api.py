@@ -102,8 +102,10 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
                 delta = _chat_delta(u, splitter)
                 lps = fmt.chat_logprobs(gw.tokenizer, u.logprobs) if req.logprobs and u.logprobs else None
                 if delta or lps or u.finish_reason is not None:
+                    running = fmt.usage(gen.prompt_tokens, gen.completion_tokens, None) \
+                        if req.continuous_usage else None
                     await sse.send(fmt.chat_chunk(job.rid, created, model, [
-                        fmt.chunk_choice(u.index, delta, lps, u.finish_reason, u.matched_stop)]))
+                        fmt.chunk_choice(u.index, delta, lps, u.finish_reason, u.matched_stop)], running))
     except ApiError as exc:
         return await sse.fail(exc)
     if req.include_usage:
@@ -187,8 +189,10 @@ async def _stream_completions(request: web.Request, gw: Gateway, req: Completion
                 lps = fmt.completion_logprobs(gw.tokenizer, u.logprobs, offsets[index], bool(req.logprobs))
             offsets[index] += len(u.text)
             if u.text or lps or u.finish_reason is not None:
+                running = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
+                                    None) if req.continuous_usage else None
                 await sse.send(fmt.completion(rid, created, model, [
-                    fmt.completion_choice(index, u.text, lps, u.finish_reason, u.matched_stop)], None))
+                    fmt.completion_choice(index, u.text, lps, u.finish_reason, u.matched_stop)], running))
     except ApiError as exc:
         return await sse.fail(exc)
     if req.include_usage:

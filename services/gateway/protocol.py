@@ -109,6 +109,12 @@ class OpenAISampling(_Schema):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
+
 
 class StreamOptions(_Schema):
     include_usage: bool = False

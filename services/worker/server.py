@@ -17,6 +17,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.convert import compat_from_proto, first_token_to_proto, output_to_proto
 from pdserve.services.worker.peers import PrefillPeers
+from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine, FirstToken
@@ -48,6 +49,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.timeouts = timeouts
         self.prefill_calls: dict[str, asyncio.Task] = {}
         self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
+        self._relay: OutputRelay | None = None
+
+    def relay(self) -> OutputRelay:
+        if self._relay is None:  # made on the serving loop, the first time a request needs it
+            self._relay = OutputRelay(asyncio.get_running_loop())
+        return self._relay
 
     async def _engine(self, fn):
         return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), self.timeouts.engine_call)
@@ -65,8 +72,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             params = from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        relay = self.relay()
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
-                  on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+                  on_output=lambda out: relay.send(outputs, out))
         if self.role == Role.DECODE:
             req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
                 self._start_prefill, r.rid, request, list(r.pages))
@@ -78,7 +86,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         first = True
         try:
             while len(finished) < params.n:
-                out = await asyncio.wait_for(outputs.get(), self._wait_limit(first))
+                async with asyncio.timeout(self._wait_limit(first)):  # no task per token, unlike wait_for
+                    out = await outputs.get()
                 if out.error:
                     await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE
                                         else grpc.StatusCode.INTERNAL, out.error)

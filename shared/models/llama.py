@@ -49,8 +49,11 @@ class LayerWeights:
 
 
 class LlamaForCausalLM:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
+                 batch_invariant: bool = False) -> None:
+        """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode)."""
         self.config = config
+        self.batch_invariant = batch_invariant
         self.dtype = dtype
         self.device = torch.device(device)
         self.layers: list[LayerWeights] = []
@@ -66,6 +69,9 @@ class LlamaForCausalLM:
         tensors = _read_safetensors(Path(model_dir))
         cfg = self.config
 
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, batch_invariant=self.batch_invariant)
+
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise ValueError(f"weight {name!r} missing from {model_dir}")
@@ -79,18 +85,18 @@ class LlamaForCausalLM:
                 qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
-                o=Linear(take(p + "self_attn.o_proj.weight")),
+                qkv=linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                o=linear(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                down=Linear(take(p + "mlp.down_proj.weight")),
+                gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=linear(take(p + "mlp.down_proj.weight")),
             ))
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed copy.
-            self.lm_head = Linear(self.embed)
+            self.lm_head = linear(self.embed)
         else:
-            self.lm_head = Linear(take("lm_head.weight"))
+            self.lm_head = linear(take("lm_head.weight"))
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()

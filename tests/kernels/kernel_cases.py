@@ -1,10 +1,19 @@
 """Shared helpers of the kernel tests: devices, tolerances, paged KV batches and naive oracles."""
 from __future__ import annotations
 
+import faulthandler
 import math
+import os
+import select
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+from pdserve.kernels import native
 
 HAS_CUDA = torch.cuda.is_available()
 # Torch references run everywhere; Triton kernels run on CUDA, or in the interpreter on CPU.
@@ -13,6 +22,22 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # bf16 is broken in the Triton interpreter: checked only on a real GPU.
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Attention against the float64 oracle: the torch twin's own bounds.
+REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+NATIVE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _native_missing() -> str | None:
+    try:
+        native.load()
+    except native.NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+_NATIVE_MISSING = _native_missing()
+needs_native = pytest.mark.skipif(_NATIVE_MISSING is not None,
+                                  reason=f"native CPU kernels unavailable: {_NATIVE_MISSING}")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -67,11 +92,76 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos
     n, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
-    for i in range(n):
-        visible = first_pos + i + 1
-        for h in range(num_heads):
-            kh = k[:visible, h // group].double().cpu()
-            vh = v[:visible, h // group].double().cpu()
-            weights = torch.softmax(kh @ q[i, h].double().cpu() * scale, dim=0)
-            out[i, h] = weights @ vh
+    with torch_threads(1):  # many tiny ops: on a busy machine, waking a second thread costs more than the work
+        for i in range(n):
+            visible = first_pos + i + 1
+            for h in range(num_heads):
+                kh = k[:visible, h // group].double().cpu()
+                vh = v[:visible, h // group].double().cpu()
+                weights = torch.softmax(kh @ q[i, h].double().cpu() * scale, dim=0)
+                out[i, h] = weights @ vh
     return out
+
+
+def strided_q(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              seed: int = 7) -> torch.Tensor:
+    """[n, Hq, D] queries as the model hands them over: a view into the rows of a fused qkv projection."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    return qkv[:, :num_heads * head_dim].view(n, num_heads, head_dim)
+
+
+def ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def error_in_child(call: Callable[[], object], timeout: float = 60.0) -> str:
+    """The error `call` raises, run in a forked child process.
+
+    A check missing from a native kernel shows up as a segfault or a silent write past a tensor, not an
+    exception: in a child, that fails the test instead of killing or corrupting the test run."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: whatever happens, it exits here and never returns into pytest
+        code = 3
+        try:
+            os.close(read)
+            faulthandler.disable()  # a crash is reported by the parent, without a dump of pytest's stack
+            torch.set_num_threads(1)  # the parent's OpenMP workers did not survive the fork: stay on this thread
+            try:
+                call()
+                code, message = 2, "returned without raising"
+            except Exception as exc:
+                code, message = 0, f"{type(exc).__name__}: {exc}"
+            os.write(write, message.encode()[:4000])
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        if not select.select([pipe], [], [], timeout)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"still running after {timeout} s")
+        message = pipe.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        pytest.fail(f"crashed with signal {os.WTERMSIG(status)} instead of raising")
+    assert os.WEXITSTATUS(status) == 0, message
+    return message
+
+
+def bad_input_cases(cases: dict, defects: dict[str, str]) -> list:
+    """Parameters for the cases of a bad-input table; those a known kernel defect lets through (case: why)
+    are strict xfails, so the fix shows up as an unexpected pass."""
+    return [pytest.param(case, marks=pytest.mark.xfail(reason=defects[case], strict=True)) if case in defects
+            else case for case in cases]

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close, make_paged_kv, naive_attention
+from kernel_cases import (DEVICES, NATIVE_DTYPES, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
+                          bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
+                          strided_q, torch_threads)
 
-from pdserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton, plan_decode_torch
+from pdserve.kernels.decode_attention import (decode_attention_native, decode_attention_torch,
+                                              decode_attention_triton, plan_decode_torch)
 
 D = 32
 LENS = [1, 16, 37, 5]  # a lone token, an exact page, several pages with a ragged tail
@@ -72,3 +75,90 @@ def test_length_groups_bound_padding_and_keep_short_rows_together():
     lens = [50, 1100, 60, 300, 2500]
     for g in groups:
         assert max(lens[r] for r in g) <= max(2 * min(lens[r] for r in g), 256)
+
+
+# (head_dim, group): every GQA group the native kernel compiles an AVX-512 body for, at both head_dims it
+# specialises, and head_dims that take its portable path.
+NATIVE_HEADS = [(d, g) for d in (64, 128) for g in (1, 3, 4, 7, 8)] + [(80, 3), (32, 8)]
+
+
+def ragged_lens(page_size: int) -> list[int]:
+    """A lone token, exactly one page, both sides of the page boundary, and several hundred tokens."""
+    return [1, page_size, max(page_size - 1, 1), page_size + 1, 333]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 5])
+@pytest.mark.parametrize("head_dim,group", NATIVE_HEADS)
+def test_native_matches_naive(dtype, page_size, head_dim, group):
+    lens = ragged_lens(page_size)
+    kv = make_paged_kv(lens, page_size, 2, head_dim, dtype, "cpu")
+    q = strided_q(len(lens), 2 * group, 2, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = decode_attention_native(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    for b, n in enumerate(lens):
+        expected = naive_attention(q[b:b + 1], kv.keys[b], kv.values[b], n - 1, scale)
+        tol = REF_TOL[dtype]
+        torch.testing.assert_close(out[b:b + 1].double(), expected, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (80, 4)])
+def test_native_sequence_output_does_not_depend_on_the_batch(dtype, head_dim, group):
+    # The deterministic mode needs a sequence's decode bits to be the same whatever else is decoding. One
+    # thread makes the kernel take both of its work splits on any machine: one task per kv head for a lone
+    # sequence, one task per sequence for a batch.
+    lens = [70, 1, 16, 333, 17, 5]
+    kv = make_paged_kv(lens, 16, 2, head_dim, dtype, "cpu")
+    q = strided_q(len(lens), 2 * group, 2, head_dim, dtype)
+    args = (kv.k_cache, kv.v_cache)
+    with torch_threads(1):
+        alone = decode_attention_native(q[:1], *args, kv.page_table[:1], kv.seq_lens[:1], 0.125)
+        batched = decode_attention_native(q, *args, kv.page_table, kv.seq_lens, 0.125)
+    reordered = decode_attention_native(q.flip(0), *args, kv.page_table.flip(0), kv.seq_lens.flip(0), 0.125)
+    assert torch.equal(batched[0], alone[0])
+    assert torch.equal(reordered.flip(0), batched)
+
+
+@needs_native
+def test_native_accepts_an_empty_batch():
+    kv = make_paged_kv([3], 16, 2, 64, torch.float32, "cpu")
+    q = torch.empty(0, 4, 64)
+    out = decode_attention_native(q, kv.k_cache, kv.v_cache, kv.page_table[:0], kv.seq_lens[:0], 0.125)
+    assert out.shape == (0, 4, 64)
+
+
+def _with_page(page_table: torch.Tensor, row: int, index: int, page: int) -> torch.Tensor:
+    page_table = page_table.clone()
+    page_table[row, index] = page
+    return page_table
+
+
+# case: (what replaces the valid inputs, what the error says)
+BAD_INPUTS = {
+    "fp16 q": (lambda a: {"q": a["q"].half()}, "float32 or bfloat16"),
+    "cache dtype differs from q": (lambda a: {"q": a["q"].bfloat16()}, "dtype"),
+    "int64 page table": (lambda a: {"page_table": a["page_table"].long()}, "page_table must be int32"),
+    "int64 lengths": (lambda a: {"seq_lens": a["seq_lens"].long()}, "seq_lens must be int32"),
+    "empty sequence": (lambda a: {"seq_lens": ints([20, 0])}, "seq_lens out of range"),
+    "sequence longer than its page-table row": (lambda a: {"seq_lens": ints([20, 33])}, "seq_lens out of range"),
+    "one length for two queries": (lambda a: {"seq_lens": a["seq_lens"][:1]}, "length per query"),
+    "query heads not a multiple of kv heads": (lambda a: {"q": a["q"][:, :3]}, "multiple of kv heads"),
+    "page id past the pool": (lambda a: {"page_table": _with_page(a["page_table"], 0, 1, 1 << 20)}, "page"),
+}
+DEFECTS = {"page id past the pool": "native kernel defect: page ids are not range-checked (segfault)"}
+
+
+@needs_native
+@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, DEFECTS))
+def test_native_refuses_bad_inputs(case):
+    kv = make_paged_kv([20, 5], 16, 2, 64, torch.float32, "cpu")
+    args = {"q": strided_q(2, 4, 2, 64, torch.float32), "k_cache": kv.k_cache, "v_cache": kv.v_cache,
+            "page_table": kv.page_table, "seq_lens": kv.seq_lens, "scale": 0.125}
+    change, match = BAD_INPUTS[case]
+    args.update(change(args))
+    message = error_in_child(lambda: decode_attention_native(**args))
+    assert message.startswith(("RuntimeError", "ValueError", "IndexError")) and match in message, message

@@ -2,9 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close, make_paged_kv, naive_attention
+from kernel_cases import (DEVICES, NATIVE_DTYPES, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
+                          bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
+                          strided_q)
 
-from pdserve.kernels.extend_attention import extend_attention_torch, extend_attention_triton
+from pdserve.kernels.decode_attention import decode_attention_native
+from pdserve.kernels.extend_attention import (NATIVE_EXTEND_MAX_WORK, extend_attention_cpu, extend_attention_native,
+                                              extend_attention_torch, extend_attention_triton)
 
 D = 32
 # (cached prefix, new tokens) per sequence: a fresh prompt, a chunk after a prefix hit,
@@ -57,3 +61,127 @@ def test_triton_matches_torch(dtype, page_size, group):
     q, kv, extend_lens, q_start = make_case(SEQS, page_size, group, dtype, TRITON_DEVICE)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start, D ** -0.5)
     assert_close(extend_attention_triton(*args), extend_attention_torch(*args), dtype)
+
+
+# (head_dim, group): see test_decode_attention.NATIVE_HEADS.
+NATIVE_HEADS = [(d, g) for d in (64, 128) for g in (1, 3, 4, 7, 8)] + [(80, 3), (32, 8)]
+
+
+def ragged_seqs(page_size: int) -> list[tuple[int, int]]:
+    """(cached prefix, new tokens): a lone token, exactly one page, a chunk across a page boundary, a row
+    with nothing new, a prompt that ends one token short of a page, and a long chunk after a long prefix."""
+    return [(0, 1), (0, page_size), (page_size - 1, 2), (page_size + 1, 0), (1, max(page_size - 2, 1)), (300, 40)]
+
+
+def packed(seqs: list[tuple[int, int]], num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int):
+    """The sequences' KV in a paged pool and their new tokens' queries packed back to back."""
+    kv = make_paged_kv([p + n for p, n in seqs], page_size, 2, head_dim, dtype, "cpu")
+    ext = [n for _, n in seqs]
+    q = strided_q(sum(ext), num_heads, 2, head_dim, dtype)
+    return q, kv, ints(ext), ints([sum(ext[:b]) for b in range(len(ext))])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 5])
+@pytest.mark.parametrize("head_dim,group", NATIVE_HEADS)
+def test_native_matches_naive(dtype, page_size, head_dim, group):
+    seqs = ragged_seqs(page_size)
+    q, kv, extend_lens, q_start = packed(seqs, 2 * group, head_dim, dtype, page_size)
+    scale = head_dim ** -0.5
+    out = extend_attention_native(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start,
+                                  scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    row, tol = 0, REF_TOL[dtype]
+    for b, (prefix, n) in enumerate(seqs):
+        expected = naive_attention(q[row:row + n], kv.keys[b], kv.values[b], prefix, scale)
+        torch.testing.assert_close(out[row:row + n].double(), expected, atol=tol, rtol=tol)
+        row += n
+
+
+@needs_native
+def test_native_accepts_no_new_tokens():
+    q, kv, extend_lens, q_start = packed([(5, 0), (17, 0)], 4, 64, torch.float32, 16)
+    args = (kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens)
+    assert extend_attention_native(q, *args, extend_lens, q_start, 0.125).shape == (0, 4, 64)
+    empty = ints([])
+    assert extend_attention_native(q, kv.k_cache, kv.v_cache, kv.page_table[:0], empty, empty, empty,
+                                   0.125).shape == (0, 4, 64)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("head_dim,group,page_size", [(64, 3, 16), (128, 8, 5), (80, 4, 1), (64, 1, 16)])
+def test_native_rows_are_the_decode_outputs_however_the_prompt_is_split(dtype, head_dim, group, page_size):
+    # The deterministic mode relies on this: a token's attention output has the same bits whether its prompt
+    # is extended in one chunk, in several after cached prefixes, inside a batch, or the token is decoded.
+    n = 45
+    kv = make_paged_kv([n, 20, 37], page_size, 2, head_dim, dtype, "cpu")
+    q = strided_q(n, 2 * group, 2, head_dim, dtype)  # q[p]: the query of the prompt's token at position p
+    cache = (kv.k_cache, kv.v_cache)
+    # Token p decoded: a sequence of p + 1 cached tokens. One call decodes every position.
+    decoded = decode_attention_native(q, *cache, kv.page_table[:1].repeat(n, 1), ints(list(range(1, n + 1))), 0.1)
+
+    whole = extend_attention_native(q, *cache, kv.page_table[:1], ints([n]), ints([n]), ints([0]), 0.1)
+    assert torch.equal(whole, decoded)
+
+    chunked, done = [], 0
+    for size in (7, 1, 16, 21):  # each chunk after the cached prefix of the ones before
+        chunked.append(extend_attention_native(q[done:done + size], *cache, kv.page_table[:1], ints([done + size]),
+                                               ints([size]), ints([0]), 0.1))
+        done += size
+    assert torch.equal(torch.cat(chunked), decoded)
+
+    # Behind another sequence's chunk, and beside a sequence with nothing new.
+    others = strided_q(5, 2 * group, 2, head_dim, dtype, seed=8)
+    batch_q = torch.cat([others, q[30:]])
+    batched = extend_attention_native(batch_q, *cache, kv.page_table[[1, 0, 2]], ints([20, n, 37]), ints([5, 15, 0]),
+                                      ints([0, 5, 20]), 0.1)
+    assert torch.equal(batched[5:], decoded[30:])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+def test_cpu_picks_native_for_short_prompts_and_torch_for_long_ones(dtype):
+    for seqs, chosen in (([(0, 13), (21, 6), (3, 35)], extend_attention_native),
+                         ([(0, 13), (30, 90)], extend_attention_torch)):  # 90 x 120 tokens is past the bound
+        assert (max(n * (p + n) for p, n in seqs) <= NATIVE_EXTEND_MAX_WORK) == (chosen is extend_attention_native)
+        q, kv, extend_lens, q_start = packed(seqs, 6, 64, dtype, 16)
+        args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start, 0.125)
+        out = extend_attention_cpu(*args)
+        assert torch.equal(out, chosen(*args))
+        row, tol = 0, REF_TOL[dtype]
+        for b, (prefix, n) in enumerate(seqs):
+            expected = naive_attention(q[row:row + n], kv.keys[b], kv.values[b], prefix, 0.125)
+            torch.testing.assert_close(out[row:row + n].double(), expected, atol=tol, rtol=tol)
+            row += n
+
+
+# case: (what replaces the valid inputs, what the error says)
+BAD_INPUTS = {
+    "bf16 q over fp32 caches": (lambda a: {"q": a["q"].bfloat16()}, "dtype"),
+    "int64 extend lengths": (lambda a: {"extend_lens": a["extend_lens"].long()}, "int32"),
+    "int64 q starts": (lambda a: {"q_start": a["q_start"].long()}, "int32"),
+    "more new tokens than the sequence": (lambda a: {"extend_lens": ints([21, 5])}, "out of range"),
+    "rows past the packed queries": (lambda a: {"q_start": ints([0, 21])}, "out of range"),
+    "negative extend length": (lambda a: {"extend_lens": ints([-1, 5])}, "out of range"),
+    "fewer page-table rows than sequences": (lambda a: {"page_table": a["page_table"][:1]}, "page"),
+    "page id past the pool": (lambda a: {"page_table": a["page_table"].clone().fill_(1 << 20)}, "page"),
+}
+DEFECTS = {
+    "fewer page-table rows than sequences": "native kernel defect: page_table rows are not checked against the "
+                                            "batch (segfault)",
+    "page id past the pool": "native kernel defect: page ids are not range-checked (segfault)",
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, DEFECTS))
+def test_native_refuses_bad_inputs(case):
+    q, kv, extend_lens, q_start = packed([(0, 20), (10, 5)], 4, 64, torch.float32, 16)
+    args = {"q": q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "page_table": kv.page_table,
+            "seq_lens": kv.seq_lens, "extend_lens": extend_lens, "q_start": q_start, "scale": 0.125}
+    change, match = BAD_INPUTS[case]
+    args.update(change(args))
+    message = error_in_child(lambda: extend_attention_native(**args))
+    assert message.startswith(("RuntimeError", "ValueError", "IndexError")) and match in message, message

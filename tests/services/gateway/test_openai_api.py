@@ -67,6 +67,26 @@ def test_chat_streaming_matches_the_whole_answer_and_reports_usage(colocated):
     assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
 
 
+def test_continuous_usage_stats_counts_tokens_in_every_chunk(colocated):
+    c = client(colocated.open)
+    chunks = list(c.chat.completions.create(
+        model=model_name(colocated.open), messages=FRANCE, temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    counts = [ch.usage.completion_tokens for ch in content]
+    assert counts == sorted(counts) and counts[0] >= 1  # running totals
+    assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in content)
+    assert chunks[-1].usage.completion_tokens >= counts[-1]
+    plain = list(c.completions.create(model=model_name(colocated.open), prompt="One, two,", temperature=0,
+                                      max_tokens=8, stream=True,
+                                      stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert [ch.usage.completion_tokens for ch in plain if ch.choices][-1] >= 1
+    # without the option only the final chunk carries usage
+    chunks = list(c.chat.completions.create(model=model_name(colocated.open), messages=FRANCE, temperature=0,
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
 def test_chat_stop_string_cuts_text_and_is_reported(colocated):
     c = client(colocated.open)
     kwargs = dict(model=model_name(colocated.open), messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"])
