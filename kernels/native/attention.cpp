@@ -240,6 +240,20 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be int32 [B]");
 }
 
+// Every page a sequence reads must lie in the pool: a bad page table must raise, never read past it.
+void check_pages(const at::Tensor& page_table, const int32_t* lens, int64_t batch, int64_t page_size,
+                 int64_t num_pages) {
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t used = (lens[b] + page_size - 1) / page_size;
+    for (int64_t p = 0; p < used; ++p) {
+      const int32_t page = table[b * page_table.stride(0) + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "page ", page, " of sequence ", b, " is outside the pool of ",
+                  num_pages, " pages");
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -258,6 +272,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= page_table.size(1) * k_cache.size(1), "seq_lens out of range");
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
+  check_pages(page_table, lens, batch, k_cache.size(1), k_cache.size(0));
   // One task per sequence reads each of its pages as one contiguous run (all kv heads); with fewer sequences
   // than threads, one task per (sequence, kv head) keeps every thread busy.
   const int64_t split = batch >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
@@ -288,6 +303,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t batch = seq_lens.numel();
+  TORCH_CHECK(extend_lens.numel() == batch && q_start.numel() == batch && page_table.size(0) == batch,
+              "page_table, extend_lens and q_start need one entry per sequence");
   at::Tensor out = at::empty({tokens, num_heads, head_dim}, q.options());
   if (tokens == 0) return out;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -305,6 +322,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
+  check_pages(page_table, lens, batch, k_cache.size(1), k_cache.size(0));
   const int32_t* table = page_table.data_ptr<int32_t>();
   const int64_t table_stride = page_table.stride(0);
   PDSERVE_DISPATCH(q.scalar_type(), [&] {

@@ -63,12 +63,21 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos_sin, at:
                   v_cache.scalar_type() == qkv.scalar_type(), "caches must be [P, S, Hk, D] of qkv's dtype");
   const int64_t head_dim = k_cache.size(3);
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "caches must be contiguous in head_dim");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have the same shape");
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "the caches hold ", k_cache.size(2), " kv heads, not ",
+              num_kv_heads);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && head_dim % 2 == 0,
               "qkv width does not match the head counts");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.stride(1) == 1 && cos_sin.size(0) == qkv.size(0) &&
               cos_sin.size(1) == head_dim, "cos_sin must be fp32 [T, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
               "slots must be int64 [T]");
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache of ", capacity,
+                " slots");
+  }
   at::Tensor q = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
   PDSERVE_DISPATCH(qkv.scalar_type(), [&] {
     rotary_store_rows<scalar_t>(qkv, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, q);

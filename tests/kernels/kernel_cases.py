@@ -1,4 +1,5 @@
-"""Shared helpers of the kernel tests: devices, tolerances, paged KV batches and naive oracles."""
+"""Shared helpers of the kernel tests: devices, tolerances, paged KV batches, naive oracles, and bad-input calls
+run where a crash cannot take the test run down."""
 from __future__ import annotations
 
 import faulthandler
@@ -25,6 +26,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # Attention against the float64 oracle: the torch twin's own bounds.
 REF_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 NATIVE_DTYPES = [torch.float32, torch.bfloat16]
+# (head_dim, group) of the native attention tests: every GQA group the kernel compiles an AVX-512 body for, at
+# both head_dims it specialises, and head_dims that take its portable path.
+NATIVE_HEADS = [(d, g) for d in (64, 128) for g in (1, 3, 4, 7, 8)] + [(80, 3), (32, 8)]
 
 
 def _native_missing() -> str | None:
@@ -84,6 +88,16 @@ def make_paged_kv(lens: list[int], page_size: int, num_kv_heads: int, head_dim: 
                    torch.tensor(lens, dtype=torch.int32, device=device), keys, values)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
     """Dense causal attention in float64, one head and one query at a time.
 
@@ -113,16 +127,6 @@ def strided_q(n: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
 
 def ints(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def error_in_child(call: Callable[[], object], timeout: float = 60.0) -> str:

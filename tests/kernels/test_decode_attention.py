@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (DEVICES, NATIVE_DTYPES, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
+from kernel_cases import (DEVICES, NATIVE_DTYPES, NATIVE_HEADS, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
                           bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
                           strided_q, torch_threads)
 
@@ -77,11 +77,6 @@ def test_length_groups_bound_padding_and_keep_short_rows_together():
         assert max(lens[r] for r in g) <= max(2 * min(lens[r] for r in g), 256)
 
 
-# (head_dim, group): every GQA group the native kernel compiles an AVX-512 body for, at both head_dims it
-# specialises, and head_dims that take its portable path.
-NATIVE_HEADS = [(d, g) for d in (64, 128) for g in (1, 3, 4, 7, 8)] + [(80, 3), (32, 8)]
-
-
 def ragged_lens(page_size: int) -> list[int]:
     """A lone token, exactly one page, both sides of the page boundary, and several hundred tokens."""
     return [1, page_size, max(page_size - 1, 1), page_size + 1, 333]
@@ -149,7 +144,7 @@ BAD_INPUTS = {
     "query heads not a multiple of kv heads": (lambda a: {"q": a["q"][:, :3]}, "multiple of kv heads"),
     "page id past the pool": (lambda a: {"page_table": _with_page(a["page_table"], 0, 1, 1 << 20)}, "page"),
 }
-DEFECTS = {"page id past the pool": "native kernel defect: page ids are not range-checked (segfault)"}
+DEFECTS: dict[str, str] = {}  # known kernel defects (case: why), kept as strict xfails until fixed
 
 
 @needs_native

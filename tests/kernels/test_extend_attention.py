@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (DEVICES, NATIVE_DTYPES, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
+from kernel_cases import (DEVICES, NATIVE_DTYPES, NATIVE_HEADS, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
                           bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
                           strided_q)
 
@@ -61,10 +61,6 @@ def test_triton_matches_torch(dtype, page_size, group):
     q, kv, extend_lens, q_start = make_case(SEQS, page_size, group, dtype, TRITON_DEVICE)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start, D ** -0.5)
     assert_close(extend_attention_triton(*args), extend_attention_torch(*args), dtype)
-
-
-# (head_dim, group): see test_decode_attention.NATIVE_HEADS.
-NATIVE_HEADS = [(d, g) for d in (64, 128) for g in (1, 3, 4, 7, 8)] + [(80, 3), (32, 8)]
 
 
 def ragged_seqs(page_size: int) -> list[tuple[int, int]]:
@@ -168,11 +164,7 @@ BAD_INPUTS = {
     "fewer page-table rows than sequences": (lambda a: {"page_table": a["page_table"][:1]}, "page"),
     "page id past the pool": (lambda a: {"page_table": a["page_table"].clone().fill_(1 << 20)}, "page"),
 }
-DEFECTS = {
-    "fewer page-table rows than sequences": "native kernel defect: page_table rows are not checked against the "
-                                            "batch (segfault)",
-    "page id past the pool": "native kernel defect: page ids are not range-checked (segfault)",
-}
+DEFECTS: dict[str, str] = {}  # known kernel defects (case: why), kept as strict xfails until fixed
 
 
 @needs_native

@@ -2,10 +2,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close
+from kernel_cases import (DEVICES, NATIVE_DTYPES, TRITON_DEVICE, TRITON_DTYPES, assert_close, bad_input_cases,
+                          error_in_child, needs_native)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pdserve.kernels.rmsnorm import rmsnorm_torch, rmsnorm_triton
+from pdserve.kernels.rmsnorm import rmsnorm_native, rmsnorm_torch, rmsnorm_triton
 
 EPS = 1e-5
 
@@ -45,3 +46,50 @@ def test_triton_matches_torch(dtype, hidden):
     assert torch.equal(new_res, ref_res)  # the residual add is one rounding in both
     assert_close(out, ref_out, dtype)
     assert torch.equal(res, res_before)  # inputs are left alone
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("hidden", [64, 72, 2056])
+def test_native_matches_torch(dtype, hidden):
+    torch.manual_seed(1)
+    # 37 rows: more than one of the kernel's parallel chunks; x and the residual are rows of wider buffers.
+    x = (3 * torch.randn(37, hidden + 8)).to(dtype)[:, :hidden]
+    res = torch.randn(37, hidden + 24).to(dtype)[:, 16:16 + hidden]
+    w = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    x_before, res_before = x.clone(), res.clone()
+    out = rmsnorm_native(x, w, EPS)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, rmsnorm_torch(x, w, EPS), dtype)
+    out, new_res = rmsnorm_native(x, w, EPS, res)
+    ref_out, ref_res = rmsnorm_torch(x, w, EPS, res)
+    assert torch.equal(new_res, ref_res)  # the residual add is one rounding in both
+    assert_close(out, ref_out, dtype)
+    assert torch.equal(x, x_before) and torch.equal(res, res_before)  # inputs are left alone
+
+
+@needs_native
+def test_native_accepts_no_rows():
+    x, w = torch.randn(0, 64), torch.ones(64)
+    assert rmsnorm_native(x, w, EPS).shape == (0, 64)
+    out, new_res = rmsnorm_native(x, w, EPS, x)
+    assert out.shape == new_res.shape == (0, 64)
+
+
+# case: (x, weight, residual, what the error says)
+BAD_INPUTS = {
+    "fp16": lambda x, w: (x.half(), w.half(), None, "float32 or bfloat16"),
+    "weight dtype differs": lambda x, w: (x, w.bfloat16(), None, "weight"),
+    "weight length differs": lambda x, w: (x, w[:-1], None, "weight"),
+    "3-d x": lambda x, w: (x[None], w, None, "[T, H]"),
+    "residual shape differs": lambda x, w: (x, w, x[:-1], "residual"),
+    "residual dtype differs": lambda x, w: (x, w, x.bfloat16(), "residual"),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, {}))
+def test_native_refuses_bad_inputs(case):
+    x, weight, residual, match = BAD_INPUTS[case](torch.randn(4, 64), torch.ones(64))
+    message = error_in_child(lambda: rmsnorm_native(x, weight, EPS, residual))
+    assert message.startswith(("RuntimeError", "ValueError")) and match in message, message
