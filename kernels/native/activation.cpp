@@ -16,8 +16,19 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       const T* gate = xp + t * xs;
       const T* up = gate + inter;
       T* o = op + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        // g >= 0: g / (1 + e); g < 0: g * e / (1 + e), with e = exp(-|g|) never overflowing.
+        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
+        const __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        store16(o + i, _mm512_mul_ps(round_to(o, silu), load16(up + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
         const float g = to_f32(gate[i]);
         // silu(g) = g / (1 + e^-g), written with a non-positive exponent for the vectorizable exp.
         const float e = exp_nonpositive(-std::fabs(g));

@@ -9,10 +9,6 @@
 #include "common.h"
 
 #include <algorithm>
-#include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <vector>
 
 namespace pdserve {
@@ -49,11 +45,6 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t len, float scale,
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 // The AVX-512 passes for head_dim = 16 * CHUNKS and GROUP query heads per kv head (both known at compile
 // time, so a kv head's accumulators stay in registers). Pages are walked one at a time, each kv head's rows of

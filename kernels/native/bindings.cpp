@@ -18,9 +18,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("rmsnorm", &pdserve::rmsnorm);
-  m.def("silu_and_mul", &pdserve::silu_and_mul);
-  m.def("rotary_store_kv", &pdserve::rotary_store_kv);
+  m.def("rmsnorm", &pdserve::rmsnorm, release());
+  m.def("silu_and_mul", &pdserve::silu_and_mul, release());
+  m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
 }

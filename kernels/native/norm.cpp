@@ -21,25 +21,44 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
     std::vector<float> row(hidden);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * xs;
-      float sum = 0.0f;
-      if (rp) {
-        const T* rr = rp + t * rs;
-        T* ro = rop + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          T r = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
-          ro[i] = r;
-          row[i] = to_f32(r);
-        }
-      } else {
-        for (int64_t i = 0; i < hidden; ++i) row[i] = to_f32(xr[i]);
-      }
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) sum += row[i] * row[i];
-      const float rstd = 1.0f / std::sqrt(sum * inv_h + epsf);
+      const T* rr = rp ? rp + t * rs : nullptr;
+      T* ro = rop ? rop + t * hidden : nullptr;
       T* o = op + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        o[i] = from_f32<T>(to_f32(wp[i]) * to_f32(from_f32<T>(row[i] * rstd)));
+      int64_t i = 0;
+      float sum = 0.0f;
+#if defined(__AVX512F__)
+      __m512 squares = _mm512_setzero_ps();
+      for (; i + 16 <= hidden; i += 16) {
+        __m512 v = load16(xr + i);
+        if (rr) {
+          v = round_to(ro, _mm512_add_ps(v, load16(rr + i)));  // the new residual, in T's precision
+          store16(ro + i, v);
+        }
+        _mm512_storeu_ps(row.data() + i, v);
+        squares = _mm512_fmadd_ps(v, v, squares);
       }
+      sum = _mm512_reduce_add_ps(squares);
+#endif
+      for (; i < hidden; ++i) {
+        float v = to_f32(xr[i]);
+        if (rr) {
+          const T r = from_f32<T>(v + to_f32(rr[i]));
+          ro[i] = r;
+          v = to_f32(r);
+        }
+        row[i] = v;
+        sum += v * v;
+      }
+      const float rstd = 1.0f / std::sqrt(sum * inv_h + epsf);
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 scale = _mm512_set1_ps(rstd);
+      for (; i + 16 <= hidden; i += 16) {
+        const __m512 normed = round_to(o, _mm512_mul_ps(_mm512_loadu_ps(row.data() + i), scale));
+        store16(o + i, _mm512_mul_ps(load16(wp + i), normed));
+      }
+#endif
+      for (; i < hidden; ++i) o[i] = from_f32<T>(to_f32(wp[i]) * to_f32(from_f32<T>(row[i] * rstd)));
     }
   });
 }
