@@ -16,7 +16,6 @@ from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
 
-SMALL_STEP_TOKENS = 2  # steps of at most this many tokens run on one thread (see ModelRunner.__init__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -69,12 +68,6 @@ class ModelRunner:
                 raise ValueError(f"--mem-fraction {config.cache.mem_fraction} leaves no room for one KV page")
         self.pool = KVPool(replace(layout, num_pages=num_pages), self.device)
 
-        # A step of one or two tokens is bound by reading the weights, which one core does as fast as two
-        # (measured on the default model: 23.5 vs 23.9 ms at batch 1); running it on one thread leaves the other
-        # cores to the gateway and I/O threads instead of spinning in OpenMP barriers. The deterministic mode keeps
-        # one thread count, so no matmul ever changes how it splits its work.
-        self.threads = torch.get_num_threads()
-        self.small_step_threads = self.threads if config.deterministic or self.device.type != "cpu" else 1
 
     @property
     def page_size(self) -> int:
@@ -82,9 +75,6 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch."""
-        threads = self.small_step_threads if sum(batch.extend_lens) <= SMALL_STEP_TOKENS else self.threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
         return self.model.forward(self.prepare(batch), self.pool, self.ops)
 
     def prepare(self, batch: Batch) -> ForwardBatch:

@@ -20,7 +20,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "bindings.cpp")
+SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "gemv.cpp", "bindings.cpp")
 _HEADERS = ("common.h",)
 _HERE = Path(__file__).resolve().parent
 # -fopenmp: at::parallel_for is inlined into our code and runs on torch's OpenMP pool only when compiled with it

@@ -9,6 +9,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace pdserve {
@@ -105,17 +106,88 @@ void values_avx512(const float* scores, const KV& kv, const int32_t* pages, int6
   }
 }
 
+#if defined(__AVX512BF16__)
+// Sums of each of 16 vectors, in token order: a fixed tree of lane shuffles and adds (about 3 instructions per
+// vector instead of 8 for a horizontal sum each).
+inline __m512 sum16(const __m512* v) {
+  __m512 c[8], d[4], e[2];
+  for (int j = 0; j < 8; ++j) {  // [a 8 partials | b 8 partials]
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // one token's 4 partials per 128-bit lane
+    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {  // lane L: tokens L and L + 4 of the pair, 2 partials each
+    e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // lane L: tokens L, L + 4, L + 8, L + 12; then back to token order.
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// The bf16 scores pass with AVX512-BF16 dot products straight on the cached K (no widening): q heads of the
+// group are read in pairs of bf16, 16 tokens of a page are reduced together by sum16.
+template <int CHUNKS, int GROUP>
+void scores_bf16dot(const at::BFloat16* q, int64_t q_head, const KV& kv, const int32_t* pages, int64_t len,
+                    float* scores) {
+  constexpr int PAIRS = CHUNKS / 2;  // 32 bf16 per dot-product instruction
+  const at::BFloat16* base = static_cast<const at::BFloat16*>(kv.k);
+  for (int64_t t0 = 0, p = 0; t0 < len; t0 += kv.page_size, ++p) {
+    const at::BFloat16* page = base + static_cast<int64_t>(pages[p]) * kv.k_page;
+    const int64_t n = std::min(kv.page_size, len - t0);
+    for (int64_t h = 0; h < kv.heads; ++h) {
+      for (int g = 0; g < GROUP; ++g) {
+        __m512bh qv[PAIRS];
+        const at::BFloat16* qg = q + (h * GROUP + g) * q_head;
+        for (int c = 0; c < PAIRS; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+        float* out = scores + (h * GROUP + g) * len + t0;
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+          const int64_t m = std::min<int64_t>(16, n - i0);
+          __m512 s[16];
+          for (int64_t i = 0; i < m; ++i) {
+            const at::BFloat16* kr = page + (i0 + i) * kv.k_token + h * kv.k_head;
+            s[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+            for (int c = 1; c < PAIRS; ++c) {
+              s[i] = _mm512_dpbf16_ps(s[i], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+            }
+          }
+          if (m == 16) {
+            _mm512_storeu_ps(out + i0, sum16(s));
+          } else {
+            for (int64_t i = 0; i < m; ++i) out[i0 + i] = _mm512_reduce_add_ps(s[i]);
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Runs both passes with the softmax between them when (head_dim, group) has a compiled body; false otherwise.
 template <typename T, int CHUNKS, int GROUP>
-bool attend_avx512_at(const float* qf, int64_t group, const KV& kv, const int32_t* pages, int64_t len,
-                      float scale, float* scores, float* acc, float* inv_sum) {
+bool attend_avx512_at(const T* q, int64_t q_head, const float* qf, int64_t group, const KV& kv,
+                      const int32_t* pages, int64_t len, float scale, float* scores, float* acc, float* inv_sum) {
   if (group != GROUP) {
     if constexpr (GROUP > 1) {
-      return attend_avx512_at<T, CHUNKS, GROUP - 1>(qf, group, kv, pages, len, scale, scores, acc, inv_sum);
+      return attend_avx512_at<T, CHUNKS, GROUP - 1>(q, q_head, qf, group, kv, pages, len, scale, scores, acc,
+                                                    inv_sum);
     }
     return false;
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    scores_bf16dot<CHUNKS, GROUP>(q, q_head, kv, pages, len, scores);
+  } else {
+    scores_avx512<T, CHUNKS, GROUP>(qf, kv, pages, len, scores);
+  }
+#else
   scores_avx512<T, CHUNKS, GROUP>(qf, kv, pages, len, scores);
+#endif
   softmax_rows(scores, kv.heads * GROUP, len, scale, inv_sum);
   values_avx512<T, CHUNKS, GROUP>(scores, kv, pages, len, acc);
   return true;
@@ -190,9 +262,9 @@ void attend_row(const T* q, int64_t q_head, int64_t group, int64_t head_dim, flo
   // Groups of up to 8 query heads per kv head (every GQA model we serve) have compiled bodies.
   bool done = false;
   if (head_dim == 64) {
-    done = attend_avx512_at<T, 4, 8>(qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
+    done = attend_avx512_at<T, 4, 8>(q, q_head, qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
   } else if (head_dim == 128) {
-    done = attend_avx512_at<T, 8, 8>(qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
+    done = attend_avx512_at<T, 8, 8>(q, q_head, qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
   }
   if (!done) {
 #else

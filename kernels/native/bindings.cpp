@@ -14,6 +14,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                             const at::Tensor& q_start, double scale);
+bool gemv_supported(const at::Tensor& weight);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &pdserve::rmsnorm, release());
   m.def("silu_and_mul", &pdserve::silu_and_mul, release());
   m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
+  m.def("gemv_supported", &pdserve::gemv_supported);
+  m.def("gemv", &pdserve::gemv, release());
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
 }

@@ -233,13 +233,14 @@ def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
 
 
 @pytest.mark.parametrize("argv, cpus, expected", [
-    ((), 2, {"prefill": "1", "decode": "1"}),
+    ((), 2, {"prefill": "1", "decode": "2"}),
     (("--colocated",), 2, {"colocated": "2"}),
-    (("--prefill", "3", "--decode", "2"), 16, {"prefill-0": "3", "decode-1": "3"}),
+    (("--prefill", "3", "--decode", "2"), 16, {"prefill-0": "3", "decode-1": "8"}),
     (("--prefill", "3", "--decode", "2"), 2, {"prefill-2": "1", "decode-0": "1"}),
     (("--threads", "4",), 2, {"prefill": "4", "decode": "4"}),
+    (("--threads", "1",), 2, {"prefill": "1", "decode": "1"}),
 ])
-def test_plan_splits_the_cores_among_runtime_processes(tmp_path, argv, cpus, expected):
+def test_plan_gives_decode_the_cores_and_prefill_a_share(tmp_path, argv, cpus, expected):
     s = by_name(up.build_plan(parse(*argv), tmp_path, cpus=cpus))
     for name, threads in expected.items():
         assert flag_values(s[name].args, "--threads") == [threads]

@@ -35,3 +35,45 @@ def test_fp16_works_whether_or_not_this_cpu_can_pack_it():
     lin = Linear(weight)
     torch.testing.assert_close(lin(x), F.linear(x, weight))
     assert torch.equal(lin.dense_weight(), weight)
+
+
+needs_gemv = pytest.mark.skipif(Linear(torch.zeros(16, 32, dtype=torch.bfloat16))._gemv_weight is None,
+                                reason="the native bf16 GEMV needs the native kernels and AVX512-BF16")
+
+
+@needs_gemv
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_f, in_f", [(40, 576), (960, 576), (576, 1536)])  # 40: a partial 16-row block
+def test_few_rows_take_the_native_gemv_and_match_a_float64_reference(bias, rows, out_f, in_f):
+    torch.manual_seed(rows * out_f)
+    weight = (torch.randn(out_f, in_f) * 0.05).bfloat16()
+    b = torch.randn(out_f, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows + 1, in_f, dtype=torch.bfloat16)[1:]  # a view that does not start at the storage's start
+    want = x.double() @ weight.double().T + (b.double() if bias else 0)
+    got = Linear(weight, b)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
+    # one bf16 rounding of the fp32 sum (and of the bias add), as F.linear has
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-2, atol=2e-2)
+
+
+@needs_gemv
+def test_rows_do_not_depend_on_the_other_rows_or_threads():
+    torch.manual_seed(3)
+    weight = (torch.randn(200, 576) * 0.05).bfloat16()
+    x = torch.randn(4, 576, dtype=torch.bfloat16)
+    lin = Linear(weight)
+    together = lin(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(4)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+
+
+def test_batch_invariant_layers_never_take_the_gemv():
+    lin = Linear(torch.zeros(16, 32, dtype=torch.bfloat16), batch_invariant=True)
+    assert lin._gemv_weight is None and lin.min_rows == 8
