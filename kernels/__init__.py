@@ -1,8 +1,8 @@
-"""Triton kernels of the runtime, one op per module, each with a plain-torch twin.
+"""Kernels of the runtime, one op per module, each with up to three implementations of one contract.
 
-Every op has `<op>_triton` (CUDA, or the Triton interpreter in tests) and `<op>_torch`
-with the same signature: the torch twin is the CPU serving path and the oracle the
-Triton kernel is tested against.
+Every op has `<op>_triton` (CUDA, or the Triton interpreter in tests), `<op>_native` (C++ for the
+CPU, built by pdserve.kernels.native) and `<op>_torch`, all with the same signature: the torch twin
+is the fallback where the others cannot run and the oracle they are tested against.
 
 Exports resolve on first use, so importing the package alone loads neither Triton nor
 any kernel. That matters because a checkout's top-level `kernels/` folder can be found
@@ -17,11 +17,16 @@ from typing import Any
 _EXPORTS = {
     "build_cos_sin_cache": "rotary", "cos_sin_rows": "rotary",
     "decode_attention_torch": "decode_attention", "decode_attention_triton": "decode_attention",
+    "decode_attention_native": "decode_attention",
     "plan_decode_torch": "decode_attention", "plan_decode_triton": "decode_attention",
+    "plan_decode_native": "decode_attention",
     "extend_attention_torch": "extend_attention", "extend_attention_triton": "extend_attention",
-    "rmsnorm_torch": "rmsnorm", "rmsnorm_triton": "rmsnorm",
+    "extend_attention_native": "extend_attention", "extend_attention_cpu": "extend_attention",
+    "rmsnorm_torch": "rmsnorm", "rmsnorm_triton": "rmsnorm", "rmsnorm_native": "rmsnorm",
     "rotary_torch": "rotary", "rotary_triton": "rotary",
-    "silu_and_mul_torch": "silu_mul", "silu_and_mul_triton": "silu_mul",
+    "rotary_store_kv_torch": "rotary_kv", "rotary_store_kv_triton": "rotary_kv",
+    "rotary_store_kv_native": "rotary_kv",
+    "silu_and_mul_torch": "silu_mul", "silu_and_mul_triton": "silu_mul", "silu_and_mul_native": "silu_mul",
     "store_kv_torch": "kv_store", "store_kv_triton": "kv_store",
 }
 __all__ = sorted(_EXPORTS)

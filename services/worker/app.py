@@ -100,7 +100,7 @@ class WorkerApp:
                 addrs = [a for spec in self.args.prefill for a in expand_hostports(spec)]
                 await self.peers.register_all(addrs, deadline_s=120)
             self.ready = True
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, attention %s", self.role.value, self.args.host,
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s", self.role.value, self.args.host,
                      self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend)
             await stop.wait()
         except PeerError as exc:

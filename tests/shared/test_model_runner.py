@@ -11,9 +11,11 @@ from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch
 
-# Triton runs on CUDA, or on CPU only through the interpreter (used when there is no GPU).
+# Triton runs on CUDA, or on CPU only through the interpreter (used when there is no GPU); the native set is
+# the CPU's C++ kernels.
 CUDA = torch.cuda.is_available()
-BACKENDS = [("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton")] if CUDA else [("cpu", "torch"), ("cpu", "triton")]
+BACKENDS = [("cpu", "native"), ("cpu", "torch")] + ([("cuda", "torch"), ("cuda", "triton")] if CUDA
+                                                    else [("cpu", "triton")])
 PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66], [1, 2, 3], [400, 401, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
