@@ -129,6 +129,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192  # new tokens per prefill batch
     chunked_prefill_size: int = 2048  # longest chunk of one prompt per step; <= 0 disables chunking
     policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+    # Colocated: a step that prefills new prompts also decodes the running requests, so arrivals do not stall
+    # them (SGLang's --enable-mixed-chunk). Off by default: it lowers TTFT but measured 2-3 % less throughput.
+    mixed_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "lpm"):

@@ -224,7 +224,7 @@ class Engine:
         reqs: list[Req] = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.num_computed += n
-            if batch.is_decode:
+            if batch.is_decode or req.status == ReqStatus.RUNNING:  # a decode, alone or beside prefills
                 self.stats.decode_tokens += 1
                 rows.append(i)
                 reqs.append(req)

@@ -1,8 +1,10 @@
 """Scheduler: decides what runs next and owns every request's pages.
 
-Each step is either a prefill batch (new prompts, or the next chunk of a long
-one) or a decode batch (one new token for every running request). Prefill goes
-first while there is room, so chunking is what keeps decodes flowing.
+Each step is a prefill batch (new prompts, or the next chunk of a long one) or a
+decode batch (one new token for every running request). Prefill goes first while
+there is room; on a colocated worker a prefill batch also carries one token of
+every running request (`mixed_prefill`), so new arrivals never stall the
+running ones for a whole step, and chunking keeps such steps short.
 
 Page ownership: a request's `pages[:num_cached_pages]` belong to the radix
 cache (kept alive by the request's lock on `prefix_node`), the rest belong to
@@ -138,9 +140,14 @@ class Scheduler:
         if self.role == Role.DECODE:
             return self._schedule_decode()
         batch = self._schedule_prefill()
-        if batch is not None or self.role == Role.PREFILL:
-            return batch
-        return self._schedule_decode()
+        if batch is None:
+            return None if self.role == Role.PREFILL else self._schedule_decode()
+        if self.role == Role.COLOCATED and self.config.mixed_prefill and self.running:
+            decode = self._schedule_decode()  # may retract running requests, never the ones being prefilled
+            if decode is not None:
+                return Batch(batch.reqs + decode.reqs, is_decode=False,
+                             extend_lens=batch.extend_lens + decode.extend_lens)
+        return batch
 
     def _candidates(self) -> list[Req]:
         if self.config.policy == "lpm" and len(self.waiting) > 1:

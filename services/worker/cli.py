@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=sched.chunked_prefill_size,
                         help="longest prompt chunk per step; <= 0 disables chunking")
     parser.add_argument("--schedule-policy", default=sched.policy, choices=["fcfs", "lpm"])
+    parser.add_argument("--enable-mixed-chunk", action="store_true",
+                        help="colocated: prefill new prompts in the same steps that decode running requests")
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
     parser.add_argument("--log-level", default="info")
     if command in ("prefill", "decode"):
@@ -62,7 +64,8 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
                           mem_fraction=args.mem_fraction),
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
-                                  chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy),
+                                  chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy,
+                                  mixed_prefill=args.enable_mixed_chunk),
     )
 
 

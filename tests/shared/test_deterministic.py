@@ -22,10 +22,11 @@ OTHERS = ["Hi", "List three fruits and their colors.", "Write a haiku about wint
           "Name a planet.", "Tell me a very long story about a dragon who learned to cook soup " * 3]
 
 
-def make_engine(model_dir, chunk: int = 2048, deterministic: bool = True) -> Engine:
+def make_engine(model_dir, chunk: int = 2048, deterministic: bool = True, mixed: bool = False) -> Engine:
     cfg = RuntimeConfig(model_path=str(model_dir), dtype="bfloat16", deterministic=deterministic,
                         cache=CacheConfig(page_size=16, max_total_tokens=16 * 512),
-                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 64)))
+                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 64),
+                                                  mixed_prefill=mixed))
     return Engine(cfg)
 
 
@@ -91,6 +92,13 @@ def test_inside_a_busy_batch(engine, tokenizer, alone):
     first = {f"o{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS[:3])}
     later = {f"l{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS[3:])}
     got = run(engine, {**first, "a": chat(tokenizer, QUESTION)}, join_later=later)
+    assert got["a"] == alone
+
+
+def test_beside_prefills_in_mixed_batches(default_model_dir, tokenizer, alone):
+    engine = make_engine(default_model_dir, mixed=True)
+    later = {f"l{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS)}
+    got = run(engine, {"a": chat(tokenizer, QUESTION)}, join_later=later, join_after_steps=4)
     assert got["a"] == alone
 
 

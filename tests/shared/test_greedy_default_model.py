@@ -55,10 +55,11 @@ def engine(default_model_dir) -> Engine:
     return make_engine(default_model_dir, chunk=2048)
 
 
-def make_engine(model_dir, chunk: int) -> Engine:
+def make_engine(model_dir, chunk: int, mixed: bool = False) -> Engine:
     cfg = RuntimeConfig(model_path=str(model_dir), dtype="float32",
                         cache=CacheConfig(page_size=16, max_total_tokens=16 * 256),
-                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 64)))
+                        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 64),
+                                                  mixed_prefill=mixed))
     return Engine(cfg)
 
 
@@ -110,3 +111,38 @@ def test_chunked_prefill_matches(default_model_dir, prompts, expected):
     engine = make_engine(default_model_dir, chunk=16)
     got, _ = generate(engine, prompts[-2:])
     assert got == expected[-2:]
+
+
+def test_prompts_arriving_while_others_decode_match(default_model_dir, prompts, expected, monkeypatch):
+    """With --enable-mixed-chunk, arrivals are prefilled in the same steps that decode the running requests."""
+    from pdserve.shared.req import ReqStatus
+
+    engine = make_engine(default_model_dir, chunk=2048, mixed=True)
+    outputs: dict[str, list[int]] = {}
+    mixed = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if batch is not None and not batch.is_decode and any(r.status == ReqStatus.RUNNING for r in batch.reqs):
+            mixed.append(len(batch))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+
+    def add(i: int) -> None:
+        engine.add_request(Req(rid=str(i), input_ids=prompts[i], on_output=lambda o: outputs.setdefault(
+            o.rid, []).extend(o.token_ids), params=SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS,
+                                                                  min_new_tokens=NEW_TOKENS)))
+
+    add(0)
+    add(1)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps in (3, 9):  # each arrival joins a batch that is decoding the others
+            add(2 if steps == 3 else 3)
+    assert engine.scheduler.check_integrity().ok
+    assert mixed == [3, 4]  # the newcomer beside 2, then 3, running requests
+    assert [outputs[str(i)] for i in range(4)] == expected[:4]
