@@ -97,6 +97,29 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+
+// Sums of each of 16 vectors, in order: a fixed tree of lane shuffles and adds (about 3 instructions per
+// vector instead of 8 for a horizontal sum each).
+inline __m512 sum16(const __m512* v) {
+  __m512 c[8], d[4], e[2];
+  for (int j = 0; j < 8; ++j) {  // [a 8 partials | b 8 partials]
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // one token's 4 partials per 128-bit lane
+    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {  // lane L: tokens L and L + 4 of the pair, 2 partials each
+    e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // lane L: tokens L, L + 4, L + 8, L + 12; then back to token order.
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
 #endif
 
 inline void check_dtype(const at::Tensor& t, const char* name) {

@@ -12,27 +12,6 @@ namespace {
 constexpr int64_t kMaxRows = 4;
 
 #if defined(__AVX512BF16__)
-// Sums of each of 16 vectors, in order (a fixed shuffle tree; see attention.cpp's sum16 for the steps).
-inline __m512 sum16_rows(const __m512* v) {
-  __m512 c[8], d[4], e[2];
-  for (int j = 0; j < 8; ++j) {
-    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-  }
-  for (int j = 0; j < 4; ++j) {
-    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
-  }
-  for (int j = 0; j < 2; ++j) {
-    e[j] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(d[2 * j], d[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, f);
-}
-
 // Output rows [begin, end) for every x row; in_f is a multiple of 32.
 template <int M>
 void gemv_band(const at::BFloat16* x, const at::BFloat16* w, int64_t in_f, int64_t out_f, int64_t begin,
@@ -54,7 +33,7 @@ void gemv_band(const at::BFloat16* x, const at::BFloat16* w, int64_t in_f, int64
     for (int m = 0; m < M; ++m) {
       at::BFloat16* ym = y + m * out_f + o0;
       if (n == 16) {
-        store16(ym, sum16_rows(acc[m]));
+        store16(ym, sum16(acc[m]));
       } else {
         for (int64_t r = 0; r < n; ++r) ym[r] = from_f32<at::BFloat16>(_mm512_reduce_add_ps(acc[m][r]));
       }
