@@ -18,7 +18,7 @@ from pdserve.kernels import native
 
 
 # oneDNN computes a row of a packed bf16 matmul with one kernel for fewer than 8 rows and another, which
-# accumulates in a different order, from 8 rows up (measured for M = 1..4096); every M >= 8 gives each row
+# accumulates in a different order, from 8 rows up (measured for M = 1..600 on the default model's shapes); every M >= 8 gives each row
 # the same bits. A batch-invariant Linear therefore pads its input to 8 rows.
 BATCH_INVARIANT_MIN_ROWS = 8
 GEMV_MAX_ROWS = 4
@@ -35,12 +35,13 @@ class Linear:
         self.min_rows = BATCH_INVARIANT_MIN_ROWS if batch_invariant else 0
         # The GEMV sums in another order than oneDNN, so a batch-invariant layer never uses it.
         self._gemv_weight = None if batch_invariant else _gemv_weight(weight)
+        self._gemv = native.load().gemv if self._gemv_weight is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
         rows = x.shape[0]
         if self._gemv_weight is not None and 0 < rows <= GEMV_MAX_ROWS:
-            out = native.load().gemv(x.contiguous(), self._gemv_weight)
+            out = self._gemv(x.contiguous(), self._gemv_weight)
             return out if self.bias is None else out.add_(self.bias)
         if rows < self.min_rows:
             return self(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]

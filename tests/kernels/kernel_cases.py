@@ -163,9 +163,3 @@ def error_in_child(call: Callable[[], object], timeout: float = 60.0) -> str:
     assert os.WEXITSTATUS(status) == 0, message
     return message
 
-
-def bad_input_cases(cases: dict, defects: dict[str, str]) -> list:
-    """Parameters for the cases of a bad-input table; those a known kernel defect lets through (case: why)
-    are strict xfails, so the fix shows up as an unexpected pass."""
-    return [pytest.param(case, marks=pytest.mark.xfail(reason=defects[case], strict=True)) if case in defects
-            else case for case in cases]

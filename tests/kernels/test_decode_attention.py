@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import (DEVICES, NATIVE_DTYPES, NATIVE_HEADS, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
-                          bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
+                          error_in_child, ints, make_paged_kv, naive_attention, needs_native,
                           strided_q, torch_threads)
 
 from pdserve.kernels.decode_attention import (decode_attention_native, decode_attention_torch,
@@ -144,11 +144,10 @@ BAD_INPUTS = {
     "query heads not a multiple of kv heads": (lambda a: {"q": a["q"][:, :3]}, "multiple of kv heads"),
     "page id past the pool": (lambda a: {"page_table": _with_page(a["page_table"], 0, 1, 1 << 20)}, "page"),
 }
-DEFECTS: dict[str, str] = {}  # known kernel defects (case: why), kept as strict xfails until fixed
 
 
 @needs_native
-@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, DEFECTS))
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_native_refuses_bad_inputs(case):
     kv = make_paged_kv([20, 5], 16, 2, 64, torch.float32, "cpu")
     args = {"q": strided_q(2, 4, 2, 64, torch.float32), "k_cache": kv.k_cache, "v_cache": kv.v_cache,

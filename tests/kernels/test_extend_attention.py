@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import (DEVICES, NATIVE_DTYPES, NATIVE_HEADS, REF_TOL, TRITON_DEVICE, TRITON_DTYPES, assert_close,
-                          bad_input_cases, error_in_child, ints, make_paged_kv, naive_attention, needs_native,
+                          error_in_child, ints, make_paged_kv, naive_attention, needs_native,
                           strided_q)
 
 from pdserve.kernels.decode_attention import decode_attention_native
@@ -164,11 +164,10 @@ BAD_INPUTS = {
     "fewer page-table rows than sequences": (lambda a: {"page_table": a["page_table"][:1]}, "page"),
     "page id past the pool": (lambda a: {"page_table": a["page_table"].clone().fill_(1 << 20)}, "page"),
 }
-DEFECTS: dict[str, str] = {}  # known kernel defects (case: why), kept as strict xfails until fixed
 
 
 @needs_native
-@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, DEFECTS))
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_native_refuses_bad_inputs(case):
     q, kv, extend_lens, q_start = packed([(0, 20), (10, 5)], 4, 64, torch.float32, 16)
     args = {"q": q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "page_table": kv.page_table,

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kernel_cases import (DEVICES, NATIVE_DTYPES, TRITON_DEVICE, assert_close, bad_input_cases, error_in_child,
+from kernel_cases import (DEVICES, NATIVE_DTYPES, TRITON_DEVICE, assert_close, error_in_child,
                           needs_native)
 
 from pdserve.kernels.rotary import build_cos_sin_cache, cos_sin_rows, rotary_torch
@@ -124,11 +124,10 @@ BAD_INPUTS = {
                                    "head"),
     "v cache smaller than k cache": (lambda a: {"v_cache": a["v_cache"][:1, :1]}, "cache"),
 }
-DEFECTS: dict[str, str] = {}  # known kernel defects (case: why), kept as strict xfails until fixed
 
 
 @needs_native
-@pytest.mark.parametrize("case", bad_input_cases(BAD_INPUTS, DEFECTS))
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_native_refuses_bad_inputs(case):
     valid = make_case(2, 4, 2, 64, 16, torch.float32)
     args = {"qkv": valid.qkv, "cos_sin": valid.cos_sin, "k_cache": valid.pool[:, LAYER, 0],
