@@ -27,7 +27,10 @@ _EXPORTS = {
     "rotary_store_kv_torch": "rotary_kv", "rotary_store_kv_triton": "rotary_kv",
     "rotary_store_kv_native": "rotary_kv",
     "silu_and_mul_torch": "silu_mul", "silu_and_mul_triton": "silu_mul", "silu_and_mul_native": "silu_mul",
+    "apply_token_mask": "token_mask", "apply_token_mask_torch": "token_mask",
+    "apply_token_mask_native": "token_mask", "apply_token_mask_triton": "token_mask",
     "store_kv_torch": "kv_store", "store_kv_triton": "kv_store",
+    "fused_moe_torch": "fused_moe", "fused_moe_triton": "fused_moe", "fused_moe_native": "fused_moe",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -474,3 +474,75 @@ class Prefill:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PoolingStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/pdserve.Pooling/Encode',
+                request_serializer=worker__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=worker__pb2.EncodeReply.FromString,
+                _registered_method=True)
+
+
+class PoolingServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PoolingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=worker__pb2.EncodeRequest.FromString,
+                    response_serializer=worker__pb2.EncodeReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.Pooling', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.Pooling', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Pooling:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Pooling/Encode',
+            worker__pb2.EncodeRequest.SerializeToString,
+            worker__pb2.EncodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -71,6 +71,7 @@ class Load:
     timeout_s: float = 600.0  # a whole request, first byte to last
     stall_timeout_s: float = 120.0  # longest silence within a request's stream
     seed: int = 0
+    extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (e.g. response_format), as pairs
 
 
 @dataclass
@@ -206,6 +207,7 @@ def chat_body(target: Target, load: Load, prompt: str) -> dict:
         "temperature": load.temperature,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **dict(load.extra_body),
     }
 
 
@@ -445,6 +447,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="seconds a stream may stay silent before the request counts as failed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--extra-body", default=None, metavar="JSON",
+                        help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
 
 def load_from_args(args: argparse.Namespace) -> Load:
@@ -454,9 +458,17 @@ def load_from_args(args: argparse.Namespace) -> Load:
         raise ValueError("--request-rate must be positive (inf for a closed loop)")
     if args.timeout <= 0 or args.stall_timeout <= 0:
         raise ValueError("--timeout and --stall-timeout must be positive")
+    extra = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as exc:
+            raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
     return Load(output_len=args.output_len, prompt_len=args.prompt_len, temperature=args.temperature,
                 request_rate=args.request_rate, timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
-                seed=args.seed)
+                seed=args.seed, extra_body=tuple(extra.items()))
 
 
 def report(target: Target, load: Load, summaries: Sequence[LevelSummary]) -> dict:

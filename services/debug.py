@@ -83,7 +83,8 @@ async def _generate(args: argparse.Namespace, stub, pb) -> int:
     from transformers import AutoTokenizer
 
     from pdserve.shared.model_files import resolve_model_path
-    from pdserve.shared.sampling_params import SamplingParams, to_proto
+    from pdserve.proto.codec import params_to_proto
+    from pdserve.shared.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_path))
     if args.chat:
@@ -92,7 +93,7 @@ async def _generate(args: argparse.Namespace, stub, pb) -> int:
     else:
         ids = tokenizer.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=to_proto(params),
+    request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=params_to_proto(params),
                                  prefill_addr=args.prefill)
     t0 = time.perf_counter()
     first = None

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.services.gateway.reasoning import PARSERS as REASONING_PARSERS
+from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
 
 CHAT_EXAMPLE = "What is the capital of France?"
@@ -128,9 +130,19 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
-         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key],
+         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key, *gateway_options(args)],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], quiet))
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
+
+
+def gateway_options(args: argparse.Namespace) -> list[str]:
+    """The gateway's own flags that `up` passes through as given."""
+    options = []
+    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
+                        ("--chat-template", args.chat_template and str(Path(args.chat_template).resolve()))):
+        if value:
+            options += [flag, value]
+    return options + (["--enable-cache-report"] if args.enable_cache_report else [])
 
 
 def substitute(plan: Plan, specs: list[str]) -> None:
@@ -201,6 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name for clients (default: the model dir's)")
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the gateway's --tool-call-parser: read tool calls in this model family's format")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="the gateway's --reasoning-parser: split reasoning_content from the answer")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="the gateway's --chat-template: a Jinja chat template file instead of the model's")
+    parser.add_argument("--enable-cache-report", action="store_true",
+                        help="the gateway's --enable-cache-report: report cached prompt tokens in usage")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
     parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")

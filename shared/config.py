@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# config.json model types served by the encoder runtime (embeddings, cross-encoders), not the paged decoder.
+ENCODER_MODEL_TYPES = ("bert",)
 
 
 class Role(str, enum.Enum):
@@ -24,13 +26,56 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
+# Decoder architectures the paged runtime serves: config.json "architectures" entry -> its model_type.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a Mixture-of-Experts decoder."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    intermediate_size: int  # of one routed expert
+    # Renormalise the top-k routing weights to sum to one (Mixtral always; Qwen MoE per checkpoint).
+    norm_topk_prob: bool
+    # Qwen2-MoE's always-on expert, scaled by a sigmoid gate; 0 where the model has none.
+    shared_expert_intermediate_size: int
+    sparse_layers: tuple[int, ...]  # layers whose MLP is the expert block; the others are dense
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig:
+        if model_type == "mixtral":
+            num_experts, inter, norm = raw["num_local_experts"], raw["intermediate_size"], True
+            sparse = tuple(range(num_layers))
+        else:
+            # transformers 5 saves Qwen3-MoE's expert count as num_local_experts; older files say num_experts.
+            num_experts = raw.get("num_experts") or raw["num_local_experts"]
+            inter, norm = raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False))
+            step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
+            sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        top_k = raw["num_experts_per_tok"]
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts} (the number of experts)")
+        shared = raw.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=inter, norm_topk_prob=norm,
+                   shared_expert_intermediate_size=shared or 0, sparse_layers=sparse)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder architecture, read from an HF config.json."""
 
     path: str
     architecture: str  # e.g. "LlamaForCausalLM"
-    model_type: str  # "llama" | "qwen2"
+    model_type: str  # one of SUPPORTED_ARCHITECTURES' values
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -46,15 +91,23 @@ class ModelConfig:
     attention_bias: bool  # Qwen2 has a bias on q, k and v
     torch_dtype: str  # dtype the checkpoint was saved in
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
+    moe: MoeConfig | None = None  # the expert block of a Mixture-of-Experts model
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        model_type = raw.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r} in {path}/config.json (supported: llama, qwen2)")
+        archs = raw.get("architectures")
+        if archs:
+            architecture = archs[0]
+        else:  # an old config.json without "architectures": its model_type names the family
+            by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+            architecture = by_type.get(raw.get("model_type", "llama"), str(raw.get("model_type")))
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architecture!r} in {path}/config.json "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         # transformers 5 keeps rope settings under rope_parameters; older files use rope_theta/rope_scaling.
@@ -74,7 +127,7 @@ class ModelConfig:
                 eos_ids = tuple(dict.fromkeys(eos_ids + (tuple(geos) if isinstance(geos, list) else (geos,))))
         return cls(
             path=str(path),
-            architecture=archs[0],
+            architecture=architecture,
             model_type=model_type,
             num_layers=raw["num_hidden_layers"],
             hidden_size=raw["hidden_size"],
@@ -88,15 +141,22 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Qwen2 always has a bias on q, k and v; Qwen2-MoE says so in qkv_bias; others in attention_bias.
+            attention_bias=(model_type == "qwen2" or bool(raw.get("attention_bias", False))
+                            or (model_type == "qwen2_moe" and bool(raw.get("qkv_bias", True)))),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=(MoeConfig.from_raw(raw, model_type, raw["num_hidden_layers"])
+                 if model_type in ("qwen2_moe", "qwen3_moe", "mixtral") else None),
         )
 
     def identity(self) -> str:
         """A short fingerprint of everything that shapes the KV cache and logits."""
         keys = (self.architecture, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.vocab_size, self.rope_theta)
+        if self.moe is not None:  # a dense model's fingerprint stays what it was
+            keys += (self.moe.num_experts, self.moe.top_k)
         return f"{self.architecture}-{hashlib.sha1(repr(keys).encode()).hexdigest()[:10]}"
 
 

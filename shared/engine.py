@@ -19,10 +19,12 @@ from typing import Callable, TypeVar
 import torch
 
 from pdserve.shared.config import Role, RuntimeConfig
+from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqOutput, ReqStatus, TokenLogprobs
+from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 
@@ -80,6 +82,23 @@ class Engine:
         self._stopping = False
         # Prefill role: rid -> (future of the PrefillResult, arrival time).
         self._prefill_waiters: dict[str, tuple[Future, float]] = {}
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
+
+        Workers call it before `add_request`, off the engine thread, so compiling never delays a step.
+        """
+        if params.constraint is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+                self._grammars = Grammars(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        return self._grammars.compile(params)
 
     # ------------------------------------------------------------ thread API
     def start(self) -> None:
@@ -146,6 +165,8 @@ class Engine:
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens, which is not shorter than the "
                              f"context length of {limit} tokens")
         req.generator = make_generator(req.params.seed)
+        if req.params.constraint is not None and req.grammar is None:  # callers that did not compile ahead
+            req.grammar = Constraint.for_params(self.compile_grammar(req.params), req.params)
         if req.params.max_new_tokens == 0 and self.role != Role.PREFILL:
             self._emit(req, finish_reason="length")
             req.status = ReqStatus.FINISHED
@@ -264,6 +285,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        if any(r.grammar is not None for r in reqs):
+            apply_masks(logits, [r.grammar for r in reqs])
         out = self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
                                   [r.output_ids for r in reqs], [r.generator for r in reqs],
                                   self.model_config.eos_token_ids)
@@ -288,6 +311,7 @@ class Engine:
             child = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, on_output=req.on_output,
                         index=index)
             child.generator = make_generator(seed)
+            child.grammar = req.grammar.fork() if req.grammar is not None else None
             child.cached_tokens = req.cached_tokens
             child.num_computed = req.num_computed
             child.prefix_node = req.prefix_node
@@ -310,6 +334,11 @@ class Engine:
     def _append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Only when the grammar left nothing to sample (e.g. it must end but min_new_tokens bans eos).
+            req.finish_reason = "stop"
+            self.scheduler.remove(req, cache=True)
+            return
         req.output_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
@@ -317,6 +346,8 @@ class Engine:
         if not p.ignore_eos and token in self.model_config.eos_token_ids:
             req.finish_reason, req.matched_stop_token = "stop", token
         elif token in p.stop_token_ids:
+            req.finish_reason, req.matched_stop_token = "stop", token
+        elif req.grammar is not None and req.grammar.terminated:  # complete, and its end accepted (ignore_eos)
             req.finish_reason, req.matched_stop_token = "stop", token
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.runner.context_length:
             req.finish_reason = "length"
@@ -328,6 +359,7 @@ class Engine:
         seed = None if req.params.seed is None else req.params.seed + index
         sibling = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, index=index)
         sibling.generator = make_generator(seed)
+        sibling.grammar = req.grammar.fork() if req.grammar is not None else None
         return sibling
 
     def _finish_prefills(self, reqs: list[Req], tokens: list[int], logprobs: list, compute_s: float) -> None:

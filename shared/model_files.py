@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.shared.packaged_models import find_packaged, prepare_packaged
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,10 +42,16 @@ def default_gguf() -> Path:
 
 
 def resolve_model_path(model_path: str | os.PathLike | None, quiet: bool = False) -> Path:
-    """Return an HF directory for `model_path`, converting a GGUF file on first use."""
+    """Return an HF directory for `model_path`, converting a GGUF file (or unpacking a packaged model) on first use."""
     if model_path is None or str(model_path) in ("", "default", DEFAULT_MODEL_NAME):
         gguf = default_gguf()
         return _converted_dir(gguf, DEFAULT_MODEL_NAME, quiet)
+    packaged = find_packaged(str(model_path))
+    if packaged is not None:
+        try:
+            return prepare_packaged(packaged, cache_root() / "models")
+        except ValueError as exc:
+            raise ModelNotFound(str(exc)) from None
     path = Path(model_path).expanduser()
     if path.is_dir():
         check_hf_dir(path)

@@ -55,8 +55,6 @@ class ModelRunner:
         kernel_set = resolve_kernel_set("native" if config.deterministic else config.attention_backend,
                                         self.device, self.dtype)
         self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
-        if mc.model_type not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported model type {mc.model_type!r}")
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
                                      batch_invariant=config.deterministic)
         self.model.load(config.model_path)

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.shared.grammar import Constraint
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -77,6 +78,7 @@ class Req:
     num_computed: int = 0  # tokens of `fill_ids` whose KV is in `pages`
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to users)
     generator: torch.Generator | None = None
+    grammar: Constraint | None = None  # where the output stands in its grammar, for constrained requests
     finish_reason: str | None = None
     matched_stop_token: int | None = None
     num_sent: int = 0  # output tokens already reported through on_output

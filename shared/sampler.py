@@ -1,7 +1,8 @@
 """Sampler: the next token of every row of a batch, each row with its own SamplingParams.
 
 Stateless between calls: each call brings every row's params, prompt and output so far, and generator.
-Per row, in this order:
+Per row, in this order (a grammar's mask, when the request has one, is applied by the engine beforehand):
+  0. logit_bias added to the logits of the tokens it names (OpenAI's logit_bias);
   1. penalties on the logits: repetition over prompt + output tokens (positive logits divided, negative
      multiplied, as in HF and vLLM), then frequency (count in output * frequency_penalty) and presence
      ((count > 0) * presence_penalty) subtracted;
@@ -51,9 +52,15 @@ class Sampler:
         batch = logits.shape[0]
         x = logits
         penalised = [i for i, p in enumerate(params) if p.has_penalty]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         bans = _bans(params, output_ids, eos_token_ids)
-        if penalised or bans:
+        if penalised or bans or biased:
             x = logits.to(torch.float32, copy=True)  # [B, V]
+            if biased:
+                rows = [i for i in biased for _ in params[i].logit_bias]
+                ids = [token for i in biased for token, _ in params[i].logit_bias]
+                bias = torch.tensor([b for i in biased for _, b in params[i].logit_bias], device=x.device)
+                x[_index(rows, x.device), _index(ids, x.device)] += bias
             if penalised:
                 _apply_penalties(x, penalised, params, prompt_ids, output_ids)
             if bans:

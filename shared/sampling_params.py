@@ -1,22 +1,26 @@
 """SamplingParams: how one request wants its tokens chosen, with the checks that make a value acceptable.
 
 A SamplingParams is immutable and built once per request: by the gateway from API values, or by a worker
-from the gRPC message (`from_proto`). `validate` is the single place where value ranges are decided; the
-gateway and the workers both call it, so a bad value is refused with the same message wherever it enters.
-Ranges follow SGLang's sampling parameters and the OpenAI API.
+from the gRPC message (`pdserve.proto.codec`, which derives the message from these fields). `validate` is the
+single place where value ranges are decided; the gateway and the workers both call it, so a bad value is refused
+with the same message wherever it enters. Ranges follow SGLang's sampling parameters and the OpenAI API.
+
+Adding a parameter: a field here, the same name in proto/worker.proto's SamplingParams, and its API spelling in
+the gateway's schemas; tests/shared/test_param_definitions.py fails until all three agree.
 """
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass, fields
-
-from pdserve.proto import worker_pb2 as pb
+from dataclasses import dataclass
 
 # Temperatures below this sample like greedy decoding (all the mass sits on the top token), as in SGLang.
 GREEDY_TEMPERATURE = 1e-6
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+# The grammar constraints; at most one per request (pdserve.shared.grammar compiles it).
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+_TOKEN_LISTS = ("stop_token_ids", "think_start_ids", "think_end_ids")
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -60,14 +64,47 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     """How many of the most likely tokens to report with each token's logprob; [0, 20]."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, sorted: the bias is added to the token's logit before sampling; [-100, 100]."""
+    json_schema: str | None = None
+    """Constrain the output to JSON matching this schema (a JSON string)."""
+    regex: str | None = None
+    """Constrain the output to match this regular expression."""
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar (GBNF dialect, `root` rule first)."""
+    structural_tag: str | None = None
+    """Constrain the parts of the output between begin/end tags (a JSON string, SGLang's structural_tag)."""
+    think_start_ids: tuple[int, ...] = ()
+    think_end_ids: tuple[int, ...] = ()
+    """With a grammar and think_end_ids: the output may first reason, unconstrained, until think_end_ids; the
+    grammar holds for what follows. With think_start_ids too, the reasoning happens only if the output opens
+    with them (otherwise the grammar holds from the first token); without, the output starts in the reasoning."""
 
     def __post_init__(self) -> None:
-        # Callers pass lists (JSON arrays, repeated proto fields); a tuple keeps the params hashable.
-        if not isinstance(self.stop_token_ids, tuple):
+        # Callers pass lists and dicts (JSON, proto fields); tuples keep the params hashable and comparable.
+        for name in _TOKEN_LISTS:
+            if not isinstance(getattr(self, name), tuple):
+                try:
+                    object.__setattr__(self, name, tuple(getattr(self, name)))
+                except TypeError:
+                    pass  # validate() names the field
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        if not isinstance(bias, tuple) or any(not isinstance(pair, tuple) for pair in bias):
             try:
-                object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-            except TypeError:
+                object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+            except (TypeError, ValueError):
                 pass  # validate() names the field
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, text) of the grammar constraint, if any."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -93,23 +130,44 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParam("min_new_tokens", f"min_new_tokens must be <= max_new_tokens "
                                                  f"({self.max_new_tokens}), got {self.min_new_tokens}")
-        self._validate_stop_token_ids(vocab_size)
+        for name in _TOKEN_LISTS:
+            self._validate_token_ids(name, vocab_size)
         _boolean("ignore_eos", self.ignore_eos)
         if self.seed is not None:
             _integer("seed", self.seed, lo=_INT64_MIN, hi=_INT64_MAX)
         _integer("n", self.n, lo=1, hi=MAX_N)
         _boolean("return_logprob", self.return_logprob)
         _integer("top_logprobs_num", self.top_logprobs_num, lo=0, hi=MAX_TOP_LOGPROBS)
+        self._validate_logit_bias(vocab_size)
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            if not isinstance(getattr(self, name), str):
+                raise InvalidParam(name, f"{name} must be a string, got {getattr(self, name)!r}")
+        if len(given) > 1:
+            raise InvalidParam(given[1], f"only one of json_schema, regex, ebnf and structural_tag may be given, "
+                                         f"got {' and '.join(given)}")
 
-    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
-        if not isinstance(self.stop_token_ids, tuple):
-            raise InvalidParam("stop_token_ids", f"stop_token_ids must be a list of token ids, "
-                                                 f"got {self.stop_token_ids!r}")
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, tuple) or any(not isinstance(p, tuple) or len(p) != 2
+                                                          for p in self.logit_bias):
+            raise InvalidParam("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         hi = _INT32_MAX if vocab_size is None else vocab_size - 1
-        for token in self.stop_token_ids:
+        for token, bias in self.logit_bias:
             if not _is_int(token) or not 0 <= token <= hi:
-                raise InvalidParam("stop_token_ids", f"stop_token_ids must hold token ids in [0, {hi}], "
-                                                     f"got {token!r}")
+                raise InvalidParam("logit_bias", f"logit_bias keys must be token ids in [0, {hi}], got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                    or abs(bias) > MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
+                                                 f"got {bias!r} for token {token}")
+
+    def _validate_token_ids(self, name: str, vocab_size: int | None) -> None:
+        ids = getattr(self, name)
+        if not isinstance(ids, tuple):
+            raise InvalidParam(name, f"{name} must be a list of token ids, got {ids!r}")
+        hi = _INT32_MAX if vocab_size is None else vocab_size - 1
+        for token in ids:
+            if not _is_int(token) or not 0 <= token <= hi:
+                raise InvalidParam(name, f"{name} must hold token ids in [0, {hi}], got {token!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -151,39 +209,3 @@ def _boolean(name: str, value: object) -> None:
 
 def _fmt(bound: float) -> str:
     return f"{bound:g}"
-
-
-# ------------------------------------------------------------------ gRPC message
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-_PLAIN_FIELDS = ("top_k", "max_new_tokens", "min_new_tokens", "ignore_eos", "n", "return_logprob",
-                 "top_logprobs_num")
-
-
-def to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """The message the gateway sends; every field is filled, so proto3's zero defaults never stand in for a value."""
-    values = {f.name: getattr(params, f.name) for f in fields(params)}
-    msg = pb.SamplingParams(**{k: values[k] for k in _FLOAT_FIELDS + _PLAIN_FIELDS},
-                            stop_token_ids=list(params.stop_token_ids))
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
-
-
-def from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """SamplingParams from a fully filled message; raises InvalidParam for an out-of-range value."""
-    params = SamplingParams(**{k: _from_float32(getattr(msg, k)) for k in _FLOAT_FIELDS},
-                            **{k: getattr(msg, k) for k in _PLAIN_FIELDS},
-                            stop_token_ids=tuple(msg.stop_token_ids),
-                            seed=msg.seed if msg.HasField("seed") else None)
-    params.validate()
-    return params
-
-
-def _from_float32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32, so 0.7 sent as float32 arrives as 0.7 again."""
-    target = struct.pack("<f", value)
-    for digits in range(6, 10):
-        short = float(f"{value:.{digits}g}")
-        if struct.pack("<f", short) == target:
-            return short
-    return value

@@ -16,6 +16,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& q_start, double scale);
 bool gemv_supported(const at::Tensor& weight);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
+void apply_token_mask(at::Tensor logits, const at::Tensor& bitmask);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &pdserve::gemv, release());
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
+  m.def("apply_token_mask", &pdserve::apply_token_mask, release());
 }

@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from pdserve.services.gateway import jobs_proxy, native_api, openai_api
+from pdserve.services.gateway import jobs_proxy, native_api, openai_api, pooling_api
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, error_middleware
 
@@ -55,12 +55,14 @@ async def check_api_key(request: web.Request, handler):
     return await handler(request)
 
 
-def create_app(gateway: Gateway) -> web.Application:
+def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
+    """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
     app = web.Application(middlewares=[count_requests, error_middleware, check_api_key],
                           client_max_size=64 << 20)
     app[GATEWAY] = gateway
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    pooling_api.add_routes(app, list(extra_models))
     jobs_proxy.add_routes(app)
 
     async def pool_lifecycle(app: web.Application):

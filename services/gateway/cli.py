@@ -10,6 +10,7 @@ import sys
 
 from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
+from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -37,11 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         "of the model's")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
                         help="split <think> reasoning into message.reasoning_content")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="read tool calls out of the model's output (tool_choice auto) in this model family's "
+                             "format: qwen25/qwen (Qwen2.5, Qwen3), llama3 (Llama 3 JSON), pythonic (Llama 3.2+, 4)")
     parser.add_argument("--enable-cache-report", action="store_true",
                         help="report usage.prompt_tokens_details.cached_tokens in every response")
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
     parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker checks")
+    parser.add_argument("--embedding-model", default=None, metavar="PATH",
+                        help="also serve this embedding or cross-encoder model on its own workers "
+                             "(--embedding-worker); requests pick it by their 'model'")
+    parser.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
+                        help="worker serving --embedding-model (repeatable; a DNS name may resolve to several)")
+    parser.add_argument("--embedding-served-model-name", default=None,
+                        help="name clients use for --embedding-model (default: the path as given)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -87,10 +98,14 @@ def build(args: argparse.Namespace):
                    "api_key_required": bool(args.api_key)}
     gateway = Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
                       tokenizer_path=args.tokenizer_path or given, model_config=config,
-                      reasoning_parser=args.reasoning_parser, enable_cache_report=args.enable_cache_report,
+                      reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                      enable_cache_report=args.enable_cache_report,
                       api_key=args.api_key or None, jobs_url=args.jobs_url, server_args=public_args,
                       accepted_model_names=frozenset(names))
-    return create_app(gateway)
+    from pdserve.services.gateway.served_models import build_embedding_gateway
+
+    extra = build_embedding_gateway(args, gateway)
+    return create_app(gateway, [extra] if extra else [])
 
 
 async def _serve(app, args: argparse.Namespace) -> int:

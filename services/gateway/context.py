@@ -4,7 +4,9 @@ Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,7 +16,10 @@ from aiohttp import web
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
+from pdserve.shared.grammar import GrammarError, Grammars
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -26,12 +31,15 @@ class Gateway:
     tokenizer_path: str
     model_config: ModelConfigInfo
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # a tool_parsers.PARSERS name
     enable_cache_report: bool = False
     api_key: str | None = None
     jobs_url: str | None = None
     server_args: dict = field(default_factory=dict)  # for /get_server_info (never the API key)
     accepted_model_names: frozenset[str] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
+    _grammars: Grammars | None = field(default=None, init=False, repr=False)
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this gateway does not serve (no name means the served model)."""
@@ -75,6 +83,29 @@ class Gateway:
             name = prefix + names.get(exc.field, exc.field)
             raise ApiError(400, f"Invalid value for {name!r}: {message}", name) from None
         return params
+
+    async def check_constraint(self, params: SamplingParams, names: dict[str, str], prefix: str = "") -> None:
+        """Compile params' grammar (cached after the first time): one that does not compile is a 400 here,
+        before any worker is asked. Compiling runs in a thread, never on the event loop."""
+        if params.constraint is None:
+            return
+        try:
+            async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
+                await asyncio.to_thread(self._compile, params)
+        except GrammarError as exc:
+            name = prefix + names.get(exc.field, exc.field)
+            raise ApiError(400, f"Invalid value for {name!r}: {exc}", name) from None
+        except TimeoutError:
+            name = prefix + names.get(params.constraint[0], params.constraint[0])
+            raise ApiError(400, f"The grammar of {name!r} did not compile within "
+                                f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s.", name) from None
+
+    def _compile(self, params: SamplingParams) -> None:
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = self.model_config.vocab_size or self.tokenizer.vocab_size
+                self._grammars = Grammars(self.tokenizer.tok, vocab, tuple(self.tokenizer.eos_token_ids) or None)
+        self._grammars.compile(params)
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

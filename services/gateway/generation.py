@@ -22,7 +22,8 @@ from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.metrics import TokenTimer
 from pdserve.services.gateway.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer
-from pdserve.shared.sampling_params import SamplingParams, to_proto
+from pdserve.proto.codec import params_to_proto
+from pdserve.shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.services.gateway.backend import Backend
@@ -169,7 +170,7 @@ class Generation:
         self.pair, self._failure = pair, None
         self.choices = [_Choice(self) for _ in range(job.params.n)]
         timer = TokenTimer(self.backend.metrics, self.start)
-        request = pb.GenerateRequest(rid=job.rid, input_ids=job.input_ids, sampling=to_proto(job.params),
+        request = pb.GenerateRequest(rid=job.rid, input_ids=job.input_ids, sampling=params_to_proto(job.params),
                                      prefill_addr=pair.prefill.address if pair.prefill is not None else "")
         call = self._call = pair.generate.stub.Generate(request)
         for w in pair.workers:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import fields
 
 from aiohttp import web
 
@@ -12,9 +13,14 @@ from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, T
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
                                                parse, refuse_unsupported)
+from pdserve.services.gateway.constraints import (GATEWAY_DERIVED, SGLANG_CONSTRAINTS, constraint_values,
+                                                  logit_bias_values)
 from pdserve.shared.sampling_params import SamplingParams
 
 NATIVE_NAMES = {"seed": "sampling_seed", "top_logprobs_num": "top_logprobs_num", "return_logprob": "return_logprob"}
+# The SamplingParams fields that native sampling_params carry (the others are request-level: logprobs).
+FROM_SAMPLING_PARAMS = tuple(f.name for f in fields(SamplingParams)
+                             if f.name not in ("return_logprob", "top_logprobs_num", *GATEWAY_DERIVED))
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
     "lora_path", "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
     "custom_logit_processor")}
@@ -30,7 +36,20 @@ def _per_prompt(value, count: int, name: str) -> list:
     return [value] * count
 
 
-def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool]]:
+def native_values(sp: NativeSampling, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int) -> dict:
+    """SamplingParams values of one prompt: sampling_params' fields under their runtime names (NATIVE_NAMES maps
+    the few spelled differently), plus the request-level logprob fields."""
+    values = {name: getattr(sp, NATIVE_NAMES.get(name, name)) for name in FROM_SAMPLING_PARAMS}
+    constraint, _ = constraint_values(None, {k: values.pop(k) for k in SGLANG_CONSTRAINTS}, "sampling_params.")
+    values.update(constraint, **logit_bias_values(values.pop("logit_bias"), "logit_bias"))
+    values.update(max_new_tokens=max_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()),
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0)
+    return values
+
+
+async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool], list[int]]:
+    """(one Job per prompt, whether the request is a batch, return_logprob per prompt, stream_interval per
+    prompt)."""
     prompts, batch = req.prompts()
     count = len(prompts)
     sps = _per_prompt(req.sampling_params or {}, count, "sampling_params")
@@ -41,7 +60,7 @@ def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool
     if rids is not None and batch and len(set(rids)) != len(rids):
         raise ApiError(400, "'rid' must be different for every prompt.", "rid")
     base = new_id()
-    jobs = []
+    jobs, intervals = [], []
     for k, prompt in enumerate(prompts):
         prefix = f"sampling_params.{k}." if isinstance(req.sampling_params, list) else "sampling_params."
         refuse_unsupported(sps[k], UNSUPPORTED_NATIVE_SAMPLING, prefix)
@@ -51,16 +70,12 @@ def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool
         param = f"text.{k}" if batch and req.text is not None else ("input_ids" if req.text is None else "text")
         ids = gw.prompt_ids(prompt, param)
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else gw.backend.context_length() - len(ids)
-        values = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-                      frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                      repetition_penalty=sp.repetition_penalty, max_new_tokens=max_new,
-                      min_new_tokens=sp.min_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()),
-                      ignore_eos=sp.ignore_eos, seed=sp.sampling_seed, n=sp.n, return_logprob=logprob_flags[k],
-                      top_logprobs_num=tops[k] if logprob_flags[k] else 0)
-        params = gw.build_params(values, NATIVE_NAMES, prefix)
+        params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k]), NATIVE_NAMES, prefix)
+        await gw.check_constraint(params, NATIVE_NAMES, prefix)
         rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
         jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim))
-    return jobs, batch, logprob_flags
+        intervals.append(sp.stream_interval or 1)
+    return jobs, batch, logprob_flags, intervals
 
 
 def _finish(r: ChoiceResult, tokens: int) -> dict | None:
@@ -99,11 +114,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     refuse_unsupported(body, UNSUPPORTED_GENERATE)
     req = parse(GenerateRequest, body)
     gw.check_model(req.model)
-    jobs, batch, logprob_flags = _jobs(gw, req)
+    jobs, batch, logprob_flags, intervals = await _jobs(gw, req)
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
         gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]
         if req.stream:
-            return await _stream_generate(request, gw, req, jobs, gens, logprob_flags)
+            return await _stream_generate(request, gw, req, jobs, gens, logprob_flags, intervals)
         results = await asyncio.gather(*(g.collect() for g in gens))
     outputs = [_output(gw, req, job, gen, r, flag)
                for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) for r in rs]
@@ -112,14 +127,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_generate(request: web.Request, gw: Gateway, req: GenerateRequest, jobs: list[Job],
-                           gens: list[Generation], logprob_flags: list[bool]) -> web.StreamResponse:
+                           gens: list[Generation], logprob_flags: list[bool],
+                           intervals: list[int]) -> web.StreamResponse:
+    """Each event holds the whole output so far (SGLang's native stream); one event per `stream_interval`
+    new tokens of a choice, and one when it finishes."""
     sse = SSE(request)
     so_far = {(k, i): ChoiceResult(i) for k, job in enumerate(jobs) for i in range(job.params.n)}
+    sent = dict.fromkeys(so_far, 0)  # tokens of each choice already streamed
     indexed = len(so_far) > 1
     try:
         async for k, u in merge_updates(gens):
             acc = so_far[(k, u.index)]
             acc.add(u)
+            if u.finish_reason is None and len(acc.token_ids) - sent[(k, u.index)] < intervals[k]:
+                continue
+            sent[(k, u.index)] = len(acc.token_ids)
             out = _output(gw, req, jobs[k], gens[k], acc, logprob_flags[k])
             if indexed:
                 out["index"] = k * jobs[k].params.n + u.index

@@ -18,7 +18,11 @@ from pdserve.services.gateway.generation import Job, Update, merge_updates
 from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
                                                refuse_unsupported)
 from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
+from pdserve.services.gateway.served_models import MODELS
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
+from pdserve.services.gateway.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
+                                                  logit_bias_values)
+from pdserve.services.gateway.tool_calls import ToolPlan, plan_tools, template_messages
 
 CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
               "return_logprob": "logprobs"}
@@ -26,13 +30,18 @@ COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_token
                     "return_logprob": "logprobs"}
 
 
-def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bool, top_logprobs: int) -> dict:
-    return dict(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
-                top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
-                presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-                max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n,
-                return_logprob=return_logprob, top_logprobs_num=top_logprobs)
+def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bool,
+                    top_logprobs: int) -> tuple[dict, dict]:
+    """(SamplingParams values, {field: API name} for the fields whose API name is not fixed) of a request."""
+    constraint, names = constraint_values(req.response_format, {k: getattr(req, k) for k in SGLANG_CONSTRAINTS})
+    values = dict(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
+                  top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
+                  presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+                  max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
+                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n,
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs,
+                  **logit_bias_values(req.logit_bias), **constraint)
+    return values, names
 
 
 def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
@@ -46,10 +55,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     refuse_unsupported(body)
     req = parse(ChatCompletionRequest, body)
     gw.check_model(req.model)
+    tools = plan_tools(req, gw.tool_call_parser)
+    messages = template_messages(req.template_messages())
     try:
-        ids = gw.tokenizer.encode_chat(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+        ids = gw.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
-                                       template_kwargs=req.chat_template_kwargs)
+                                       template_kwargs=req.chat_template_kwargs, tools=tools.template_tools)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
     except ValueError as exc:
@@ -61,12 +72,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                    gw.backend.context_length() - len(ids))
     names = dict(CHAT_NAMES, max_new_tokens="max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens")
-    params = gw.build_params(sampling_values(req, max_new, req.logprobs, req.top_logprobs or 0), names)
-    job = Job(req.rid or new_id(), ids, params, req.stop_list(), req.skip_special_tokens, req.no_stop_trim)
+    values, constraint_names = sampling_values(req, max_new, req.logprobs, req.top_logprobs or 0)
+    names.update(constraint_names)
+    values, names = tools.constrain(values, names)
     parser = gw.reasoning_parser if req.separate_reasoning else None
+    params = gw.build_params(after_reasoning(values, parser, gw.tokenizer), names)
+    await gw.check_constraint(params, names)
+    job = Job(req.rid or new_id(), ids, params, req.stop_list(),
+              req.skip_special_tokens and not tools.needs_special_tokens, req.no_stop_trim)
     with gw.backend.admit(), gw.backend.generation(job) as gen:
         if req.stream:
-            return await _stream_chat(request, gw, req, job, gen, parser)
+            return await _stream_chat(request, gw, req, job, gen, parser, tools)
         results = await gen.collect()
     choices, reasoning_tokens = [], 0
     for r in results:
@@ -76,7 +92,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             content, reasoning = split.content, split.reasoning or None
             reasoning_tokens += len(gw.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         lps = fmt.chat_logprobs(gw.tokenizer, r.logprobs) if req.logprobs else None
-        choices.append(fmt.chat_choice(r, content, reasoning, lps))
+        calls = tools.stream()
+        if calls is None:
+            choices.append(fmt.chat_choice(r, content, reasoning, lps))
+            continue
+        calls.push(content or "", final=True)
+        choices.append(fmt.chat_choice(r, calls.message_content(), reasoning, lps, calls.message_calls(),
+                                       calls.finish_reason(r.finish_reason, r.matched_stop)))
     usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
                       reasoning_tokens)
     return web.json_response(fmt.chat_completion(job.rid, int(time.time()), req.model or gw.served_model_name,
@@ -84,10 +106,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionRequest, job: Job, gen,
-                       parser: str | None) -> web.StreamResponse:
+                       parser: str | None, tools: ToolPlan) -> web.StreamResponse:
     created, model = int(time.time()), req.model or gw.served_model_name
     sse = SSE(request)
     splitters = [ReasoningSplitter(parser) if parser else None for _ in range(req.n)]
+    call_streams = [tools.stream() for _ in range(req.n)]
     reasoning_tokens = 0
     try:
         async with contextlib.aclosing(gen.updates()) as updates:
@@ -100,12 +123,16 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
                 if splitter is not None and splitter.in_reasoning:
                     reasoning_tokens += len(u.token_ids)
                 delta = _chat_delta(u, splitter)
+                finish = u.finish_reason, u.matched_stop
+                if (calls := call_streams[u.index]) is not None:
+                    delta = calls.push_delta(delta, final=u.finish_reason is not None)
+                    finish = calls.finish_reason(*finish)
                 lps = fmt.chat_logprobs(gw.tokenizer, u.logprobs) if req.logprobs and u.logprobs else None
                 if delta or lps or u.finish_reason is not None:
                     running = fmt.usage(gen.prompt_tokens, gen.completion_tokens, None) \
                         if req.continuous_usage else None
                     await sse.send(fmt.chat_chunk(job.rid, created, model, [
-                        fmt.chunk_choice(u.index, delta, lps, u.finish_reason, u.matched_stop)], running))
+                        fmt.chunk_choice(u.index, delta, lps, *finish)], running))
     except ApiError as exc:
         return await sse.fail(exc)
     if req.include_usage:
@@ -147,8 +174,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     jobs = []
     for k, ids in enumerate(ids_list):
         max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
-        params = gw.build_params(sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0),
-                                 COMPLETION_NAMES)
+        values, constraint_names = sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0)
+        names = dict(COMPLETION_NAMES, **constraint_names)
+        params = gw.build_params(values, names)
+        await gw.check_constraint(params, names)
         jobs.append(Job(f"{rid}-{k}" if many else rid, ids, params, req.stop_list(), req.skip_special_tokens,
                         req.no_stop_trim))
     echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
@@ -204,21 +233,17 @@ async def _stream_completions(request: web.Request, gw: Gateway, req: Completion
 
 # ---------------------------------------------------------------- models
 async def list_models(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    card = fmt.model_card(gw.served_model_name, gw.created, gw.backend.context_length())
-    return web.json_response({"object": "list", "data": [card]})
+    # Every served model: the gateway's own first, then any pooling model beside it (--embedding-model).
+    return web.json_response({"object": "list", "data": request.app[MODELS].cards()})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
     name = request.match_info["model"]
-    if name not in gw.accepted_model_names:
+    model = next((m for m in request.app[MODELS].models if name in m.gateway.accepted_model_names), None)
+    if model is None:
         raise ApiError(404, f"The model {name!r} does not exist.", "model")
+    gw = model.gateway
     return web.json_response(fmt.model_card(gw.served_model_name, gw.created, gw.backend.context_length()))
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    raise ApiError(400, "Embeddings are not supported yet: this server serves a generation model.", "input")
 
 
 def add_routes(app: web.Application) -> None:
@@ -226,4 +251,3 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
-    app.router.add_post("/v1/embeddings", embeddings)

@@ -35,13 +35,17 @@ def completion_logprobs(tok: ModelTokenizer, lps: list[TokenLogprob], offset: in
 
 
 # ---------------------------------------------------------------- chat
-def chat_message(content: str | None, reasoning: str | None) -> dict:
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": None}
+def chat_message(content: str | None, reasoning: str | None, tool_calls: list[dict] | None = None) -> dict:
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
 
-def chat_choice(r: ChoiceResult, content: str | None, reasoning: str | None, logprobs: dict | None) -> dict:
-    return {"index": r.index, "message": chat_message(content, reasoning), "logprobs": logprobs,
-            "finish_reason": r.finish_reason, "matched_stop": r.matched_stop}
+def chat_choice(r: ChoiceResult, content: str | None, reasoning: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None, finish: tuple[str | None, int | str | None] | None = None
+                ) -> dict:
+    """`finish`: (finish_reason, matched_stop) when tool calls changed them (tool_calls.CallStream)."""
+    finish_reason, matched_stop = finish or (r.finish_reason, r.matched_stop)
+    return {"index": r.index, "message": chat_message(content, reasoning, tool_calls), "logprobs": logprobs,
+            "finish_reason": finish_reason, "matched_stop": matched_stop}
 
 
 def chat_completion(rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:

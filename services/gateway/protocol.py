@@ -17,17 +17,7 @@ StopField = Union[str, list[str], None]
 # Fields that belong to later work, with the feature they stand for. A field is refused when present with a
 # value that asks for something (None, empty containers and the neutral values below are accepted).
 UNSUPPORTED_OPENAI = {
-    "response_format": "response_format (structured output)",
-    "regex": "regex (constrained decoding)",
-    "ebnf": "ebnf (constrained decoding)",
-    "json_schema": "json_schema (constrained decoding)",
-    "structural_tag": "structural_tag (constrained decoding)",
-    "tools": "tools (function calling)",
-    "functions": "functions (function calling)",
-    "function_call": "function_call (function calling)",
-    "tool_choice": "tool_choice (function calling)",
     "lora_path": "LoRA adapters",
-    "logit_bias": "logit_bias",
     "suffix": "suffix",
     "best_of": "best_of",
     "audio": "audio output",
@@ -40,8 +30,6 @@ UNSUPPORTED_OPENAI = {
     "custom_logit_processor": "custom logit processors",
 }
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none", "auto"),
     "modalities": (["text"],),
     "best_of": (1,),
 }
@@ -51,8 +39,6 @@ def refuse_unsupported(body: dict, fields: dict[str, str] = UNSUPPORTED_OPENAI, 
     for name, what in fields.items():
         value = body.get(name)
         if value is None or value == [] or value == {} or value is False or value in NEUTRAL_VALUES.get(name, ()):
-            continue
-        if name == "tool_choice" and not body.get("tools"):
             continue
         raise unsupported(prefix + name, what)
 
@@ -93,6 +79,13 @@ class OpenAISampling(_Schema):
     rid: str | None = None
     user: str | None = None
     return_cached_tokens_details: bool = False
+    logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, or one of SGLang's constraint fields (constraints.py).
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    structural_tag: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +107,22 @@ class OpenAISampling(_Schema):
         """Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
         return bool(self.stream_options and self.stream_options.include_usage
                     and self.stream_options.continuous_usage_stats)
+
+
+class JsonSchemaFormat(_Schema):
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # structural_tag: SGLang's begin/schema/end structures with their triggers, or xgrammar's `format` object.
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StreamOptions(_Schema):
@@ -162,6 +171,11 @@ class ChatCompletionRequest(OpenAISampling):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None
+    # Shapes are checked by tool_calls.plan_tools, which names the exact field at fault.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def template_messages(self) -> list[dict]:
         out = []
@@ -205,12 +219,7 @@ class CompletionRequest(OpenAISampling):
 
 # ---------------------------------------------------------------- native /generate
 UNSUPPORTED_NATIVE_SAMPLING = {
-    "json_schema": "json_schema (constrained decoding)",
-    "regex": "regex (constrained decoding)",
-    "ebnf": "ebnf (constrained decoding)",
-    "structural_tag": "structural_tag (constrained decoding)",
     "custom_params": "custom_params (custom logit processors)",
-    "logit_bias": "logit_bias",
 }
 
 
@@ -236,14 +245,13 @@ class NativeSampling(BaseModel):
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
-    stream_interval: int | None = None
-    # Accepted by name so that the refusal below can name them.
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
-    custom_params: Any = None
-    logit_bias: Any = None
+    stream_interval: int | None = Field(None, ge=1)  # new tokens per streamed event
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: Any = None  # accepted by name so that the refusal above can name it
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,20 +1,29 @@
 """Splitting a reasoning model's output into `reasoning_content` and `content`, incrementally.
 
-One `ReasoningSplitter` per choice. Text between `<think>` and `</think>` is reasoning; what follows is
-content. Parsers differ in where reasoning starts: `deepseek-r1` models begin inside the reasoning (the
-template already opened it), `qwen3` models reason only when their output opens with `<think>`. A tag split
-across pieces is held back until it is complete, so no piece of a tag is ever shown.
+One `ReasoningSplitter` per choice. Text between the parser's start and end tags (`<think>` and `</think>`;
+Kimi's `◁think▷` and `◁/think▷`) is reasoning; what follows is content. Parsers differ in where reasoning
+starts: `deepseek-r1` models begin inside the reasoning (the template already opened it), `qwen3` and `kimi`
+models reason only when their output opens with the start tag. A tag split across pieces is held back until
+it is complete, so no piece of a tag is ever shown.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS: dict[str, bool] = {  # name -> output starts inside the reasoning
-    "deepseek-r1": True,
-    "qwen3": False,
-    "qwen3-thinking": True,
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    start: str
+    end: str
+    forced: bool  # the output starts inside the reasoning, its start tag already in the prompt
+
+
+PARSERS: dict[str, ReasoningFormat] = {
+    "deepseek-r1": ReasoningFormat("<think>", "</think>", forced=True),
+    "qwen3": ReasoningFormat("<think>", "</think>", forced=False),
+    "qwen3-thinking": ReasoningFormat("<think>", "</think>", forced=True),
+    "kimi": ReasoningFormat("\u25c1think\u25b7", "\u25c1/think\u25b7", forced=False),
 }
-START, END = "<think>", "</think>"
 
 
 @dataclass
@@ -27,7 +36,8 @@ class ReasoningSplitter:
     def __init__(self, parser: str) -> None:
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
-        self.forced = PARSERS[parser]
+        self.format = PARSERS[parser]
+        self.forced = self.format.forced
         self.state = "start"  # start -> reasoning -> content, or start -> content
         self.buf = ""
         self.strip_content = False  # drop whitespace between </think> and the answer
@@ -40,20 +50,21 @@ class ReasoningSplitter:
         self.buf += piece
         out = Split()
         if self.state == "start":
-            head = self.buf.lstrip()
-            if head.startswith(START):
-                self.buf, self.state = head[len(START):], "reasoning"
-            elif START.startswith(head):
+            head, start = self.buf.lstrip(), self.format.start
+            if head.startswith(start):
+                self.buf, self.state = head[len(start):], "reasoning"
+            elif start.startswith(head):
                 return out  # might still become the opening tag
             else:
                 self.state = "reasoning" if self.forced else "content"
         if self.state == "reasoning":
-            pos = self.buf.find(END)
+            end = self.format.end
+            pos = self.buf.find(end)
             if pos < 0:
-                keep = _partial_suffix(self.buf, END)
+                keep = _partial_suffix(self.buf, end)
                 out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return out
-            out.reasoning, self.buf = self.buf[:pos], self.buf[pos + len(END):]
+            out.reasoning, self.buf = self.buf[:pos], self.buf[pos + len(end):]
             self.state, self.strip_content = "content", True
         if self.strip_content:
             self.buf = self.buf.lstrip()

@@ -77,7 +77,8 @@ class ModelTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
         """The prompt text for `messages`; raises ValueError when the template rejects them, and its subclass
         ReservedTemplateKwarg when `template_kwargs` names more than template variables."""
         reserved = next((k for k in template_kwargs or {} if k in self.reserved_template_kwargs), None)
@@ -88,7 +89,7 @@ class ModelTokenizer:
         try:
             return self.tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools or None, **(template_kwargs or {}))
         except Exception as exc:  # jinja errors (e.g. raise_exception in the template) are user input problems
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 

@@ -16,8 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.cli import install_signal_handlers, worker_name
-from pdserve.services.worker.convert import compat_to_proto
+from pdserve.proto.codec import compat_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
+from pdserve.services.worker.pooling import PoolingService
 from pdserve.services.worker.server import PrefillService, WorkerService
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.compat import Compat
@@ -81,6 +82,7 @@ class WorkerApp:
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
                           is_ready=lambda: self.ready and self.engine.is_alive()), server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine), server)
         if self.role == Role.PREFILL:
             pb_grpc.add_PrefillServicer_to_server(PrefillService(self.engine, self.compat, self.transfer), server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")

@@ -10,7 +10,7 @@ import socket
 import sys
 import uuid
 
-from pdserve.shared.config import CacheConfig, Role, RuntimeConfig, SchedulerConfig
+from pdserve.shared.config import ENCODER_MODEL_TYPES, CacheConfig, Role, RuntimeConfig, SchedulerConfig
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="how KV pages move between workers (auto: nixl when installed, else tcp)")
         parser.add_argument("--transfer-port", type=int, default=None,
                             help="tcp backend: port the decode worker receives KV on (default: port + 2000)")
+    if command == "colocated":
+        parser.add_argument("--is-embedding", action="store_true",
+                            help="serve an embedding or cross-encoder model (/v1/embeddings, /encode); chosen by "
+                                 "itself for encoder checkpoints (BERT family)")
     if command == "decode":
         parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
@@ -90,11 +94,27 @@ def main(args: argparse.Namespace, command: str) -> int:
     from pdserve.services.worker.app import WorkerApp
 
     try:
-        app = WorkerApp(config, Role(command), args)
+        if command == "colocated" and (args.is_embedding or is_encoder_checkpoint(model_path)):
+            from pdserve.services.worker.encoder_app import EncoderWorkerApp
+
+            app = EncoderWorkerApp(config, args)
+        else:
+            app = WorkerApp(config, Role(command), args)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return asyncio.run(app.serve())
+
+
+def is_encoder_checkpoint(model_path: str) -> bool:
+    """Encoder-only checkpoints (BERT family) run on the Encoder, never on the paged decoder runtime."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type") in ENCODER_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
 
 
 def worker_name(role: str, host: str, port: int) -> str:

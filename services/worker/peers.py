@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.convert import compat_to_proto
+from pdserve.proto.codec import compat_to_proto
 from pdserve.shared.compat import Compat
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,16 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.convert import compat_from_proto, first_token_to_proto, output_to_proto
+from pdserve.proto.codec import (compat_from_proto, first_token_from_proto, first_token_to_proto, output_to_proto,
+                                 params_from_proto)
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
-from pdserve.shared.engine import Engine, FirstToken
-from pdserve.shared.req import Req, ReqOutput, TokenLogprobs, TransferTarget
-from pdserve.shared.sampling_params import InvalidParam, from_proto
+from pdserve.shared.engine import Engine
+from pdserve.shared.grammar import Constraint, GrammarError
+from pdserve.shared.req import Req, ReqOutput, TransferTarget
+from pdserve.shared.sampling_params import InvalidParam
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,19 @@ class Timeouts:
     engine_call: float = 30.0  # for the engine thread to take a command
     stall: float = 120.0  # between two outputs of a running request
     prefill: float = 120.0  # decode waiting for prefill to fill its pages (incl. queueing)
+
+
+async def grammar_of(engine: Engine, params, context, timeout: float) -> Constraint | None:
+    """The request's grammar state, compiled in a thread: the engine's step loop never waits for it."""
+    if params.constraint is None:
+        return None
+    try:
+        compiled = await asyncio.wait_for(asyncio.to_thread(engine.compile_grammar, params), timeout)
+    except GrammarError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except asyncio.TimeoutError:
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the grammar did not compile in time")
+    return Constraint.for_params(compiled, params)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -69,12 +84,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[ReqOutput] = asyncio.Queue()
         try:
-            params = from_proto(request.sampling)
+            params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         relay = self.relay()
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
                   on_output=lambda out: relay.send(outputs, out))
+        req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         if self.role == Role.DECODE:
             req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
                 self._start_prefill, r.rid, request, list(r.pages))
@@ -130,8 +146,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages), timeout=self.timeouts.prefill)
-            firsts = [FirstToken(t.token_id, TokenLogprobs(t.logprob, list(t.top.token_ids), list(t.top.logprobs))
-                                 if t.has_logprob else None) for t in reply.first_tokens]
+            firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
         except asyncio.CancelledError:
@@ -205,11 +220,12 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"decode worker {request.peer_name} is not registered")
         try:
-            params = from_proto(request.sampling)
+            params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
                   transfer=TransferTarget(request.peer_name, list(request.dst_pages)))
+        req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         done = False
         try:
             fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.add_prefill(req))),

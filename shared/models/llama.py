@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over the paged KV pool.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3 and their MoE variants, Mixtral) over the paged KV pool.
 
-One class covers both architectures: Qwen2 is Llama with a bias on the q, k and v
-projections. Weights are fused at load time (q|k|v into one matrix, gate|up into
-another) so a layer is four matmuls, each a `Linear` prepared for the device.
+One class covers every architecture: Qwen2 is Llama with a bias on the q, k and v
+projections, Qwen3 normalises each q and k head before rotary, and the MoE models swap
+some layers' MLP for an expert block (moe.py). Weights are fused at load time (q|k|v into
+one matrix, gate|up into another) so a dense layer is four matmuls, each a `Linear`
+prepared for the device.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
 from pdserve.shared.linear import Linear
+from pdserve.shared.models.moe import DenseMLP, RouteHook, SparseMoE, load_sparse_moe
 
 
 @dataclass
@@ -41,11 +44,12 @@ class LayerWeights:
     qkv: Linear  # [(Hq + 2 Hk) * D, H], with Qwen2's bias
     o: Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # [2 I, H]
-    down: Linear  # [H, I]
+    mlp: DenseMLP | SparseMoE
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head RMSNorm weights
+    k_norm: torch.Tensor | None = None
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
+        return [self.qkv, self.o] + self.mlp.linears()
 
 
 class LlamaForCausalLM:
@@ -77,19 +81,26 @@ class LlamaForCausalLM:
                 raise ValueError(f"weight {name!r} missing from {model_dir}")
             return tensors.pop(name).to(device=self.device, dtype=self.dtype)
 
+        sparse = set(cfg.moe.sparse_layers) if cfg.moe is not None else set()
         self.embed = take("model.embed_tokens.weight")
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_bias = None
             if cfg.attention_bias:
                 qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if i in sparse:
+                mlp = load_sparse_moe(i, p, cfg.moe, cfg.hidden_size, take, tensors.__contains__, linear)
+            else:
+                mlp = DenseMLP(linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                               linear(take(p + "mlp.down_proj.weight")))
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
                 o=linear(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                down=linear(take(p + "mlp.down_proj.weight")),
+                mlp=mlp,
+                q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
             ))
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
@@ -97,6 +108,13 @@ class LlamaForCausalLM:
             self.lm_head = linear(self.embed)
         else:
             self.lm_head = linear(take("lm_head.weight"))
+
+    def set_route_hook(self, hook: RouteHook | None) -> None:
+        """Hand every expert block's routing choice to `hook(layer_id, topk_ids)` (None: stop); dense models
+        have no expert blocks and ignore it."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.on_route = hook
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -117,6 +135,8 @@ class LlamaForCausalLM:
             else:
                 x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = layer.qkv(x)  # [T, (Hq + 2 Hk) * D]
+            if layer.q_norm is not None:
+                self._norm_qk_heads(qkv, layer, ops)
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
             q = ops.rotary_store_kv(qkv, cos_sin, k_cache, v_cache, batch.slots, cfg.num_heads,
                                     cfg.num_kv_heads)  # [T, Hq, D]; k and v are in the cache now
@@ -127,10 +147,19 @@ class LlamaForCausalLM:
                                             batch.extend_lens, batch.q_start, self.scale)
             hidden = layer.o(attn.reshape(-1, q_size))  # [T, H]
             x, residual = ops.rmsnorm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            hidden = layer.mlp(x, ops)
         last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
         last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last)  # [B, V]
+
+    def _norm_qk_heads(self, qkv: torch.Tensor, layer: LayerWeights, ops: KernelOps) -> None:
+        """Qwen3: RMSNorm over every q and k head of the fused projection, in place, before rotary."""
+        cfg = self.config
+        T, D = qkv.shape[0], cfg.head_dim
+        q_end, k_end = cfg.num_heads * D, (cfg.num_heads + cfg.num_kv_heads) * D
+        for lo, hi, weight in ((0, q_end, layer.q_norm), (q_end, k_end, layer.k_norm)):
+            heads = qkv[:, lo:hi].reshape(-1, D)  # [T * heads, D]
+            qkv[:, lo:hi] = ops.rmsnorm(heads, weight, cfg.rms_norm_eps).view(T, hi - lo)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ import pytest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.shared.sampling_params import SamplingParams, to_proto
+from pdserve.proto.codec import params_to_proto as to_proto
+from pdserve.shared.sampling_params import SamplingParams
 from procs import start_worker
 
 FP32 = ("--dtype", "float32")
@@ -133,6 +134,41 @@ async def test_pd_n_choices_share_one_prefill(pair, prompts):
     assert sorted(out["tokens"]) == [0, 1, 2] and set(out["finish"]) == {0, 1, 2}
     again = await generate(daddr, prompts[1], prefill=paddr, n=3, temperature=0.8, seed=7, max_new_tokens=12)
     assert again["tokens"] == out["tokens"]  # same seed, same choices
+    await assert_clean(paddr, daddr)
+
+
+CITY = ('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "population": '
+        '{"type": "integer", "minimum": 0, "maximum": 99999999}}, "required": ["name", "population"]}')
+
+
+async def test_pd_constrained_output_equals_colocated_from_the_first_token(pair, colocated, prompts, tokenizer):
+    """The prefill worker masks the first token, the decode worker continues the same grammar."""
+    import json
+    import re
+
+    paddr, daddr = pair
+    for constraint in ({"json_schema": CITY}, {"regex": r"[A-Z][a-z]+, [A-Z][a-z]+ and [A-Z][a-z]+\."}):
+        want = await generate(colocated, prompts[0], max_new_tokens=48, **constraint)
+        got = await generate(daddr, prompts[0], prefill=paddr, max_new_tokens=48, **constraint)
+        assert got["tokens"] == want["tokens"] and got["finish"] == want["finish"] == {0: "stop"}
+        text = tokenizer.decode(got["tokens"][0], skip_special_tokens=True)
+        if "regex" in constraint:
+            assert re.fullmatch(constraint["regex"], text), text
+        else:
+            assert set(json.loads(text)) >= {"name", "population"}, text
+    # Sampled, with n forks sharing the compiled grammar: every choice obeys it.
+    out = await generate(daddr, prompts[1], prefill=paddr, n=3, temperature=1.0, seed=11, max_new_tokens=24,
+                         regex=r"(red|green|blue)(, (red|green|blue))*")
+    for tokens in out["tokens"].values():
+        assert re.fullmatch(r"(red|green|blue)(, (red|green|blue))*", tokenizer.decode(tokens, skip_special_tokens=True))
+    await assert_clean(paddr, daddr)
+
+
+async def test_bad_grammar_reaching_a_worker_is_refused(pair):
+    paddr, daddr = pair
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(daddr, [1, 2, 3], prefill=paddr, regex="(unclosed")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in info.value.details()
     await assert_clean(paddr, daddr)
 
 

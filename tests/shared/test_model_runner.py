@@ -1,10 +1,15 @@
 """The runtime's forward pass against transformers, on tiny random checkpoints of each architecture."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from pdserve.shared.config import CacheConfig, RuntimeConfig
+from fixtures import ARCHS, MOE_ARCHS
+
+from pdserve.shared.config import CacheConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from pdserve.shared.engine import Engine
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.req import Req
@@ -19,12 +24,16 @@ BACKENDS = [("cpu", "native"), ("cpu", "torch")] + ([("cuda", "torch"), ("cuda",
 PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66], [1, 2, 3], [400, 401, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
-def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()  # [len, V]
+        return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()  # [len, V]
 
 
 def make_runner(model_dir, backend: str, device: str = "cpu", page_size: int = 4) -> ModelRunner:
@@ -44,7 +53,7 @@ def make_reqs(runner: ModelRunner, prompts: list[list[int]]) -> list[Req]:
     return reqs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backend, device):
     runner = make_runner(tiny_models[arch], backend, device)
@@ -94,3 +103,85 @@ def test_sharded_checkpoints_load(tiny_models, tmp_path):
             assert torch.equal(x.dense_weight(), y.dense_weight())
         assert torch.equal(a.qkv.bias, b.qkv.bias)
     assert torch.equal(sharded.model.lm_head.dense_weight(), single.model.lm_head.dense_weight())
+
+
+@pytest.mark.parametrize("arch", ["qwen3", *MOE_ARCHS])
+def test_greedy_tokens_match_transformers_chunked_and_cached(tiny_models, arch):
+    """Whole engine, native kernels: prompts prefilled in 4-token chunks, then again from the prefix cache."""
+    new_tokens = 10
+    model = hf_model(tiny_models[arch])
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in PROMPTS]
+    engine = Engine(RuntimeConfig(model_path=str(tiny_models[arch]), dtype="float32",
+                                  cache=CacheConfig(page_size=4, max_total_tokens=4 * 64),
+                                  scheduler=SchedulerConfig(chunked_prefill_size=4, max_prefill_tokens=8)))
+    for attempt in range(2):
+        outputs: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
+
+        def collect(out):
+            outputs.setdefault(out.rid, []).extend(out.token_ids)
+            cached[out.rid] = out.cached_tokens
+
+        for i, ids in enumerate(PROMPTS):
+            engine.add_request(Req(rid=f"{attempt}-{i}", input_ids=list(ids), on_output=collect,
+                                   params=SamplingParams(temperature=0, max_new_tokens=new_tokens,
+                                                         min_new_tokens=new_tokens)))
+        while engine.has_work():
+            engine.step()
+        assert [outputs[f"{attempt}-{i}"] for i in range(len(PROMPTS))] == expected
+        if attempt == 1:  # every full page of each prompt came from the cache
+            assert [cached[f"1-{i}"] for i in range(len(PROMPTS))] == [len(p) // 4 * 4 for p in PROMPTS], cached
+
+
+@pytest.mark.parametrize("arch,experts,top_k,sparse,shared,renorm", [
+    ("qwen2-moe", 8, 2, (0, 1), 96, False), ("qwen3-moe", 8, 2, (0, 2), 0, True), ("mixtral", 4, 2, (0, 1), 0, True)])
+def test_moe_config_is_read_from_each_family(tiny_models, arch, experts, top_k, sparse, shared, renorm):
+    moe = ModelConfig.from_dir(tiny_models[arch]).moe
+    assert (moe.num_experts, moe.top_k, moe.sparse_layers) == (experts, top_k, sparse)
+    assert (moe.shared_expert_intermediate_size, moe.norm_topk_prob) == (shared, renorm)
+
+
+def test_route_hook_sees_every_sparse_layer(tiny_models):
+    runner = make_runner(tiny_models["qwen3-moe"], "torch")
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    runner.model.set_route_hook(lambda layer, ids: seen.append((layer, tuple(ids.shape))))
+    reqs = make_reqs(runner, PROMPTS[:2])
+    runner.forward(Batch(reqs, is_decode=False, extend_lens=[len(r.input_ids) for r in reqs]))
+    rows = sum(len(p) for p in PROMPTS[:2])
+    assert seen == [(0, (rows, 2)), (2, (rows, 2))]  # layer 1 is dense (mlp_only_layers)
+
+
+def test_unsupported_architecture_is_refused_by_name(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_models["llama"], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
+        make_runner(tmp_path / "m", "torch")
+    assert all(name in str(err.value) for name in ("Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"))
+
+
+def test_stacked_expert_tensors_load_like_per_expert_ones(tiny_models, tmp_path):
+    """transformers' in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_models["qwen3-moe"]
+    shutil.copytree(src, tmp_path / "m")
+    tensors = load_file(src / "model.safetensors")
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts."
+        per = [[tensors.pop(f"{p}{e}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")] for e in range(8)]
+        tensors[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in per])
+        tensors[p + "down_proj"] = torch.stack([d for _, _, d in per])
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    stacked, plain = make_runner(tmp_path / "m", "torch"), make_runner(src, "torch")
+    for a, b in zip(stacked.model.layers, plain.model.layers):
+        if hasattr(a.mlp, "w13"):
+            assert torch.equal(a.mlp.w13, b.mlp.w13) and torch.equal(a.mlp.w2, b.mlp.w2)

@@ -205,6 +205,15 @@ def test_penalties_apply_to_sampled_rows_and_leave_the_logits_untouched():
     assert torch.equal(logits, before)
 
 
+def test_logit_bias_adds_to_the_named_tokens_of_its_row_only():
+    logits = peaked(4096, rows=2)
+    biased = SamplingParams(temperature=0, logit_bias={2: 5.0, 0: -100})  # 0.15 * e^5 beats 0.3; token 0 banned
+    out = sample(logits.clone(), [biased, SamplingParams(temperature=0)])
+    assert out.token_ids.tolist() == [2, 0]
+    draws = sample(peaked(4096, rows=2000), SamplingParams(logit_bias={0: -100, 1: -100})).token_ids
+    assert set(draws.tolist()) <= {2, 3}  # a -100 bias leaves a token next to impossible, as OpenAI documents
+
+
 def test_penalties_are_per_row():
     logits = torch.cat([two_tokens(2.0, 1.9)] * 3)
     params = [SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0),

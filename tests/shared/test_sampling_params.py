@@ -6,7 +6,8 @@ import math
 import pytest
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.shared.sampling_params import InvalidParam, SamplingParams, from_proto, to_proto
+from pdserve.proto.codec import params_from_proto as from_proto, params_to_proto as to_proto
+from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 VOCAB = 49152
 
@@ -99,11 +100,31 @@ def test_proto_round_trip_keeps_every_field():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, frequency_penalty=-0.3,
                             presence_penalty=1.1, repetition_penalty=1.15, max_new_tokens=77, min_new_tokens=3,
                             stop_token_ids=(2, 99), ignore_eos=True, seed=-12345678901, n=4, return_logprob=True,
-                            top_logprobs_num=5)
+                            top_logprobs_num=5, logit_bias={7: -100, 3: 2.5}, regex=r"\d+")
     msg = to_proto(params)
     assert isinstance(msg, pb.SamplingParams)
     back = from_proto(pb.SamplingParams.FromString(msg.SerializeToString()))
     assert back == params  # floats survive the float32 wire format as the same short decimals
+
+
+def test_proto_constraint_distinguishes_unset_from_empty():
+    assert from_proto(to_proto(SamplingParams())).json_schema is None
+    assert from_proto(to_proto(SamplingParams(ebnf=""))).ebnf == ""
+
+
+def test_logit_bias_is_normalised_and_checked():
+    assert SamplingParams(logit_bias={9: 1, 2: -1}).logit_bias == ((2, -1), (9, 1))
+    with pytest.raises(InvalidParam, match=r"logit_bias keys must be token ids in \[0, 99\], got 100"):
+        SamplingParams(logit_bias={100: 1}).validate(vocab_size=100)
+    with pytest.raises(InvalidParam, match=r"logit_bias values must be numbers in \[-100, 100\], got 101"):
+        SamplingParams(logit_bias={1: 101}).validate()
+
+
+def test_only_one_grammar_constraint():
+    with pytest.raises(InvalidParam, match="only one of json_schema, regex, ebnf and structural_tag") as info:
+        SamplingParams(regex="a", ebnf='root ::= "a"').validate()
+    assert info.value.field == "ebnf"
+    assert SamplingParams(regex="a+").constraint == ("regex", "a+")
 
 
 @pytest.mark.parametrize("seed", [None, 0, 7])

@@ -72,6 +72,18 @@ def test_generate_stream_is_cumulative_and_ends_with_done(colocated):
     assert chunks[-1]["text"] == whole["text"]
 
 
+def test_generate_stream_interval_groups_tokens(colocated):
+    body = {"text": "The capital of France is", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "stream_interval": 4}}
+    with post(colocated.open, "/generate", body, stream=True) as r:
+        chunks = sse_events(r)[:-1]
+    counts = [len(c["output_ids"]) for c in chunks]
+    assert counts[-1] == 10 and len(counts) <= 3  # every 4 tokens (or more, when they arrive together), the end
+    assert all(b - a >= 4 for a, b in zip([0] + counts[:-2], counts[:-1]))
+    bad = post(colocated.open, "/generate", {**body, "sampling_params": {"stream_interval": 0}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.stream_interval"
+
+
 def test_generate_logprobs_and_stop_string(colocated):
     r = post(colocated.open, "/generate", {"text": "Count: 1, 2, 3, 4,", "return_logprob": True,
                                            "top_logprobs_num": 2, "return_text_in_logprobs": True,

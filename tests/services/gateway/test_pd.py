@@ -55,6 +55,30 @@ def test_pd_answers_through_every_pair(pd):
     assert all(healthy_workers(gw).values())
 
 
+def test_pd_tool_choice_is_enforced_from_the_first_token(pd):
+    # The prefill worker samples the first token and the decode worker the rest: both apply the grammar.
+    import json
+
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    params = {"type": "object", "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+              "required": ["hours"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "set_alarm", "parameters": params}},
+             {"type": "function", "function": {"name": "ping"}}]
+    for choice in ("required", {"type": "function", "function": {"name": "set_alarm"}}):
+        kwargs = dict(model="default", messages=QUESTION, tools=tools, tool_choice=choice, temperature=0,
+                      max_tokens=60, parallel_tool_calls=False)
+        r = c.chat.completions.create(**kwargs).choices[0]
+        assert r.finish_reason == "tool_calls" and len(r.message.tool_calls) == 1
+        call = r.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert (call.function.name, args) == ("ping", {}) or \
+            (call.function.name == "set_alarm" and list(args) == ["hours"] and 0 <= args["hours"] <= 23)
+        streamed = "".join(tc.function.arguments or "" for chunk in c.chat.completions.create(**kwargs, stream=True)
+                           for ch in chunk.choices for tc in ch.delta.tool_calls or [])
+        assert streamed == call.function.arguments
+
+
 async def test_killing_workers_mid_run(pd):
     system, gw, paddrs, daddrs = pd
     c = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)

@@ -151,6 +151,18 @@ def test_reasoning_split_is_the_same_streamed_in_any_pieces(seed):
     assert not any("<" in o.content or "think>" in o.reasoning for o in outs)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_kimi_reasons_inside_its_unicode_tags_whatever_the_pieces(seed):
+    rng = random.Random(seed)
+    text = "\u25c1think\u25b7The user greets me; <think> is not my tag.\u25c1/think\u25b7Hello!"
+    cuts = sorted(rng.sample(range(1, len(text)), 6))
+    sp = ReasoningSplitter("kimi")
+    outs = [sp.push(text[a:b]) for a, b in zip([0] + cuts, cuts + [len(text)])] + [sp.flush()]
+    assert "".join(o.reasoning for o in outs) == "The user greets me; <think> is not my tag."
+    assert "".join(o.content for o in outs) == "Hello!"
+    assert split_text("kimi", "No reasoning here.").content == "No reasoning here."
+
+
 def test_unknown_reasoning_parser_is_refused():
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ReasoningSplitter("nope")

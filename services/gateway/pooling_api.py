@@ -1,0 +1,297 @@
+"""Prefill-only endpoints: /v1/score (generative model), /v1/embeddings and /encode (embedding model).
+
+Each request becomes one `Pooling.Encode` call: token sequences in, one vector per sequence out (label-token
+log-probabilities for a score, the pooled embedding otherwise). It goes to a worker that holds the model's
+prefix cache (colocated, or prefill in PD mode): no decode worker is involved and no KV moves. The request's
+`model` picks the served model (`served_models`); one of the wrong kind is a 400 naming it, before any worker
+is asked. /v1/rerank and /classify live in `classify_api` and share the helpers here.
+"""
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.gateway.context import Gateway, new_id
+from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.protocol import parse
+from pdserve.services.gateway.router import load_of
+from pdserve.services.gateway.served_models import EMBED, GENERATE, MODELS, ServedModel, install
+from pdserve.services.gateway.workers import Worker
+
+ENCODE_TIMEOUT_S = 300.0
+ENCODING_FORMATS = ("float", "base64")
+
+
+# ---------------------------------------------------------------- schemas
+class Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class ScoreRequest(Schema):
+    model: str | None = None
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+
+
+class EmbeddingRequest(Schema):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep the first k tokens of each input; -1: the context length
+
+
+class NativeEncodeRequest(Schema):
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+# ---------------------------------------------------------------- one Encode call
+@dataclass
+class Encoded:
+    outputs: list[list[float]]
+    prompt_tokens: int
+
+
+async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] = (),
+                 type_ids: list[list[int]] | None = None) -> Encoded:
+    """Run `seqs` on a worker holding the prefix cache; a worker that fails is left out of one retry.
+    `type_ids`: segment ids per token, for cross-encoder pairs."""
+    pool = gw.backend.pool
+    tried: set[str] = set()
+    for _ in range(gw.backend.settings.max_attempts):
+        worker = _pick(gw, tried)
+        tried.add(worker.address)
+        stub = pb_grpc.PoolingStub(worker.channel)
+        types = type_ids or [[] for _ in seqs]
+        message = pb.EncodeRequest(rid=new_id(), inputs=[pb.TokenSeq(ids=s, type_ids=t) for s, t in zip(seqs, types)],
+                                   label_token_ids=list(label_token_ids))
+        worker.in_flight += 1
+        try:
+            reply = await stub.Encode(message, timeout=ENCODE_TIMEOUT_S)
+            return Encoded([list(v.values) for v in reply.outputs], reply.prompt_tokens)
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or exc.code().name
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ApiError(400, f"The worker refused the input: {details}.") from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ApiError(503, f"The server is busy: {details}.") from None
+            if code != grpc.StatusCode.UNAVAILABLE:
+                raise ApiError(503, f"{worker.role} worker {worker.address} failed: {details}.") from None
+            await pool.probe(worker)
+        finally:
+            worker.in_flight -= 1
+    raise ApiError(503, "No worker could serve the request (tried " + ", ".join(sorted(tried)) + ").")
+
+
+def _pick(gw: Gateway, tried: set[str]) -> Worker:
+    pool = gw.backend.pool
+    workers = [w for w in pool.healthy(pool.cache_role) if w.address not in tried]
+    if not workers:
+        raise ApiError(503, f"No healthy {pool.cache_role} worker is available to serve the request.")
+    return min(workers, key=lambda w: (load_of(w), w.address))
+
+
+# ---------------------------------------------------------------- helpers
+def truncation(truncate_prompt_tokens: int | None, limit: int) -> int | None:
+    """How many tokens an input may keep when the request asks for truncation (-1: all the context holds)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return limit
+    if k < 1:
+        raise ApiError(400, f"'truncate_prompt_tokens' must be -1 or at least 1, got {k}.", "truncate_prompt_tokens")
+    if k > limit:
+        raise ApiError(400, f"'truncate_prompt_tokens' {k} is larger than the model's context length of {limit} "
+                            "tokens.", "truncate_prompt_tokens")
+    return k
+
+
+def _ids(gw: Gateway, prompt: str | list[int], param: str, limit: int, keep: int | None = None) -> list[int]:
+    """Token ids of one input, checked against the vocabulary and `limit` (inputs may fill the context).
+    `keep`: truncate to the first `keep` tokens; text is cut by the tokenizer, which keeps its special tokens."""
+    if isinstance(prompt, str):
+        if keep is None:
+            ids = gw.tokenizer.encode(prompt)
+        else:
+            ids = list(gw.tokenizer.tok.encode(prompt, truncation=True, max_length=keep))
+    else:
+        ids = list(prompt)[:keep]
+        bad = next((t for t in ids if not 0 <= t < gw.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} in {param!r} is outside the vocabulary "
+                                f"(size {gw.tokenizer.vocab_size}).", param)
+    if not ids:
+        raise ApiError(400, f"The input {param!r} is empty.", param)
+    if len(ids) > limit:
+        raise ApiError(400, f"The input {param!r} has {len(ids)} tokens, more than the model's context length of "
+                            f"{limit} tokens.", param)
+    return ids
+
+
+def _usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+
+
+# ---------------------------------------------------------------- /v1/score
+async def score(request: web.Request) -> web.Response:
+    req = parse(ScoreRequest, await read_json(request))
+    gw = request.app[MODELS].require(req.model, GENERATE, "/v1/score").gateway
+    if req.query is None:
+        raise ApiError(400, "Field 'query' is required.", "query")
+    if not req.items:
+        raise ApiError(400, "'items' must hold at least one item.", "items")
+    if not req.label_token_ids:
+        raise ApiError(400, "'label_token_ids' must hold at least one token id.", "label_token_ids")
+    bad = next((t for t in req.label_token_ids if not 0 <= t < gw.tokenizer.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"Token id {bad} in 'label_token_ids' is outside the vocabulary "
+                            f"(size {gw.tokenizer.vocab_size}).", "label_token_ids")
+    items = [req.items] if isinstance(req.items, str) else req.items
+    limit = gw.backend.context_length()
+    seqs = []
+    for k, item in enumerate(items):
+        if isinstance(req.query, str) != isinstance(item, str):
+            raise ApiError(400, "'query' and 'items' must both be text or both be token ids.", f"items.{k}")
+        # Text is joined before tokenizing, so the tokenizer sees the boundary as it would see one prompt.
+        joined = item + req.query if req.item_first else req.query + item
+        seqs.append(_ids(gw, joined, f"items.{k}", limit))
+    result = await encode(gw, seqs, req.label_token_ids)
+    scores = [_probabilities(lps, req.apply_softmax) for lps in result.outputs]
+    return web.json_response({"scores": scores, "model": req.model or gw.served_model_name,
+                              "usage": _usage(result.prompt_tokens), "object": "scoring"})
+
+
+def _probabilities(logprobs: list[float], renormalise: bool) -> list[float]:
+    """The label tokens' probabilities: over the whole vocabulary, or (apply_softmax) over the labels alone."""
+    if not renormalise:
+        return [math.exp(lp) for lp in logprobs]
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+# ---------------------------------------------------------------- /v1/embeddings
+async def embeddings(request: web.Request) -> web.Response:
+    req = parse(EmbeddingRequest, await read_json(request))
+    served = request.app[MODELS].require(req.model, EMBED, "/v1/embeddings")
+    gw = served.gateway
+    if req.encoding_format not in ENCODING_FORMATS:
+        raise ApiError(400, f"Unknown 'encoding_format' {req.encoding_format!r}; use 'float' or 'base64'.",
+                       "encoding_format")
+    _check_dimensions(served, req.dimensions)
+    inputs = as_list(req.input)
+    if not inputs:
+        raise ApiError(400, "'input' must hold at least one item.", "input")
+    limit = gw.backend.context_length()
+    keep = truncation(req.truncate_prompt_tokens, limit)
+    many = not isinstance(req.input, str) and not (req.input and isinstance(req.input[0], int))
+    seqs = [_ids(gw, x, f"input.{k}" if many else "input", limit, keep) for k, x in enumerate(inputs)]
+    result = await encode(gw, seqs)
+    data = []
+    for k, vector in enumerate(result.outputs):
+        if req.dimensions is not None and req.dimensions < len(vector):
+            vector = _shorten(vector, req.dimensions)
+        data.append({"object": "embedding", "index": k,
+                     "embedding": _b64(vector) if req.encoding_format == "base64" else vector})
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return web.json_response({"object": "list", "data": data, "model": req.model or gw.served_model_name,
+                              "usage": usage})
+
+
+def as_list(value) -> list:
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [value]  # one input given as token ids
+    return list(value)
+
+
+def _check_dimensions(served: ServedModel, dimensions: int | None) -> None:
+    if dimensions is None:
+        return
+    size = served.dimension
+    if dimensions < 1:
+        raise ApiError(400, f"'dimensions' must be at least 1, got {dimensions}.", "dimensions")
+    if size is not None and dimensions > size:
+        raise ApiError(400, f"'dimensions' {dimensions} is larger than the {size} dimensions of the model "
+                            f"{served.name!r}.", "dimensions")
+    if dimensions == size:
+        return
+    if not served.matryoshka:
+        raise ApiError(400, f"The model {served.name!r} does not support 'dimensions' (it was not trained "
+                            f"for Matryoshka truncation); leave it out or ask for {size}.", "dimensions")
+    if served.matryoshka_dims and dimensions not in served.matryoshka_dims:
+        raise ApiError(400, f"'dimensions' must be one of {list(served.matryoshka_dims)} for the model "
+                            f"{served.name!r}.", "dimensions")
+
+
+def _shorten(vector: list[float], dimensions: int) -> list[float]:
+    """The leading `dimensions` values of a Matryoshka embedding, back at unit length."""
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(x * x for x in head)) or 1.0
+    return [x / norm for x in head]
+
+
+def _b64(vector: list[float]) -> str:
+    """OpenAI's base64 form: the float32 values, little-endian, as one base64 string."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+# ---------------------------------------------------------------- /encode
+async def native_encode(request: web.Request) -> web.Response:
+    return await answer_native(request, EMBED, "/encode")
+
+
+async def answer_native(request: web.Request, kind: str, endpoint: str) -> web.Response:
+    """/encode and /classify: one output vector per input, in SGLang's native shape (one object for one input)."""
+    req = parse(NativeEncodeRequest, await read_json(request))
+    gw = request.app[MODELS].require(req.model, kind, endpoint).gateway
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "Give exactly one of 'text' and 'input_ids'.", "text")
+    given = req.text if req.text is not None else req.input_ids
+    param = "text" if req.text is not None else "input_ids"
+    inputs = as_list(given)
+    batch = not isinstance(given, str) and not (given and isinstance(given[0], int))
+    if not inputs:
+        raise ApiError(400, f"'{param}' must hold at least one item.", param)
+    limit = gw.backend.context_length()
+    keep = truncation(req.truncate_prompt_tokens, limit)
+    seqs = [_ids(gw, x, f"{param}.{k}" if batch else param, limit, keep) for k, x in enumerate(inputs)]
+    start = time.perf_counter()
+    result = await encode(gw, seqs)
+    rid = req.rid or new_id()
+    latency = round(time.perf_counter() - start, 6)
+    outputs = [{"embedding": vector,
+                "meta_info": {"id": f"{rid}-{k}" if batch else rid, "finish_reason": {"type": "length", "length": 0},
+                              "prompt_tokens": len(seq), "e2e_latency": latency}}
+               for k, (vector, seq) in enumerate(zip(result.outputs, seqs))]
+    return web.json_response(outputs if batch else outputs[0])
+
+
+def add_routes(app: web.Application, extra_models: list[Gateway]) -> None:
+    from pdserve.services.gateway import classify_api
+
+    install(app, extra_models)
+    app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/encode", native_encode)
+    classify_api.add_routes(app)

@@ -1,0 +1,80 @@
+"""gRPC adapter of the Pooling service: prefill-only requests (scores, embeddings, classifier outputs).
+
+On a generative worker (colocated or prefill) `Encode` scores: each input is prefilled through the engine's
+runtime, in groups of at most --max-prefill-tokens tokens, one engine call per group so running generations
+keep stepping in between. On an encoder worker (--is-embedding) it queues the inputs on the Encoder, which
+batches them with whatever else is queued. A decode worker refuses: these requests never need one.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.shared.config import Role
+from pdserve.shared.encoder import Encoder
+from pdserve.shared.engine import Engine
+from pdserve.shared.scoring import PoolBusy, ScoreResult, check_inputs, plan_groups, score_group
+
+
+class PoolingService(pb_grpc.PoolingServicer):
+    def __init__(self, role: Role, engine: Engine | None = None, encoder: Encoder | None = None,
+                 timeout_s: float = 120.0) -> None:
+        self.role = role
+        self.engine = engine
+        self.encoder = encoder
+        self.timeout_s = timeout_s  # for one group to be computed, queueing included
+
+    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
+        seqs = [list(s.ids) for s in request.inputs]
+        types = [list(s.type_ids) for s in request.inputs] if any(s.type_ids for s in request.inputs) else None
+        labels = list(request.label_token_ids)
+        try:
+            if self.encoder is not None:
+                if labels:
+                    raise ValueError("this worker serves an embedding model: scoring label tokens needs a "
+                                     "generative model")
+                vectors = await self._wait(self.encoder.submit(seqs, types))
+                return _reply(vectors, sum(len(s) for s in seqs), 0)
+            if self.role == Role.DECODE:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "this is a decode worker: send prefill-only requests to a prefill or "
+                                    "colocated worker")
+            if types is not None:
+                raise ValueError("segment ids (type_ids) need an encoder model (a worker started with --is-embedding)")
+            if not labels:
+                raise ValueError("this worker serves a generative model: embeddings need a worker started "
+                                 "with --is-embedding on an embedding model")
+            return await self._score(seqs, labels)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PoolBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request was not computed in time")
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+
+    async def _score(self, seqs: list[list[int]], labels: list[int]) -> pb.EncodeReply:
+        engine = self.engine
+        check_inputs(seqs, labels, engine.model_config.vocab_size, engine.runner.context_length)
+        budget = engine.config.scheduler.max_prefill_tokens
+        logprobs: list[list[float]] = []
+        prompt = cached = 0
+        for group in plan_groups([len(s) for s in seqs], budget):
+            part = [seqs[i] for i in group]
+            result: ScoreResult = await self._wait(engine.call(lambda part=part: score_group(engine, part, labels)))
+            logprobs += result.logprobs
+            prompt += result.prompt_tokens
+            cached += result.cached_tokens
+        return _reply(logprobs, prompt, cached)
+
+    async def _wait(self, future):
+        return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+
+
+def _reply(vectors: list[list[float]], prompt_tokens: int, cached_tokens: int) -> pb.EncodeReply:
+    return pb.EncodeReply(outputs=[pb.Vector(values=v) for v in vectors], prompt_tokens=prompt_tokens,
+                          cached_tokens=cached_tokens)

@@ -1,0 +1,168 @@
+"""Encoder: serves an encoder-only model (embeddings, cross-encoder scores) from one thread that batches.
+
+Lifecycle of a request: `submit(seqs)` queues it and returns a Future -> the thread takes everything queued,
+sorts the sequences by length and cuts them into padded batches of at most `max_batch_tokens` (padding
+included) -> one bidirectional forward per batch -> pooled vectors (or classifier logits) go back to their
+requests -> each Future completes when all its sequences are done. There is no KV cache: nothing outlives
+a forward, so there are no pages to account for.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.shared.models.bert import BertConfig, BertModel
+from pdserve.shared.pooling import PoolingConfig, pool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    seqs: list[list[int]]
+    future: Future
+    types: list[list[int]] | None = None  # segment ids per token (cross-encoder pairs); None: all 0
+    outputs: list[list[float] | None] = field(default_factory=list)
+    left: int = 0
+
+
+class Encoder:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
+                 context_length: int | None = None, max_batch_tokens: int = 8192) -> None:
+        self.config = BertConfig.from_dir(model_dir)
+        self.pooling = PoolingConfig.from_dir(model_dir)
+        self.dtype = dtype or _checkpoint_dtype(self.config.torch_dtype)
+        self.model = BertModel(self.config, self.dtype, device)
+        self.model.load(model_dir)
+        limit = self.config.max_position_embeddings
+        if context_length is not None and context_length > limit:
+            raise ValueError(f"--context-length {context_length} exceeds the model's max_position_embeddings {limit}")
+        self.context_length = context_length or limit
+        self.max_batch_tokens = max(max_batch_tokens, self.context_length)
+        self.is_classifier = self.config.num_labels > 0
+        self.output_dim = self.config.num_labels if self.is_classifier else self.config.hidden_size
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.running = 0  # sequences in the forward now
+        self.waiting = 0  # sequences queued
+
+    # ------------------------------------------------------------ thread API
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="encoder", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self, seqs: list[list[int]], type_ids: list[list[int]] | None = None) -> None:
+        """ValueError for inputs the model cannot take."""
+        if not seqs:
+            raise ValueError("no input")
+        if type_ids is not None:
+            if [len(t) for t in type_ids] != [len(s) for s in seqs]:
+                raise ValueError("type_ids must hold one segment id per token of each input")
+            if any(not 0 <= t < self.config.type_vocab_size for types in type_ids for t in types):
+                raise ValueError(f"segment ids must lie in [0, {self.config.type_vocab_size})")
+        for seq in seqs:
+            if not seq:
+                raise ValueError("an input is empty")
+            if len(seq) > self.context_length:
+                raise ValueError(f"an input has {len(seq)} tokens, more than the context length of "
+                                 f"{self.context_length}")
+            bad = next((t for t in seq if not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary (size {self.config.vocab_size})")
+
+    def submit(self, seqs: list[list[int]], type_ids: list[list[int]] | None = None) -> Future:
+        """Queue `seqs`; the Future yields one output vector (list of floats) per sequence, in order."""
+        self.check(seqs, type_ids)
+        job = _Job(seqs, Future(), type_ids, [None] * len(seqs), len(seqs))
+        self.waiting += len(seqs)
+        self._queue.put(job)
+        return job.future
+
+    def encode(self, seqs: list[list[int]], type_ids: list[list[int]] | None = None) -> list[list[float]]:
+        """Synchronous forward in the caller's thread (tests and benchmarks; the server uses submit)."""
+        self.check(seqs, type_ids)
+        job = _Job(seqs, Future(), type_ids, [None] * len(seqs), len(seqs))
+        self._process([job])
+        return job.future.result()
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs = [job]
+            while True:  # everything queued meanwhile joins this round, so concurrent requests share batches
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                jobs.append(more)
+            count = sum(len(j.seqs) for j in jobs)
+            self.waiting -= count
+            self.running = count
+            try:
+                self._process(jobs)
+            except Exception as exc:  # a failed forward fails its requests, never the thread
+                log.exception("encoder forward failed")
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(RuntimeError(f"internal error: {exc}"))
+            finally:
+                self.running = 0
+
+    def _process(self, jobs: list[_Job]) -> None:
+        items = [(j, i) for j in jobs for i in range(len(j.seqs))]
+        items.sort(key=lambda item: len(item[0].seqs[item[1]]), reverse=True)  # little padding per batch
+        start = 0
+        while start < len(items):
+            longest = len(items[start][0].seqs[items[start][1]])
+            end = min(len(items), start + max(1, self.max_batch_tokens // longest))
+            batch = items[start:end]
+            vectors = self._forward([j.seqs[i] for j, i in batch],
+                                    [j.types[i] if j.types is not None else None for j, i in batch])
+            for (j, i), vec in zip(batch, vectors):
+                j.outputs[i] = vec
+                j.left -= 1
+                if j.left == 0:
+                    j.future.set_result(j.outputs)
+            start = end
+
+    def _forward(self, seqs: list[list[int]], types: list[list[int] | None]) -> list[list[float]]:
+        device = self.model.device
+        longest = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.bool)
+        segments = torch.zeros(len(seqs), longest, dtype=torch.int64) if any(t for t in types) else None
+        for row, (seq, seg) in enumerate(zip(seqs, types)):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            mask[row, :len(seq)] = True
+            if segments is not None and seg:
+                segments[row, :len(seg)] = torch.tensor(seg)
+        ids, mask = ids.to(device), mask.to(device)
+        hidden = self.model.forward(ids, mask, None if segments is None else segments.to(device))  # [B, T, H]
+        out = self.model.classify(hidden).float() if self.is_classifier else pool(hidden, mask, self.pooling)
+        return out.tolist()
+
+
+def _checkpoint_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), torch.float32)
+    # fp16 matmuls are slow on CPU; encoders are small, so keep them in fp32 rather than round to bf16.
+    return torch.float32 if dtype == torch.float16 else dtype

@@ -1,0 +1,145 @@
+"""BERT-family encoder (BERT, MiniLM, sentence-transformers checkpoints) in plain torch.
+
+Bidirectional attention over each whole input, so there is no KV cache: a batch is padded to its longest
+sequence, padded keys are masked out, and the output is the last hidden state of every position [B, T, H].
+What becomes of it (pooling, normalisation, a classifier head) is decided by `pdserve.shared.pooling`.
+Checkpoints saved from `BertModel` name weights `embeddings.*`/`encoder.*`; from `Bert*For*` heads they carry
+a `bert.` prefix, which is dropped on load.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.shared.config import ENCODER_MODEL_TYPES
+from pdserve.shared.models.llama import _read_safetensors
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    num_labels: int  # classifier outputs (sequence classification checkpoints), else 0
+    torch_dtype: str
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> BertConfig:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if raw.get("model_type") not in ENCODER_MODEL_TYPES:
+            raise ValueError(f"{path}/config.json: model_type {raw.get('model_type')!r} is not a BERT encoder")
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r} is not supported")
+        arch = (raw.get("architectures") or ["BertModel"])[0]
+        labels = (len(raw.get("id2label") or {}) or raw.get("num_labels", 0)) if "ForSequence" in arch else 0
+        return cls(architecture=arch, num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
+                   intermediate_size=raw["intermediate_size"], num_heads=raw["num_attention_heads"],
+                   vocab_size=raw["vocab_size"], max_position_embeddings=raw.get("max_position_embeddings", 512),
+                   type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+                   hidden_act=raw.get("hidden_act", "gelu"), num_labels=int(labels),
+                   torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"))
+
+
+@dataclass
+class BertLayer:
+    qkv_w: torch.Tensor  # [3H, H]
+    qkv_b: torch.Tensor  # [3H]
+    o_w: torch.Tensor  # [H, H]
+    o_b: torch.Tensor
+    attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias [H]
+    up_w: torch.Tensor  # [I, H]
+    up_b: torch.Tensor
+    down_w: torch.Tensor  # [H, I]
+    down_b: torch.Tensor
+    out_norm: tuple[torch.Tensor, torch.Tensor]
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+class BertModel:
+    def __init__(self, config: BertConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.head_dim = config.hidden_size // config.num_heads
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.layers: list[BertLayer] = []
+        self.pooler: tuple[torch.Tensor, torch.Tensor] | None = None  # dense on the [CLS] row, then tanh
+        self.classifier: tuple[torch.Tensor, torch.Tensor] | None = None  # [num_labels, H], [num_labels]
+
+    def load(self, model_dir: str | Path) -> None:
+        tensors = {k.removeprefix("bert."): v for k, v in _read_safetensors(Path(model_dir)).items()}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"weight {name!r} missing from {model_dir}")
+            return tensors.pop(name).to(device=self.device, dtype=self.dtype)
+
+        def norm(prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return take(prefix + ".weight"), take(prefix + ".bias")
+
+        e = "embeddings."
+        self.word = take(e + "word_embeddings.weight")  # [V, H]
+        self.position = take(e + "position_embeddings.weight")  # [P, H]
+        self.token_type = take(e + "token_type_embeddings.weight")  # [types, H]
+        self.embed_norm = norm(e + "LayerNorm")
+        for i in range(self.config.num_layers):
+            p = f"encoder.layer.{i}."
+            a = p + "attention."
+            self.layers.append(BertLayer(
+                qkv_w=torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
+                qkv_b=torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")]),
+                o_w=take(a + "output.dense.weight"), o_b=take(a + "output.dense.bias"),
+                attn_norm=norm(a + "output.LayerNorm"),
+                up_w=take(p + "intermediate.dense.weight"), up_b=take(p + "intermediate.dense.bias"),
+                down_w=take(p + "output.dense.weight"), down_b=take(p + "output.dense.bias"),
+                out_norm=norm(p + "output.LayerNorm")))
+        if "pooler.dense.weight" in tensors:
+            self.pooler = (take("pooler.dense.weight"), take("pooler.dense.bias"))
+        if self.config.num_labels:
+            self.classifier = (take("classifier.weight"), take("classifier.bias"))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states [B, T, H] of a padded batch; `mask` [B, T] is True on real tokens."""
+        cfg = self.config
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=self.device)
+        types = self.token_type[0] if token_type_ids is None else F.embedding(token_type_ids, self.token_type)
+        x = F.embedding(input_ids, self.word) + self.position[positions] + types  # [B, T, H]
+        x = F.layer_norm(x, (cfg.hidden_size,), *self.embed_norm, cfg.layer_norm_eps)
+        # Padded keys get no attention; padded query rows compute garbage that pooling ignores.
+        attn_mask = mask[:, None, None, :]  # [B, 1, 1, T]
+        for layer in self.layers:
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [B, T, 3H]
+            q, k, v = qkv.view(B, T, 3, cfg.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [B, heads, T, D]
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, heads, T, D]
+            attn = attn.transpose(1, 2).reshape(B, T, cfg.hidden_size)
+            x = F.layer_norm(F.linear(attn, layer.o_w, layer.o_b) + x, (cfg.hidden_size,), *layer.attn_norm,
+                             cfg.layer_norm_eps)
+            h = self.act(F.linear(x, layer.up_w, layer.up_b))  # [B, T, I]
+            x = F.layer_norm(F.linear(h, layer.down_w, layer.down_b) + x, (cfg.hidden_size,), *layer.out_norm,
+                             cfg.layer_norm_eps)
+        return x
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Classifier logits [B, num_labels] from the [CLS] row, as BERT sequence classification heads do."""
+        if self.classifier is None or self.pooler is None:
+            raise ValueError("this checkpoint has no classification head")
+        pooled = torch.tanh(F.linear(hidden[:, 0], *self.pooler))  # [B, H]
+        return F.linear(pooled, *self.classifier)

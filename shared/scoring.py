@@ -1,0 +1,100 @@
+"""Prefill-only scoring on the generative runtime: next-token log-probabilities of chosen label tokens.
+
+Lifecycle of one group of sequences, all inside the engine thread (handed over with `Engine.call`, so the
+scheduler, pool and cache keep a single owner): match each sequence's prefix in the radix cache -> take
+pages for the rest -> one prefill forward -> log-softmax of each last row, read at the label ids ->
+hand the full pages to the radix cache and free the rest. Nothing is sampled, nothing is transferred and
+no page outlives the call, so the pool's integrity check holds between any two engine steps.
+
+A request with many items is cut into groups of at most `max_prefill_tokens` new tokens (`plan_groups`);
+the caller submits one group per call, so running generations get decode steps in between.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.shared.req import Req
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.scheduler import Batch
+
+_NO_SAMPLING = SamplingParams(max_new_tokens=0)
+
+
+class PoolBusy(RuntimeError):
+    """The KV pool has no room for the group now (running generations hold it); retry later."""
+
+
+@dataclass
+class ScoreResult:
+    logprobs: list[list[float]]  # [sequence][label], natural log
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def plan_groups(lengths: list[int], max_tokens: int) -> list[range]:
+    """Consecutive groups of sequence indices holding at most `max_tokens` tokens (a longer one goes alone)."""
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > max_tokens:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
+def check_inputs(seqs: list[list[int]], label_ids: list[int], vocab_size: int, context_length: int) -> None:
+    """ValueError for inputs the runtime cannot score (the gateway checks the same, in the API's words)."""
+    if not seqs:
+        raise ValueError("no input to score")
+    if not label_ids:
+        raise ValueError("label_token_ids is empty")
+    bad = next((t for t in label_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"label token id {bad} is outside the vocabulary (size {vocab_size})")
+    for seq in seqs:
+        if not seq:
+            raise ValueError("an input is empty")
+        if len(seq) > context_length:
+            raise ValueError(f"an input has {len(seq)} tokens, more than the context length of {context_length}")
+        bad = next((t for t in seq if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
+
+
+def score_group(engine, seqs: list[list[int]], label_ids: list[int]) -> ScoreResult:
+    """Engine thread only. Log-probabilities of `label_ids` after each sequence of `seqs`."""
+    scheduler, runner = engine.scheduler, engine.runner
+    reqs = [Req(rid="score", input_ids=list(seq), params=_NO_SAMPLING) for seq in seqs]
+    admitted: list[Req] = []
+    try:
+        for req in reqs:
+            _match_prefix(scheduler, req)
+            admitted.append(req)
+            if not scheduler.grow(req, req.seq_len):
+                raise PoolBusy(f"the KV pool has no room for {req.seq_len} more tokens now; retry later")
+        batch = Batch(reqs, is_decode=False, extend_lens=[r.seq_len - r.num_computed for r in reqs])
+        logits = runner.forward(batch)  # [B, V]
+        for req, n in zip(reqs, batch.extend_lens):
+            req.num_computed += n
+        labels = torch.tensor(label_ids, dtype=torch.int64, device=logits.device)
+        # Normalise over the whole vocabulary in fp32: a label's probability is what sampling would give it.
+        logprobs = torch.log_softmax(logits.float(), dim=-1).index_select(1, labels)  # [B, L]
+        return ScoreResult(logprobs.tolist(), sum(len(s) for s in seqs), sum(r.cached_tokens for r in reqs))
+    finally:
+        for req in admitted:
+            scheduler.release(req, cache=True)
+
+
+def _match_prefix(scheduler, req: Req) -> None:
+    """Reuse cached pages of the prompt's prefix, leaving at least one token to compute (its logits)."""
+    page_size = scheduler.page_size
+    match = scheduler.cache.match_prefix(req.input_ids, max_pages=(req.seq_len - 1) // page_size)
+    scheduler.cache.lock(match.node)
+    req.prefix_node = match.node
+    req.pages = list(match.pages)
+    req.num_cached_pages = len(match.pages)
+    req.num_computed = req.cached_tokens = len(match.pages) * page_size

@@ -1,0 +1,523 @@
+"""Tool calling: the parsers (whole and streamed in any chunking), the request checks, the grammar of
+tool_choice required / named, and the chat API end to end with the official `openai` client.
+
+Parsers and checks run in-process. `--tool-call-parser` runs an in-process gateway over a scripted worker
+that replays a model's tool-call output token by token (the default model writes no tool markup of its own);
+required and named tool_choice run on the shared real gateway and worker (conftest.py), whose grammar makes
+even the default model answer with valid calls.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+import requests
+from aiohttp.test_utils import TestServer
+
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.protocol import ChatCompletionRequest, parse
+from pdserve.services.gateway.tokenization import ModelTokenizer
+from pdserve.services.gateway.tool_calls import CallStream, plan_tools, template_messages
+from pdserve.services.gateway.tool_parsers import (PARSERS, NamedCallOutput, PythonicParser, RequiredCallsOutput,
+                                                   get_parser)
+
+USER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+WEATHER_PARAMS = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+TIME_PARAMS = {"type": "object", "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+               "required": ["hours"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "set_alarm", "description": "Set an alarm clock",
+                                           "parameters": TIME_PARAMS}}]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "set_alarm": TIME_PARAMS}
+
+
+# ---------------------------------------------------------------- parsers
+def read(reader, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[dict]]:
+    """(content, [(name, arguments)], every tool-call delta) from feeding `pieces` to a CallStream."""
+    stream = CallStream(reader)
+    content, deltas = "", []
+    for k, piece in enumerate(pieces + [""]):
+        new, calls = stream.push(piece, final=k == len(pieces))
+        content += new
+        deltas += calls
+    found: dict[int, list[str]] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(found) and d["id"].startswith("call_") and d["type"] == "function"
+            found[d["index"]] = [d["function"]["name"], ""]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+        found[d["index"]][1] += d["function"].get("arguments", "")
+    calls = [tuple(v) for v in found.values()]
+    assert stream.message_content() == (content or (None if calls else ""))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in stream.message_calls() or []] == calls
+    return content, calls, deltas
+
+
+def chunkings(text: str) -> list[list[str]]:
+    """The whole text, every fixed chunk size up to 7, and random cuts (boundaries land inside the markup)."""
+    out = [[text]] + [[text[i:i + n] for i in range(0, len(text), n)] for n in range(1, 8)]
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+        out.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+    return out
+
+
+QWEN_TWO = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hours": 7}}\n'
+            '</tool_call>')
+PARSER_CASES = [
+    ("qwen25", QWEN_TWO, "Let me check both.",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("set_alarm", {"hours": 7})]),
+    ("qwen", '<tool_call>\n{"name": "f", "arguments": {"s": "a \\"quoted\\" }</tool_call> and \\u00e9"}}\n'
+             '</tool_call>', "", [("f", {"s": 'a "quoted" }</tool_call> and é'})]),
+    ("qwen25", 'No tools needed: 2 < 3 and <b>bold</b>.', 'No tools needed: 2 < 3 and <b>bold</b>.', []),
+    ("qwen25", 'Text <tool_call>not json</tool_call> more', 'Text <tool_call>not json</tool_call> more', []),
+    ("qwen25", '<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "g"}</tool_call>\n\nDone.', "\n\nDone.",
+     [("g", {"x": [1, {"y": "}"}]})]),
+    ("qwen25", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", {"a": 1})]),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+               '{"name": "set_alarm", "parameters": {"hours": 7}}', "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("set_alarm", {"hours": 7})]),
+    ("llama3", '{"name": "set_alarm", "parameters": {"hours": 7}}', "", [("set_alarm", {"hours": 7})]),
+    ("llama3", 'I will look.<|python_tag|>{"name": "f", "arguments": {}}', "I will look.", [("f", {})]),
+    ("llama3", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3", 'Paris is sunny {mostly}.', 'Paris is sunny {mostly}.', []),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), set_alarm(hours=7)]', "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("set_alarm", {"hours": 7})]),
+    ("pythonic", "Sure. [f(a='x, y]', b=[1, 2.5, None], c={'k': True}, d=-3)] Done.", "Sure. Done.",
+     [("f", {"a": "x, y]", "b": [1, 2.5, None], "c": {"k": True}, "d": -3})]),
+    ("pythonic", 'A list [1, 2] and [see(this)] stay text.', 'A list [1, 2] and [see(this)] stay text.', []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", PARSER_CASES)
+def test_parsers_give_the_same_calls_whole_and_streamed_in_any_chunks(parser, text, content, calls):
+    for pieces in chunkings(text):
+        got_content, got_calls, _ = read(get_parser(parser), pieces)
+        assert got_content == content, pieces
+        stream, shown = CallStream(get_parser(parser)), ""
+        for piece in pieces:  # nothing shown is taken back: no piece of markup ever reaches the content
+            shown += stream.push(piece)[0]
+            assert content.startswith(shown), (pieces, shown)
+        assert [(name, json.loads(args)) for name, args in got_calls] == calls, pieces
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<|python_tag|>", '{"name": "f", ', '"arguments": ', '"parameters": ',
+             '{"a": [1, "}"]}', "}", "{", "]", "[", '"', "\\", ";", ",", " ", "\n", "text", "g(x=1)", "h(", ")",
+             "[k(y='a')]", "<tool_", "<|python"]
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS) + ["named", "required"])
+def test_scans_only_grow_on_any_output(parser):
+    """Whatever a model writes, what was shown stays true: content and each call's arguments only grow."""
+    rng = random.Random(parser)
+    reader = {"named": NamedCallOutput("f"), "required": RequiredCallsOutput()}.get(parser) or get_parser(parser)
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 14)))
+        before = reader.scan("", False)
+        for k in range(1, len(text) + 2):
+            scan = reader.scan(text[:k], k > len(text))
+            assert scan.content.startswith(before.content), (text, k)
+            named = [c for c in scan.calls if c.name is not None]
+            for old, new in zip([c for c in before.calls if c.name is not None], named):
+                assert new.name == old.name and new.arguments.startswith(old.arguments), (text, k)
+            assert len(named) >= sum(c.name is not None for c in before.calls), (text, k)
+            before = scan
+
+
+def test_arguments_stream_as_fragments_and_text_before_the_call_first():
+    text = QWEN_TWO
+    stream = CallStream(get_parser("qwen25"))
+    events = []
+    for ch in text:
+        content, calls = stream.push(ch)
+        events += [("content", content)] * bool(content) + [("call", c) for c in calls]
+    first_call = next(i for i, e in enumerate(events) if e[0] == "call")
+    assert all(kind == "content" for kind, _ in events[:first_call])
+    assert "".join(c for kind, c in events if kind == "content") == "Let me check both."
+    fragments = [c for kind, c in events if kind == "call" and c["index"] == 0]
+    assert len(fragments) > 5  # arguments arrive as they are generated, not at the end
+    assert fragments[0]["function"]["name"] == "get_weather"
+    # held back, never shown: a tag still arriving
+    stream = CallStream(get_parser("qwen25"))
+    assert stream.push("Checking <tool_") == ("Checking", [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_drops_the_markup_of_the_rest():
+    content, calls, _ = read(CallStream(get_parser("qwen25")).reader, [QWEN_TWO])
+    assert len(calls) == 2
+    stream = CallStream(get_parser("qwen25"), max_calls=1)
+    new, deltas = stream.push(QWEN_TWO, final=True)
+    assert new == "Let me check both." and {d["index"] for d in deltas} == {0}
+    assert [c["function"]["name"] for c in stream.message_calls()] == ["get_weather"]
+
+
+def test_pythonic_values_are_read_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    text = f'[f(x=__import__("os").system("touch {marker}")), g(y=open("{marker}", "w"))]'
+    content, calls, _ = read(PythonicParser(), [text])
+    assert calls == [] and content == text and not marker.exists()
+    assert read(PythonicParser(), ["[f(x=1+2j), g(y={1, 2})]"])[1] == []  # not JSON values
+
+
+def test_grammar_outputs_are_read_directly():
+    for pieces in chunkings('{"city": "Paris", "unit": "celsius"}'):
+        assert read(NamedCallOutput("get_weather"), pieces)[1] == \
+            [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    text = '[{"name": "get_weather", "parameters": {"city": "Tokyo", "unit": "celsius"}}, ' \
+           '{"name": "set_alarm", "parameters": {"hours": 6}}]'
+    for pieces in chunkings(text):
+        assert read(RequiredCallsOutput(), pieces)[1] == \
+            [("get_weather", '{"city": "Tokyo", "unit": "celsius"}'), ("set_alarm", '{"hours": 6}')]
+
+
+def test_unknown_parser_names_the_choices():
+    with pytest.raises(ValueError, match="unknown tool-call parser 'hermes2'.*llama3.*pythonic.*qwen25"):
+        get_parser("hermes2")
+    assert {"qwen25", "qwen", "llama3", "pythonic"} <= set(PARSERS)
+
+
+# ---------------------------------------------------------------- request checks
+def plan(body: dict, parser: str | None = None):
+    return plan_tools(parse(ChatCompletionRequest, {"messages": USER, **body}), parser)
+
+
+def refusal(body: dict) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        plan(body)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools' are specified"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name",
+     "required"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools.0.function.parameters", "dictionary"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters", "'object'"),
+    ({"tools": [TOOLS[0], TOOLS[1], TOOLS[0]]}, "tools.2.function.name", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, "tools.0.function.name", "letters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function", "required"),
+    ({"tools": "get_weather"}, "tools", "list"),
+    ({"tools": TOOLS, "functions": [TOOLS[0]["function"]]}, "functions", "not both"),
+    ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call", "'g'"),
+    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "auto"),
+    ({"functions": [{"parameters": {}}]}, "functions.0.name", "required"),
+])
+def test_bad_tools_and_tool_choice_are_400_naming_the_field(body, param, words):
+    err = refusal(body)
+    assert err.param == param and words in err.message, err.message
+
+
+def test_legacy_functions_map_onto_tools():
+    fn = TOOLS[0]["function"]
+    legacy = plan({"functions": [fn], "function_call": {"name": "get_weather"}})
+    modern = plan({"tools": [TOOLS[0]], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert legacy == modern and legacy.choice == "function" and legacy.function == "get_weather"
+    assert plan({"functions": [fn]}).choice == "auto" and plan({"functions": [fn], "function_call": "none"}).choice \
+        == "none"
+    assert plan({"functions": [fn]}).template_tools == [TOOLS[0]]
+
+
+def test_tool_choice_decides_template_tools_grammar_and_reader():
+    none = plan({"tools": TOOLS, "tool_choice": "none"}, "qwen25")
+    assert none.template_tools is None and none.json_schema() is None and none.stream() is None
+    auto = plan({"tools": TOOLS}, "qwen25")
+    assert auto.choice == "auto" and auto.template_tools == TOOLS and auto.json_schema() is None
+    assert isinstance(auto.stream().reader, type(get_parser("qwen25")))
+    assert plan({"tools": TOOLS}).stream() is None  # no --tool-call-parser: plain content, as in SGLang
+    assert plan({}).choice == "none" and plan({"tool_choice": "auto"}).choice == "none"
+    named = plan({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "set_alarm"}}})
+    assert named.template_tools == [TOOLS[1]] and json.loads(named.json_schema()) == TIME_PARAMS
+
+
+def test_required_grammar_is_a_valid_schema_allowing_exactly_the_tools_calls():
+    import xgrammar as xgr  # the grammar engine the workers use: the schema must compile there
+
+    schema = json.loads(plan({"tools": TOOLS, "tool_choice": "required"}).json_schema())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    ok = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}},
+          {"name": "set_alarm", "parameters": {"hours": 7}}]
+    jsonschema.validate(ok, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"hours": 7}}], [{"name": "other", "parameters": {}}],
+                [{"name": "set_alarm"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = json.loads(plan({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).json_schema())
+    assert single["maxItems"] == 1 and single["minItems"] == 1
+    bare = json.loads(plan({"tools": [{"type": "function", "function": {"name": "ping"}}],
+                            "tool_choice": "required"}).json_schema())
+    jsonschema.validate([{"name": "ping", "parameters": {}}], bare)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "ping", "parameters": {"x": 1}}], bare)
+
+
+def test_required_cannot_be_combined_with_another_constraint():
+    tools = plan({"tools": TOOLS, "tool_choice": "required"})
+    with pytest.raises(ApiError) as info:
+        tools.constrain({"regex": "a+"}, {})
+    assert info.value.param == "tool_choice" and "'regex'" in info.value.message
+    values, names = tools.constrain({"temperature": 0}, {})
+    assert values["json_schema"] == tools.json_schema() and names["json_schema"] == "tools"
+
+
+QWEN_LIKE_TEMPLATE = """{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>
+{% endif %}{%- for m in messages %}[{{ m.role }}]{% if m.content %} {{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %} <tool_call>{"name": "{{ c.function.name }}", "arguments": \
+{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}
+{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"""
+
+
+def test_tools_and_tool_results_render_through_the_template(default_model_dir, tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(QWEN_LIKE_TEMPLATE)
+    tok = ModelTokenizer(default_model_dir, chat_template_file=template)
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    req = parse(ChatCompletionRequest, {"messages": messages, "tools": TOOLS})
+    text = tok.render_chat(template_messages(req.template_messages()), tools=plan_tools(req, None).template_tools)
+    assert text.startswith("<tools>") and '"name": "set_alarm"' in text
+    # arguments reach the template as an object: written once as JSON, not as an escaped string
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>' \
+        in text
+    assert "[tool] 18 degrees, sunny" in text
+    bad = [*messages[:1], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]
+    with pytest.raises(ApiError) as info:
+        template_messages(parse(ChatCompletionRequest, {"messages": bad}).template_messages())
+    assert info.value.param == "messages.1.tool_calls.0.function.arguments"
+
+
+# ---------------------------------------------------------------- flags
+def test_gateway_and_up_accept_the_parser_and_refuse_unknown_names(tmp_path, capsys):
+    from pdserve.services import up
+    from pdserve.services.gateway import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser, "gateway")
+    assert parser.parse_args(["--tool-call-parser", "llama3"]).tool_call_parser == "llama3"
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--tool-call-parser", "nope"])
+    assert info.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+    up_parser = argparse.ArgumentParser()
+    up.add_arguments(up_parser, "up")
+    args = up_parser.parse_args(["--tool-call-parser", "pythonic", "--state-dir", str(tmp_path)])
+    gateway = next(s for s in up.build_plan(args, tmp_path, cpus=2).services if s.name == "gateway")
+    assert gateway.args[gateway.args.index("--tool-call-parser") + 1] == "pythonic"
+    plain = up.build_plan(up_parser.parse_args(["--state-dir", str(tmp_path)]), tmp_path, cpus=2)
+    assert "--tool-call-parser" not in next(s for s in plain.services if s.name == "gateway").args
+
+
+# ---------------------------------------------------------------- --tool-call-parser through HTTP (scripted worker)
+QWEN_REPLY = ('I will check the weather.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"unit": "celsius"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def scripted_gateway(default_model_dir):
+    """An in-process gateway with --tool-call-parser qwen25 over a worker that always answers QWEN_REPLY."""
+    import grpc
+
+    from pdserve.proto import worker_pb2 as pb
+    from pdserve.proto import worker_pb2_grpc as pb_grpc
+    from pdserve.services.gateway import cli
+
+    tok = ModelTokenizer(default_model_dir)
+    reply = tok.encode(QWEN_REPLY, add_special_tokens=False) + [2]  # then <|im_end|>, a stop token
+
+    class Worker(pb_grpc.WorkerServicer):
+        async def Generate(self, request, context):
+            for i, token in enumerate(reply):
+                last = i == len(reply) - 1
+                yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), choices=[pb.ChoiceDelta(
+                    index=0, token_ids=[token], finish_reason="stop" if last else "",
+                    matched_stop_token=2 if last else -1)])
+
+        async def Health(self, request, context):
+            return pb.HealthReply(ok=True, role="colocated")
+
+        async def Load(self, request, context):
+            return pb.LoadReply(free_pages=100, total_pages=100)
+
+        async def Info(self, request, context):
+            return pb.InfoReply(max_running_requests=8, context_length=8192, compat=pb.Compat(page_size=16))
+
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(Worker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser, "gateway")
+        args = parser.parse_args(["--model-path", str(default_model_dir), "--worker", f"127.0.0.1:{port}",
+                                  "--tool-call-parser", "qwen25"])
+        http = TestServer(cli.build(args))
+        await http.start_server()
+        return server, http
+
+    server, http = loop.run_until_complete(start())
+    yield loop, str(http.make_url("/v1"))
+    loop.run_until_complete(http.close())
+    loop.run_until_complete(server.stop(0))
+    loop.close()
+
+
+def stream_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) put together from streamed chunks, as a client does."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.index not in calls and tc.type == "function" and tc.function.name
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(v) for v in calls.values()], finish
+
+
+def test_parser_reads_calls_from_the_output_streamed_and_not(scripted_gateway):
+    loop, base = scripted_gateway
+
+    async def ask():
+        client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+        whole = await client.chat.completions.create(model="default", messages=USER, tools=TOOLS)
+        chunks = [c async for c in await client.chat.completions.create(model="default", messages=USER,
+                                                                          tools=TOOLS, stream=True)]
+        plain = await client.chat.completions.create(model="default", messages=USER, tools=TOOLS,
+                                                     tool_choice="none")
+        await client.close()
+        return whole, chunks, plain
+
+    whole, chunks, plain = loop.run_until_complete(ask())
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will check the weather."
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    content, calls, finish = stream_calls(chunks)
+    assert (content, calls, finish) == (choice.message.content, [(call.function.name, call.function.arguments)],
+                                        "tool_calls")
+    assert sum(1 for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or []) > 3  # incremental
+    # tool_choice "none": the output is plain content, markup included, as the model wrote it
+    assert plain.choices[0].message.content == QWEN_REPLY and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- required / named on the real model
+def client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base, api_key=gw.api_key or "none", max_retries=0, timeout=120)
+
+
+def check_calls(message, names: set[str]) -> list[tuple[str, dict]]:
+    assert message.tool_calls, message
+    out = []
+    for call in message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name in names
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+NAMED = {"type": "function", "function": {"name": "set_alarm"}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_required_and_named_give_valid_calls_and_streaming_matches(colocated, tool_choice):
+    c = client(colocated.open)
+    # One call: greedy decoding of the small model would otherwise repeat calls until max_tokens.
+    kwargs = dict(model="default", messages=USER, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                  max_tokens=80, parallel_tool_calls=False)
+    whole = c.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = check_calls(choice.message, {"set_alarm"} if tool_choice == NAMED else set(SCHEMAS))
+    assert len(calls) == 1
+    content, streamed, finish = stream_calls(c.chat.completions.create(**kwargs, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert streamed == [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+
+
+def test_required_parallel_calls_stream_as_they_come(colocated):
+    c = client(colocated.open)
+    kwargs = dict(model="default", messages=USER, tools=TOOLS, tool_choice="required", temperature=0,
+                  max_tokens=60)
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    content, streamed, finish = stream_calls(c.chat.completions.create(**kwargs, stream=True))
+    assert (content, finish) == ("", whole.finish_reason)
+    assert streamed == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    calls = whole.message.tool_calls
+    for k, t in enumerate(calls):
+        try:
+            jsonschema.validate(json.loads(t.function.arguments), SCHEMAS[t.function.name])
+        except ValueError:  # only the call max_tokens cut off may be incomplete
+            assert k == len(calls) - 1 and whole.finish_reason == "length" and k > 0
+
+
+def test_required_holds_for_sampled_outputs_and_single_call_without_parallel(colocated):
+    r = client(colocated.open).chat.completions.create(
+        model="default", messages=USER, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, n=4,
+        max_tokens=80, parallel_tool_calls=False)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert len(check_calls(choice.message, set(SCHEMAS))) == 1
+
+
+def test_tool_results_and_auto_without_parser(colocated):
+    c = client(colocated.open)
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    r = c.chat.completions.create(model="default", messages=messages, tools=TOOLS, temperature=0, max_tokens=8)
+    # no --tool-call-parser on this gateway: tool_choice auto answers in plain content, as SGLang does
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content
+    named = c.chat.completions.create(model="default", messages=messages, tools=TOOLS, temperature=0,
+                                      max_tokens=80, tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}})
+    assert check_calls(named.choices[0].message, {"get_weather"})
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["x"]}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_openai_style_400s(colocated, body, param):
+    r = requests.post(colocated.open.url + "/v1/chat/completions", json={"messages": USER, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["object"] == "error" and err["type"] == "invalid_request_error" and err["param"] == param
+    if body.get("tool_choice") == "required" and "tools" not in body:
+        assert err["message"] == ("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+                                  "are specified.")

@@ -1,0 +1,86 @@
+"""The BERT encoder and its pooling on all-MiniLM-L6-v2 (real weights) against sentence-transformers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.shared.pooling import PoolingConfig, pool
+
+TEXTS = ["Hello, world!", "SGLang is fast", "The giant panda is a bear species endemic to China.",
+         "one " * 120]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
+
+    try:
+        return resolve_model_path("all-MiniLM-L6-v2")
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def encoder(minilm_dir):
+    from pdserve.shared.encoder import Encoder
+
+    return Encoder(minilm_dir)
+
+
+def test_pooling_follows_the_sentence_transformers_files(minilm_dir):
+    assert PoolingConfig.from_dir(minilm_dir) == PoolingConfig("mean", normalize=True)
+
+
+def test_embeddings_match_sentence_transformers(minilm_dir, encoder):
+    st = pytest.importorskip("sentence_transformers")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir))
+    ours = torch.tensor(encoder.encode([tok.encode(t) for t in TEXTS]))
+    ref = torch.tensor(st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS))
+    cosine = torch.nn.functional.cosine_similarity(ours, ref)
+    assert cosine.min() >= 0.9999, cosine
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+def test_an_input_gets_the_same_vector_alone_or_padded_in_a_batch(encoder):
+    short, long = [101, 7592, 2088, 102], [101] + [2028] * 60 + [102]
+    alone = torch.tensor(encoder.encode([short]))
+    batched = torch.tensor(encoder.encode([long, short, long]))
+    assert torch.allclose(alone[0], batched[1], atol=1e-5)
+
+
+def test_queued_requests_are_answered_in_order(encoder):
+    encoder.start()
+    try:
+        futures = [encoder.submit([[101, 2000 + k, 102]] * (k + 1)) for k in range(4)]
+        results = [f.result(timeout=30) for f in futures]
+    finally:
+        encoder.stop()
+    assert [len(r) for r in results] == [1, 2, 3, 4]
+    direct = encoder.encode([[101, 2003, 102]])
+    assert torch.allclose(torch.tensor(results[3][0]), torch.tensor(direct[0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("seq,message", [([], "empty"), ([5] * 513, "context length"), ([30522], "vocabulary")])
+def test_bad_inputs_are_refused(encoder, seq, message):
+    with pytest.raises(ValueError, match=message):
+        encoder.submit([seq])
+
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "mean_sqrt_len", "last"])
+def test_pooling_modes_ignore_padding(mode):
+    hidden = torch.randn(2, 5, 8)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    config = PoolingConfig(mode, normalize=False)
+    got = pool(hidden, mask, config)
+    alone = pool(hidden[1:, :3], mask[1:, :3], config)
+    assert torch.allclose(got[1], alone[0], atol=1e-6)
+
+
+def test_matryoshka_is_read_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [64, 128]}))
+    config = PoolingConfig.from_dir(tmp_path)
+    assert config.matryoshka and config.matryoshka_dims == (64, 128) and config.mode == "cls"

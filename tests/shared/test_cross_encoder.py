@@ -1,0 +1,67 @@
+"""The Encoder's classification path (cross-encoder pairs with segment ids, multi-label heads) against
+transformers' BertForSequenceClassification on the same checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+QUERY = "what is panda?"
+DOCS = ["hi", "The giant panda (Ailuropoda melanoleuca) is a bear species endemic to China.",
+        "pandas is a Python library for data frames"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from pooling_models import make_cross_encoder, make_tiny_classifier
+
+    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
+
+    try:
+        minilm = resolve_model_path("all-MiniLM-L6-v2")
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("classifiers")
+    return {"cross": make_cross_encoder(minilm, root / "cross"), "tiny": make_tiny_classifier(minilm, root / "tiny")}
+
+
+def reference(model_dir, first: list[str], second: list[str] | None) -> tuple[torch.Tensor, list[dict]]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(**tok(first, second, padding=True, return_tensors="pt")).logits
+    pairs = [tok(a, b) if second else tok(a) for a, b in zip(first, second or first)]
+    return logits, pairs
+
+
+@pytest.mark.parametrize("name", ["cross", "tiny"])
+def test_pairs_with_segment_ids_match_transformers(models, name):
+    from pdserve.shared.encoder import Encoder
+
+    encoder = Encoder(models[name])
+    want, pairs = reference(models[name], [QUERY] * len(DOCS), DOCS)
+    assert encoder.is_classifier and encoder.output_dim == want.shape[1]
+    got = torch.tensor(encoder.encode([p["input_ids"] for p in pairs], [p["token_type_ids"] for p in pairs]))
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+    # Without the segment ids the document reads as part of the query: a different answer.
+    blind = torch.tensor(encoder.encode([p["input_ids"] for p in pairs]))
+    assert (blind - want).abs().max() > 1e-3
+
+
+def test_single_texts_get_every_label(models):
+    from pdserve.shared.encoder import Encoder
+
+    want, singles = reference(models["tiny"], DOCS, None)
+    got = torch.tensor(Encoder(models["tiny"]).encode([s["input_ids"] for s in singles]))
+    assert got.shape == (3, 3) and torch.allclose(got, want, atol=1e-4)
+
+
+def test_bad_segment_ids_are_refused(models):
+    from pdserve.shared.encoder import Encoder
+
+    encoder = Encoder(models["tiny"])
+    with pytest.raises(ValueError, match="one segment id per token"):
+        encoder.submit([[101, 102]], [[0]])
+    with pytest.raises(ValueError, match="segment ids"):
+        encoder.submit([[101, 102]], [[0, 2]])
