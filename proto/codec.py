@@ -93,6 +93,11 @@ def first_token_to_proto(first: FirstToken) -> pb.FirstToken:
                          top=pb.TopLogprob(token_ids=first.logprob.top_ids, logprobs=first.logprob.top_logprobs))
 
 
+def prompt_logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.PromptLogprob]:
+    return [pb.PromptLogprob(logprob=lp.logprob, top=pb.TopLogprob(token_ids=lp.top_ids, logprobs=lp.top_logprobs))
+            for lp in logprobs]
+
+
 def first_token_from_proto(msg: pb.FirstToken) -> FirstToken:
     if not msg.has_logprob:
         return FirstToken(msg.token_id, None)

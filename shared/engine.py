@@ -47,6 +47,7 @@ class PrefillResult:
     queue_s: float
     compute_s: float
     transfer_s: float = 0.0
+    input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt logprobs, when asked for
 
 
 @dataclass
@@ -241,6 +242,8 @@ class Engine:
         self.postprocess(batch, logits, self.stats.last_step_s)
 
     def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
+        if batch.prompt_rows:
+            self._prompt_logprobs(batch)
         rows: list[int] = []
         reqs: list[Req] = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
@@ -302,6 +305,22 @@ class Engine:
                     logprobs[i] = TokenLogprobs(lps[i], top_ids[i][:k] if top_ids and k else [],
                                                 top_lps[i][:k] if top_lps and k else [])
         return tokens, logprobs
+
+    def _prompt_logprobs(self, batch: Batch) -> None:
+        """Append to each request the logprobs of the prompt tokens this chunk's logits predict."""
+        logprobs = torch.log_softmax(batch.prompt_logits.float(), dim=-1)
+        offset = 0
+        for req, first, count in batch.prompt_rows:
+            rows = logprobs[offset:offset + count]
+            offset += count
+            targets = torch.tensor(req.input_ids[first + 1:first + 1 + count], device=rows.device)
+            chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
+            k = req.params.top_logprobs_num
+            top_lps, top_ids = rows.topk(k, dim=-1) if k else (None, None)
+            for i, lp in enumerate(chosen):
+                req.input_logprobs.append(TokenLogprobs(lp, top_ids[i].tolist() if k else [],
+                                                        top_lps[i].tolist() if k else []))
+        batch.prompt_logits = None
 
     def _fork(self, req: Req) -> list[Req]:
         """Make the n-1 sibling choices of a request whose prompt KV is complete and cached."""
@@ -382,7 +401,7 @@ class Engine:
             self.scheduler.remove(req, cache=True)
             result = PrefillResult(firsts[req.rid], req.cached_tokens,
                                    queue_s=max(0.0, time.monotonic() - arrival - compute_s - transfer_s),
-                                   compute_s=compute_s, transfer_s=transfer_s)
+                                   compute_s=compute_s, transfer_s=transfer_s, input_logprobs=req.input_logprobs)
             if fut is not None and not fut.done():
                 fut.set_result(result)
 
@@ -400,8 +419,12 @@ class Engine:
         if not new_ids and finish_reason is None:
             return
         req.num_sent = len(req.output_ids)
+        prompt_lps = None
+        if req.input_logprobs and not req.input_logprobs_sent and req.index == 0:
+            prompt_lps, req.input_logprobs_sent = req.input_logprobs, True
         req.on_output(ReqOutput(req.rid, req.index, new_ids, new_lps, finish_reason, matched,
-                                prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error))
+                                prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error,
+                                input_logprobs=prompt_lps))
 
     # ------------------------------------------------------------ inspection (engine thread)
     def flush_cache(self) -> bool:

@@ -72,18 +72,30 @@ class ModelRunner:
         return self.pool.page_size
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [B, V] (model dtype) for the last new token of every request in the batch."""
-        return self.model.forward(self.prepare(batch), self.pool, self.ops)
+        """Logits [B, V] (model dtype) for the last new token of every request in the batch; the logits of the
+        prompt positions whose logprobs are asked for go to batch.prompt_logits."""
+        logits = self.model.forward(self.prepare(batch), self.pool, self.ops)
+        if not batch.prompt_rows:
+            return logits
+        batch.prompt_logits = logits[len(batch.reqs):]
+        return logits[:len(batch.reqs)]
 
     def prepare(self, batch: Batch) -> ForwardBatch:
         s = self.page_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seq_lens, q_start, last_rows = [], [], []
+        seq_lens, q_start, last_rows, prompt_rows = [], [], [], []
+        batch.prompt_rows = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             start = req.num_computed
             fill = req.fill_ids
+            first = req.first_logit_row if not batch.is_decode else None
+            if first is not None:  # positions in this chunk that predict a prompt token from `first` on
+                lo, hi = max(start, first), min(start + n, len(req.input_ids) - 1)
+                if hi > lo:
+                    prompt_rows.extend(range(len(ids) + lo - start, len(ids) + hi - start))
+                    batch.prompt_rows.append((req, lo, hi - lo))
             q_start.append(len(ids))
             ids.extend(fill[start:start + n])
             for pos in range(start, start + n):
@@ -103,5 +115,5 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
             q_start=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(last_rows, dtype=torch.int64, device=dev),
+            last_rows=torch.tensor(last_rows + prompt_rows, dtype=torch.int64, device=dev),
         )

@@ -49,6 +49,7 @@ class ReqOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    input_logprobs: list[TokenLogprobs] | None = None  # first output only: prompt tokens from max(start, 1) on
 
 
 @dataclass
@@ -84,6 +85,15 @@ class Req:
     num_sent: int = 0  # output tokens already reported through on_output
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
+    input_logprobs_sent: bool = False
+
+    @property
+    def first_logit_row(self) -> int | None:
+        """The first prompt position whose logits the request needs for its prompt logprobs (None: none)."""
+        if not self.params.wants_prompt_logprobs or self.output_ids:
+            return None
+        return max(self.params.logprob_start_len, 1) - 1
 
     @property
     def fill_ids(self) -> list[int]:

@@ -64,6 +64,8 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     """How many of the most likely tokens to report with each token's logprob; [0, 20]."""
+    logprob_start_len: int = -1
+    """With return_logprob: report the logprobs of the prompt's tokens from this position on; -1: none."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, sorted: the bias is added to the token's logit before sampling; [-100, 100]."""
     json_schema: str | None = None
@@ -107,6 +109,10 @@ class SamplingParams:
         return None
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
@@ -138,6 +144,7 @@ class SamplingParams:
         _integer("n", self.n, lo=1, hi=MAX_N)
         _boolean("return_logprob", self.return_logprob)
         _integer("top_logprobs_num", self.top_logprobs_num, lo=0, hi=MAX_TOP_LOGPROBS)
+        _integer("logprob_start_len", self.logprob_start_len, lo=-1)
         self._validate_logit_bias(vocab_size)
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         for name in given:

@@ -16,12 +16,16 @@ prompt, filled by a prefill worker, then the request joins the running batch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.shared.config import Role, SchedulerConfig
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,6 +33,10 @@ class Batch:
     reqs: list[Req]
     is_decode: bool
     extend_lens: list[int]  # new tokens per request (1 each when decoding)
+    # Set by the model runner: (request, first prompt position, rows) of the prompt-logprob rows, and their
+    # logits [rows, V] in that order.
+    prompt_rows: list[tuple[Req, int, int]] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -189,7 +197,10 @@ class Scheduler:
 
     def _match_prefix(self, req: Req) -> None:
         # Leave at least one token to compute: its logits give the first output token.
-        match = self.cache.match_prefix(req.fill_ids, max_pages=(req.seq_len - 1) // self.page_size)
+        limit = req.seq_len - 1
+        if req.first_logit_row is not None:  # prompt logprobs need the logits of those positions: compute them
+            limit = min(limit, req.first_logit_row)
+        match = self.cache.match_prefix(req.fill_ids, max_pages=limit // self.page_size)
         self.cache.lock(match.node)
         req.prefix_node = match.node
         req.pages = list(match.pages)

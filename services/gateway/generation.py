@@ -106,6 +106,7 @@ class Generation:
         self.start = time.perf_counter()
         self.prompt_tokens = len(job.input_ids)
         self.cached_tokens = 0
+        self.input_logprobs: list[TokenLogprob] = []  # prompt tokens from max(logprob_start_len, 1) on
         self.choices: list[_Choice] = []
         self.pair: Pair | None = None
         self._call = None
@@ -197,6 +198,9 @@ class Generation:
                 if first:
                     self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, \
                         msg.cached_tokens
+                    self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)))
+                                           for t, lp in zip(job.input_ids[max(job.params.logprob_start_len, 1):],
+                                                            msg.input_logprobs)]
                     first = False
                 for delta in msg.choices:
                     timer.tokens(len(delta.token_ids))

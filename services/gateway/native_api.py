@@ -8,7 +8,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
-from pdserve.services.gateway.errors import ApiError, read_json, unsupported
+from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
@@ -20,7 +20,8 @@ from pdserve.shared.sampling_params import SamplingParams
 NATIVE_NAMES = {"seed": "sampling_seed", "top_logprobs_num": "top_logprobs_num", "return_logprob": "return_logprob"}
 # The SamplingParams fields that native sampling_params carry (the others are request-level: logprobs).
 FROM_SAMPLING_PARAMS = tuple(f.name for f in fields(SamplingParams)
-                             if f.name not in ("return_logprob", "top_logprobs_num", *GATEWAY_DERIVED))
+                             if f.name not in ("return_logprob", "top_logprobs_num", "logprob_start_len",
+                                               *GATEWAY_DERIVED))
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
     "lora_path", "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
     "custom_logit_processor")}
@@ -36,14 +37,16 @@ def _per_prompt(value, count: int, name: str) -> list:
     return [value] * count
 
 
-def native_values(sp: NativeSampling, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int) -> dict:
+def native_values(sp: NativeSampling, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int,
+                  logprob_start_len: int = -1) -> dict:
     """SamplingParams values of one prompt: sampling_params' fields under their runtime names (NATIVE_NAMES maps
     the few spelled differently), plus the request-level logprob fields."""
     values = {name: getattr(sp, NATIVE_NAMES.get(name, name)) for name in FROM_SAMPLING_PARAMS}
     constraint, _ = constraint_values(None, {k: values.pop(k) for k in SGLANG_CONSTRAINTS}, "sampling_params.")
     values.update(constraint, **logit_bias_values(values.pop("logit_bias"), "logit_bias"))
     values.update(max_new_tokens=max_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()),
-                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0)
+                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                  logprob_start_len=logprob_start_len)
     return values
 
 
@@ -65,12 +68,14 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         prefix = f"sampling_params.{k}." if isinstance(req.sampling_params, list) else "sampling_params."
         refuse_unsupported(sps[k], UNSUPPORTED_NATIVE_SAMPLING, prefix)
         sp = parse(NativeSampling, sps[k], prefix.rstrip("."))
-        if starts[k] is not None and starts[k] >= 0 and logprob_flags[k]:
-            raise unsupported("logprob_start_len", "Prompt logprobs (logprob_start_len >= 0)")
         param = f"text.{k}" if batch and req.text is not None else ("input_ids" if req.text is None else "text")
         ids = gw.prompt_ids(prompt, param)
+        start = -1 if starts[k] is None or not logprob_flags[k] else starts[k]
+        if start >= len(ids):
+            raise ApiError(400, f"'logprob_start_len' ({start}) must be smaller than the prompt's {len(ids)} tokens.",
+                           "logprob_start_len")
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else gw.backend.context_length() - len(ids)
-        params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k]), NATIVE_NAMES, prefix)
+        params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k], start), NATIVE_NAMES, prefix)
         await gw.check_constraint(params, NATIVE_NAMES, prefix)
         rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
         jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim))
@@ -105,7 +110,25 @@ def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: Cho
             "e2e_latency": round(gen.e2e_latency, 6)}
     if logprob:
         meta.update(_logprob_meta(gw, r.logprobs, req.return_text_in_logprobs, job.params.top_logprobs_num > 0))
+        if job.params.wants_prompt_logprobs:
+            meta.update(_prompt_logprob_meta(gw, job, gen.input_logprobs, req.return_text_in_logprobs))
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+def _prompt_logprob_meta(gw: Gateway, job: Job, lps: list[TokenLogprob], with_text: bool) -> dict:
+    """SGLang's input_token_logprobs (and input_top_logprobs) from logprob_start_len on; the prompt's first
+    token, which nothing predicts, has the logprob None."""
+    def entry(token_id: int, lp: float | None) -> list:
+        return [lp, token_id, gw.tokenizer.token_text(token_id) if with_text else None]
+
+    start, ids = job.params.logprob_start_len, job.input_ids
+    tokens = ([entry(ids[0], None)] if start == 0 else []) + [entry(t, lp.logprob)
+                                                              for t, lp in zip(ids[max(start, 1):], lps)]
+    meta = {"input_token_logprobs": tokens}
+    if job.params.top_logprobs_num:
+        meta["input_top_logprobs"] = ([None] if start == 0 else []) + [[entry(t, v) for t, v in lp.top]
+                                                                        for lp in lps]
+    return meta
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from pdserve.services.gateway import openai_format as fmt
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
-from pdserve.services.gateway.errors import ApiError, read_json, unsupported
+from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import Job, Update, merge_updates
 from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
                                                refuse_unsupported)
@@ -31,7 +31,7 @@ COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_token
 
 
 def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bool,
-                    top_logprobs: int) -> tuple[dict, dict]:
+                    top_logprobs: int, logprob_start_len: int = -1) -> tuple[dict, dict]:
     """(SamplingParams values, {field: API name} for the fields whose API name is not fixed) of a request."""
     constraint, names = constraint_values(req.response_format, {k: getattr(req, k) for k in SGLANG_CONSTRAINTS})
     values = dict(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
@@ -40,6 +40,7 @@ def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bo
                   max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n,
                   return_logprob=return_logprob, top_logprobs_num=top_logprobs,
+                  logprob_start_len=logprob_start_len if return_logprob else -1,
                   **logit_bias_values(req.logit_bias), **constraint)
     return values, names
 
@@ -165,8 +166,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     refuse_unsupported(body)
     req = parse(CompletionRequest, body)
     gw.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise unsupported("logprobs", "logprobs together with echo (prompt logprobs)")
     prompts = req.prompts()
     many = len(prompts) > 1
     ids_list = [gw.prompt_ids(p, f"prompt.{k}" if many else "prompt") for k, p in enumerate(prompts)]
@@ -174,7 +173,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     jobs = []
     for k, ids in enumerate(ids_list):
         max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
-        values, constraint_names = sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0)
+        values, constraint_names = sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0,
+                                                   0 if req.echo else -1)  # echo: the prompt's logprobs too
         names = dict(COMPLETION_NAMES, **constraint_names)
         params = gw.build_params(values, names)
         await gw.check_constraint(params, names)
@@ -192,6 +192,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for r in rs:
             lps = fmt.completion_logprobs(gw.tokenizer, r.logprobs, len(echoes[k]), bool(req.logprobs)) \
                 if req.logprobs is not None else None
+            if lps is not None and req.echo:
+                lps = fmt.join_logprobs(_echo_logprobs(gw, req, gens[k]), lps)
             choices.append(fmt.completion_choice(k * req.n + r.index, echoes[k] + r.text, lps, r.finish_reason,
                                                  r.matched_stop))
     usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
@@ -200,18 +202,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                             usage))
 
 
+def _echo_logprobs(gw: Gateway, req: CompletionRequest, gen) -> dict:
+    return fmt.prompt_completion_logprobs(gw.tokenizer, gen.job.input_ids, gen.input_logprobs, bool(req.logprobs))
+
+
 async def _stream_completions(request: web.Request, gw: Gateway, req: CompletionRequest, rid: str, gens: list,
                               echoes: list[str]) -> web.StreamResponse:
     created, model = int(time.time()), req.model or gw.served_model_name
     sse = SSE(request)
     offsets = {k * req.n + i: len(echo) for k, echo in enumerate(echoes) for i in range(req.n)}
+    echoed: set[int] = set()
     try:
         async for k, u in merge_updates(gens):
-            if not sse.started and any(echoes):  # the prompts come first, once the workers accepted them
-                for k2, echo in enumerate(echoes):
-                    for i in range(req.n):
-                        await sse.send(fmt.completion(rid, created, model, [
-                            fmt.completion_choice(k2 * req.n + i, echo, None, None, None)], None))
+            if echoes[k] and k not in echoed:  # a prompt comes first, once its worker answered (with its logprobs)
+                echoed.add(k)
+                lps = _echo_logprobs(gw, req, gens[k]) if req.logprobs is not None else None
+                for i in range(req.n):
+                    await sse.send(fmt.completion(rid, created, model, [
+                        fmt.completion_choice(k * req.n + i, echoes[k], lps, None, None)], None))
             index = k * req.n + u.index
             lps = None
             if req.logprobs is not None and u.logprobs:

@@ -34,6 +34,26 @@ def completion_logprobs(tok: ModelTokenizer, lps: list[TokenLogprob], offset: in
             "text_offset": offsets}
 
 
+def prompt_completion_logprobs(tok: ModelTokenizer, ids: list[int], lps: list[TokenLogprob], with_top: bool) -> dict:
+    """The echoed prompt's part of a completion's logprobs: its first token, which nothing predicts, has None."""
+    tokens, offsets, offset = [], [], 0
+    for token_id in ids:
+        text = tok.token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = [None] + [{tok.token_text(t): v for t, v in lp.top} for lp in lps] if with_top else None
+    return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in lps], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def join_logprobs(first: dict, then: dict | None) -> dict:
+    if then is None:
+        return first
+    top = first["top_logprobs"] + then["top_logprobs"] if first["top_logprobs"] is not None else None
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "text_offset")} | {"top_logprobs": top}
+
+
 # ---------------------------------------------------------------- chat
 def chat_message(content: str | None, reasoning: str | None, tool_calls: list[dict] | None = None) -> dict:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}

@@ -16,7 +16,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import (compat_from_proto, first_token_from_proto, first_token_to_proto, output_to_proto,
-                                 params_from_proto)
+                                 params_from_proto, prompt_logprobs_to_proto)
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
@@ -111,10 +111,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                     finished.add(out.index)
                 msg = pb.GenerateResponse(choices=[output_to_proto(out)], prompt_tokens=out.prompt_tokens,
                                           cached_tokens=out.cached_tokens)
+                if out.input_logprobs:
+                    msg.input_logprobs.extend(prompt_logprobs_to_proto(out.input_logprobs))
                 timing = self.prefill_timings.pop(request.rid, None) if first else None
                 if timing is not None:
                     msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
                     msg.transfer_s = timing.transfer_s
+                    msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
                 yield msg
                 first = False
         except asyncio.TimeoutError:
@@ -245,4 +248,5 @@ class PrefillService(pb_grpc.PrefillServicer):
                 self.engine.call(lambda: self.engine.abort(request.rid))
         return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
                                cached_tokens=result.cached_tokens, queue_s=result.queue_s,
-                               compute_s=result.compute_s, transfer_s=result.transfer_s)
+                               compute_s=result.compute_s, transfer_s=result.transfer_s,
+                               input_logprobs=prompt_logprobs_to_proto(result.input_logprobs))

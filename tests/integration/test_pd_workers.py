@@ -65,11 +65,12 @@ async def generate(addr: str, ids: list[int], prefill: str = "", timeout: float 
     params.setdefault("max_new_tokens", 24)
     request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=to_proto(SamplingParams(**params)),
                                  prefill_addr=prefill)
-    out: dict = {"tokens": {}, "finish": {}, "cached": 0}
+    out: dict = {"tokens": {}, "finish": {}, "cached": 0, "prompt_logprobs": []}
     async with grpc.aio.insecure_channel(addr) as ch:
         async for msg in pb_grpc.WorkerStub(ch).Generate(request, timeout=timeout):
             if msg.prompt_tokens:
                 out["cached"] = msg.cached_tokens
+            out["prompt_logprobs"] += [(lp.logprob, list(lp.top.token_ids)) for lp in msg.input_logprobs]
             for c in msg.choices:
                 out["tokens"].setdefault(c.index, []).extend(c.token_ids)
                 if c.finish_reason:
@@ -161,6 +162,20 @@ async def test_pd_constrained_output_equals_colocated_from_the_first_token(pair,
                          regex=r"(red|green|blue)(, (red|green|blue))*")
     for tokens in out["tokens"].values():
         assert re.fullmatch(r"(red|green|blue)(, (red|green|blue))*", tokenizer.decode(tokens, skip_special_tokens=True))
+    await assert_clean(paddr, daddr)
+
+
+async def test_pd_prompt_logprobs_come_from_the_prefill_worker(pair, colocated, prompts):
+    paddr, daddr = pair
+    long_prompt = prompts[3]  # several 32-token chunks on the prefill worker
+    asked = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, max_new_tokens=4)
+    want = await generate(colocated, long_prompt, **asked)
+    got = await generate(daddr, long_prompt, prefill=paddr, **asked)
+    assert len(got["prompt_logprobs"]) == len(long_prompt) - 1
+    assert [top for _, top in got["prompt_logprobs"]] == [top for _, top in want["prompt_logprobs"]]
+    for (a, _), (b, _) in zip(got["prompt_logprobs"], want["prompt_logprobs"]):
+        assert a == pytest.approx(b, abs=1e-3)
+    assert got["tokens"] == want["tokens"]
     await assert_clean(paddr, daddr)
 
 

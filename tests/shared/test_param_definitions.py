@@ -54,9 +54,9 @@ def test_the_runtime_library_does_not_import_the_wire_format():
 
 def test_native_sampling_params_carry_every_runtime_field():
     missing = {NATIVE_NAMES.get(n, n) for n in PARAMS} - set(NativeSampling.model_fields) \
-        - {"return_logprob", "top_logprobs_num"} - set(GATEWAY_DERIVED)  # request-level, or not the client's
+        - {"return_logprob", "top_logprobs_num", "logprob_start_len"} - set(GATEWAY_DERIVED)  # request-level
     assert not missing
-    values = native_values(NativeSampling(logit_bias={"1": 2.0}, regex="a"), 8, True, 2)
+    values = native_values(NativeSampling(logit_bias={"1": 2.0}, regex="a"), 8, True, 2, 0)
     assert set(values) == set(PARAMS) - (set(CONSTRAINT_FIELDS) - {"regex"}) - set(GATEWAY_DERIVED)
     SamplingParams(**values).validate()
 

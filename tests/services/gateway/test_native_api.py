@@ -81,7 +81,22 @@ def test_generate_stream_interval_groups_tokens(colocated):
     assert counts[-1] == 10 and len(counts) <= 3  # every 4 tokens (or more, when they arrive together), the end
     assert all(b - a >= 4 for a, b in zip([0] + counts[:-2], counts[:-1]))
     bad = post(colocated.open, "/generate", {**body, "sampling_params": {"stream_interval": 0}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.stream_interval"
+    assert bad.status_code == 400 and bad.json()["param"] == "sampling_params.stream_interval"
+
+
+def test_generate_prompt_logprobs_from_logprob_start_len(colocated):
+    body = {"text": "The capital of France is", "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    whole = post(colocated.open, "/generate", {**body, "logprob_start_len": 0}).json()["meta_info"]
+    prompt = whole["input_token_logprobs"]
+    assert len(prompt) == whole["prompt_tokens"] and prompt[0][0] is None and prompt[0][2] == "The"
+    assert all(lp <= 0 for lp, _, _ in prompt[1:]) and whole["input_top_logprobs"][0] is None
+    assert all(len(top) == 2 and top[0][0] >= lp for top, (lp, _, _) in zip(whole["input_top_logprobs"][1:],
+                                                                            prompt[1:]))
+    tail = post(colocated.open, "/generate", {**body, "logprob_start_len": 3}).json()["meta_info"]
+    assert tail["input_token_logprobs"] == prompt[3:]  # the same values, whatever the cache held
+    none = post(colocated.open, "/generate", body).json()["meta_info"]
+    assert "input_token_logprobs" not in none
 
 
 def test_generate_logprobs_and_stop_string(colocated):

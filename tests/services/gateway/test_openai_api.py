@@ -147,6 +147,22 @@ def test_completions_forms(colocated, tok):
     echo = c.completions.create(model=name, prompt="The capital of France is", temperature=0, max_tokens=6,
                                 echo=True)
     assert echo.choices[0].text == "The capital of France is" + one.choices[0].text
+    with_lps = c.completions.create(model=name, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                    echo=True, logprobs=1)
+    lps = with_lps.choices[0].logprobs
+    prompt_len = with_lps.usage.prompt_tokens
+    assert lps.token_logprobs[0] is None and all(v <= 0 for v in lps.token_logprobs[1:])
+    assert len(lps.tokens) == prompt_len + with_lps.usage.completion_tokens
+    assert "".join(lps.tokens) == with_lps.choices[0].text and lps.text_offset[prompt_len] == len("The capital of France is")
+    streamed = c.completions.create(model=name, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                    echo=True, logprobs=1, stream=True)
+    tokens, values = [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+    assert tokens == lps.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lps.token_logprobs[1:], abs=1e-4)
 
 
 def test_completions_stop_logprobs_and_stream(colocated):
