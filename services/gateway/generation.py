@@ -49,6 +49,7 @@ class Job:
     stops: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Restart:
 class _Choice:
     def __init__(self, gen: Generation) -> None:
         job = gen.job
-        self.detok = Detokenizer(gen.backend.tokenizer, job.skip_special_tokens)
+        self.detok = Detokenizer(gen.backend.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
         self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
         self.finished = False
         self.tokens = 0  # completion tokens, counted up to the one that ended the choice

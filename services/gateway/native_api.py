@@ -78,7 +78,8 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k], start), NATIVE_NAMES, prefix)
         await gw.check_constraint(params, NATIVE_NAMES, prefix)
         rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
-        jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim))
+        jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim,
+                        sp.spaces_between_special_tokens))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 

@@ -73,8 +73,11 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        # spaces_between_special_tokens changes the text of tokenizers that decode token by token (the "slow"
+        # ones); fast tokenizers join special tokens without spaces either way, as in SGLang.
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False,
+                               spaces_between_special_tokens=spaces_between_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
@@ -137,6 +140,7 @@ class Detokenizer:
 
     tokenizer: ModelTokenizer
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
@@ -145,18 +149,21 @@ class Detokenizer:
         if not token_ids:
             return ""
         self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing new yet, or the last character is still missing bytes
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens, self.spaces_between_special_tokens)
+
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character at the very end becomes U+FFFD)."""
         if self.read_offset == len(self.ids):
             return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):] if full.startswith(prefix) else full

@@ -218,3 +218,12 @@ def test_chat_template_kwargs_cannot_replace_what_the_template_renders(tok, name
         tok.render_chat(messages, template_kwargs={name: value, "enable_thinking": False})
     assert info.value.name == name and name in str(info.value)
     assert tok.render_chat(messages, template_kwargs={"enable_thinking": False}) == tok.render_chat(messages)
+
+
+def test_detokenizer_passes_spaces_between_special_tokens_to_the_tokenizer():
+    class Joining:  # a tokenizer that decodes token by token, as the "slow" ones do
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            return (" " if spaces_between_special_tokens else "").join(f"<s{i}>" for i in ids)
+
+    assert Detokenizer(Joining(), False, spaces_between_special_tokens=False).push([1, 2]) == "<s1><s2>"
+    assert Detokenizer(Joining(), False).push([1, 2]) == "<s1> <s2>"
