@@ -112,6 +112,10 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
                 2 if role == "decode" else 1, f"http://{local}:{port + 1000}/health", ports,
                 {"OMP_NUM_THREADS": str(threads)}))
 
+    embedding_targets: list[str] = []
+    if args.embedding_model:
+        service, embedding_targets = embedding_worker(args, args.worker_port + index, pdserve, cpus)
+        services.append(service)
     gateway_url = f"http://{loopback(args.host)}:{args.port}"
     jobs_url = f"http://{local}:{args.jobs_port}"
     key = ["--api-key", args.api_key] if args.api_key else []
@@ -127,12 +131,29 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     for role, flag in (("colocated", "--worker"), ("prefill", "--prefill"), ("decode", "--decode")):
         for address in workers.get(role, []):
             targets += [flag, address]
+    targets += embedding_targets
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
          *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key, *gateway_options(args)],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], quiet))
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
+
+
+def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str],
+                     cpus: int) -> tuple[Service, list[str]]:
+    """The dedicated worker of --embedding-model (an encoder: no KV, no PD) and the gateway flags routing to it."""
+    local = "127.0.0.1"
+    threads = args.threads or max(1, cpus // 2)  # it computes only while embedding requests come in
+    ports = [PortUse(port, local, "embedding gRPC port", "--worker-port"),
+             PortUse(port + 1000, local, "embedding HTTP port (gRPC port + 1000)", "--worker-port")]
+    service = Service(
+        "embedding", pdserve,
+        ["colocated", "--is-embedding", "--model-path", args.embedding_model, "--host", local, "--threads",
+         str(threads), "--port", str(port), "--http-port", str(port + 1000),
+         *(["--device", args.device] if args.device else [])],
+        1, f"http://{local}:{port + 1000}/health", ports, {"OMP_NUM_THREADS": str(threads)})
+    return service, ["--embedding-model", args.embedding_model, "--embedding-worker", f"{local}:{port}"]
 
 
 def gateway_options(args: argparse.Namespace) -> list[str]:
@@ -211,6 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--model-path", default=None,
                         help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, converted on first use)")
     parser.add_argument("--served-model-name", default=None, help="model name for clients (default: the model dir's)")
+    parser.add_argument("--embedding-model", default=None, metavar="PATH",
+                        help="also start a dedicated embedding worker on this model (e.g. all-MiniLM-L6-v2); "
+                             "requests pick it by their 'model'")
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

@@ -41,13 +41,16 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """Where this machine's build lives: `$PDSERVE_KERNEL_CACHE` or ~/.cache/pdserve/kernels, then a key."""
+    """Where this machine's build lives: `$PDSERVE_KERNEL_CACHE` or ~/.cache/pdserve/kernels, then a key of the
+    sources (their bytes and folder), torch, Python, the CPU's flags and the compiler flags."""
     import torch
 
     digest = hashlib.sha1()
     for name in SOURCES + _HEADERS:
         digest.update((_HERE / name).read_bytes())
-    digest.update(" ".join([torch.__version__, sys.version, _cpu_flags(), *_FLAGS]).encode())
+    # The sources' folder too: the build names them by path, so two checkouts sharing one cache would
+    # otherwise rebuild each other's module back and forth.
+    digest.update(" ".join([torch.__version__, sys.version, _cpu_flags(), *_FLAGS, str(_HERE)]).encode())
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
     return root / digest.hexdigest()[:16]
 
