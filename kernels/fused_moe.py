@@ -1,8 +1,8 @@
 """Mixture-of-Experts MLP: every token through its top-k experts' SwiGLU MLPs, summed with its routing weights.
 
-Contract: `x [T, H]`, the stacked expert weights `w13 [E, 2I, H]` (gate rows then up rows, as one
-`[gate | up]` projection) and `w2 [E, H, I]`, and the router's choice `topk_ids [T, k]` with its weights
-`topk_weights [T, k]` (fp32). Returns `[T, H]` in x's dtype:
+Contract: `x [T, H]`, the experts' weights (`ExpertWeights`: stacked `w13 [E, 2I, H]`, gate rows then up
+rows as one `[gate | up]` projection, and `w2 [E, H, I]`), and the router's choice `topk_ids [T, k]` with its
+weights `topk_weights [T, k]` (fp32). Returns `[T, H]` in x's dtype:
 
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])),  e = topk_ids[t, j]
 
@@ -10,21 +10,43 @@ Work is grouped by expert, never looped over tokens: the T * k (token, expert) p
 so that each expert runs one matmul over all of its rows. An expert no token chose costs nothing. The
 weighted sum over a token's k experts is done in fp32 and rounded once.
 
-The torch twin is also the CPU path: each group's two matmuls are oneDNN calls already, and the loop around
-them runs once per expert with tokens, not per token.
+The CPU set runs the torch twin's grouping with each expert's matmuls prepared for the CPU by the model
+(`ExpertWeights.gate_up` / `.down`: packed oneDNN weights, the native bf16 GEMV for a few rows). Measured on
+a 16-expert, H 1024, I 512 block in bf16 on one thread: 2.2x faster than plain `F.linear` over the stacked
+weights for 1-4 tokens, 1.2-1.3x for 32-256; a C++ loop around the same matmuls would add nothing.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.kernels.silu_mul import silu_and_mul_torch, silu_and_mul_triton
+from pdserve.kernels.silu_mul import silu_and_mul_native, silu_and_mul_torch, silu_and_mul_triton
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]  # rows [n, in] -> rows [n, out], one expert's weight
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+@dataclass
+class ExpertWeights:
+    """Every expert of one MoE layer."""
+
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    # Optional, per expert: the same weights prepared for the device (the CPU set uses them when given).
+    gate_up: Sequence[Matmul] | None = None
+    down: Sequence[Matmul] | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+def _check(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    w13, w2 = experts.w13, experts.w2
     E, two_i, H = w13.shape
     if x.dim() != 2 or x.shape[1] != H or two_i % 2 or w2.shape != (E, H, two_i // 2):
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
@@ -34,31 +56,45 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
                          f"{tuple(topk_weights.shape)} must both be [T, k] with T = {x.shape[0]}")
 
 
-def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k]. Returns [T, H]."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+def _grouped(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+             expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sort the (token, expert) pairs by expert, run `expert_mlp(e, rows)` once per expert with rows, and sum
+    each token's weighted results in fp32."""
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # [T*k] pair ids, grouped by expert
     token = order // k  # [T*k] the token of each sorted pair
     xs = x.index_select(0, token)  # [T*k, H]
     ys = torch.empty_like(xs)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        ys[rows] = F.linear(silu_and_mul_torch(F.linear(xs[rows], w13[e])), w2[e])  # [n, H]
-        start += n
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            ys[start:start + n] = expert_mlp(e, xs[start:start + n])  # [n, H]
+            start += n
     weighted = ys.float() * topk_weights.reshape(-1).index_select(0, order).float()[:, None]
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, weighted).to(x.dtype)
 
 
-# Same contract on the CPU: see the module docstring for why it is the torch twin.
-fused_moe_native = fused_moe_torch
+def fused_moe_torch(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; experts: w13 [E, 2I, H], w2 [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k].
+    Returns [T, H]."""
+    _check(x, experts, topk_weights, topk_ids)
+    w13, w2 = experts.w13, experts.w2
+    return _grouped(x, topk_weights, topk_ids, experts.num_experts,
+                    lambda e, rows: F.linear(silu_and_mul_torch(F.linear(rows, w13[e])), w2[e]))
+
+
+def fused_moe_native(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as fused_moe_torch (CPU, fp32 or bf16), with the experts' prepared matmuls when given."""
+    if experts.gate_up is None or experts.down is None:
+        return fused_moe_torch(x, experts, topk_weights, topk_ids)
+    _check(x, experts, topk_weights, topk_ids)
+    gate_up, down = experts.gate_up, experts.down
+    return _grouped(x, topk_weights, topk_ids, experts.num_experts,
+                    lambda e, rows: down[e](silu_and_mul_native(gate_up[e](rows))))
 
 
 class ExpertBlocks:
@@ -137,10 +173,11 @@ def _moe_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Exp
                              BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe_triton(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:
     """Same contract as fused_moe_torch: two grouped matmul launches around one SwiGLU launch."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    _check(x, experts, topk_weights, topk_ids)
+    w13, w2 = experts.w13, experts.w2
     T, k = topk_ids.shape
     H = x.shape[1]
     if T == 0:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.kernels.fused_moe import ExpertWeights
 from pdserve.shared.config import MoeConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.linear import Linear
@@ -54,8 +55,7 @@ class SparseMoE:
     layer_id: int
     config: MoeConfig
     router: Linear  # [E (+1 for the shared expert's gate), H]
-    w13: torch.Tensor  # [E, 2 I, H]: every expert's gate rows, then its up rows
-    w2: torch.Tensor  # [E, H, I]
+    experts: ExpertWeights  # w13 [E, 2 I, H] (each expert's gate rows, then its up rows), w2 [E, H, I]
     shared: DenseMLP | None = None
     on_route: RouteHook | None = None
 
@@ -65,7 +65,7 @@ class SparseMoE:
         routing = select_experts(logits[:, :E], self.config.top_k, self.config.norm_topk_prob)
         if self.on_route is not None:
             self.on_route(self.layer_id, routing.ids)
-        out = ops.fused_moe(x, self.w13, self.w2, routing.weights, routing.ids)  # [T, H]
+        out = ops.fused_moe(x, self.experts, routing.weights, routing.ids)  # [T, H]
         if self.shared is not None:
             out = out + torch.sigmoid(logits[:, E:]) * self.shared(x, ops)
         return out
@@ -108,7 +108,13 @@ def load_sparse_moe(layer_id: int, prefix: str, config: MoeConfig, hidden_size: 
         shared = DenseMLP(linear(torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])),
                           linear(take(p + "down_proj.weight")))
         router = torch.cat([router, take(f"{block}.shared_expert_gate.weight")])  # [E + 1, H]
-    return SparseMoE(layer_id, config, linear(router), w13.contiguous(), w2.contiguous(), shared)
+    experts = ExpertWeights(w13.contiguous(), w2.contiguous())
+    if w13.device.type == "cpu":
+        # Each expert's matmuls packed for oneDNN like the dense layers' (the bf16 GEMV reads the stacked
+        # tensor itself, so bf16 keeps one plain copy): see kernels/fused_moe.py for what it buys.
+        experts.gate_up = [linear(w) for w in experts.w13]
+        experts.down = [linear(w) for w in experts.w2]
+    return SparseMoE(layer_id, config, linear(router), experts, shared)
 
 
 def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:

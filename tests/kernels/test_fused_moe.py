@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICES, TRITON_DEVICE, TRITON_DTYPES, assert_close
+from kernel_cases import DEVICES, NATIVE_DTYPES, TRITON_DEVICE, TRITON_DTYPES, assert_close, needs_native
 
-from pdserve.kernels.fused_moe import ExpertBlocks, fused_moe_torch, fused_moe_triton
+from pdserve.kernels.fused_moe import ExpertBlocks, ExpertWeights, fused_moe_native, fused_moe_torch, fused_moe_triton
 
 
 def make_case(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -19,11 +19,13 @@ def make_case(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int
     weights, ids = scores.topk(top_k, dim=-1)
     weights = torch.softmax(weights, dim=-1)
     to = dict(device=device)
-    return x.to(dtype=dtype, **to), w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to), weights.to(**to), ids.to(**to)
+    experts = ExpertWeights(w13.to(dtype=dtype, **to), w2.to(dtype=dtype, **to))
+    return x.to(dtype=dtype, **to), experts, weights.to(**to), ids.to(**to)
 
 
-def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
+def per_token_reference(x, experts, weights, ids) -> torch.Tensor:
     """float64, one token and one chosen expert at a time: the definition the grouped kernels must meet."""
+    w13, w2 = experts.w13, experts.w2
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
@@ -39,15 +41,15 @@ def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
 @pytest.mark.parametrize("tokens,num_experts,top_k,idle", [(1, 4, 2, ()), (13, 8, 2, (0, 5)), (40, 6, 3, (2,)),
                                                            (7, 4, 1, (1, 2, 3))])
 def test_torch_matches_per_token_reference(device, tokens, num_experts, top_k, idle):
-    x, w13, w2, weights, ids = make_case(tokens, num_experts, top_k, 48, 24, torch.float64, device, idle)
-    out = fused_moe_torch(x, w13, w2, weights, ids)
+    x, experts, weights, ids = make_case(tokens, num_experts, top_k, 48, 24, torch.float64, device, idle)
+    out = fused_moe_torch(x, experts, weights, ids)
     assert out.dtype == x.dtype and out.shape == x.shape
-    torch.testing.assert_close(out.cpu(), per_token_reference(x, w13, w2, weights, ids))
+    torch.testing.assert_close(out.cpu(), per_token_reference(x, experts, weights, ids))
 
 
 def test_torch_accepts_no_tokens():
-    x, w13, w2, weights, ids = make_case(0, 4, 2, 16, 8, torch.float32, "cpu")
-    assert fused_moe_torch(x, w13, w2, weights, ids).shape == (0, 16)
+    x, experts, weights, ids = make_case(0, 4, 2, 16, 8, torch.float32, "cpu")
+    assert fused_moe_torch(x, experts, weights, ids).shape == (0, 16)
 
 
 def test_blocks_hold_each_pair_once_under_its_expert():
@@ -71,23 +73,37 @@ def test_blocks_hold_each_pair_once_under_its_expert():
     (37, 8, 2, 48, 40, (1, 6)),  # ragged groups over block edges; hidden and inter not powers of two
 ])
 def test_triton_matches_torch(dtype, tokens, num_experts, top_k, hidden, inter, idle):
-    x, w13, w2, weights, ids = make_case(tokens, num_experts, top_k, hidden, inter, dtype, TRITON_DEVICE, idle)
-    out = fused_moe_triton(x, w13, w2, weights, ids)
+    x, experts, weights, ids = make_case(tokens, num_experts, top_k, hidden, inter, dtype, TRITON_DEVICE, idle)
+    out = fused_moe_triton(x, experts, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape
-    assert_close(out, fused_moe_torch(x, w13, w2, weights, ids), dtype)
+    assert_close(out, fused_moe_torch(x, experts, weights, ids), dtype)
 
 
 def test_triton_wide_prefill_uses_large_blocks():
     # Enough pairs per expert for 64-row blocks, with one expert holding a single token.
-    x, w13, w2, weights, ids = make_case(140, 2, 1, 16, 16, torch.float32, TRITON_DEVICE)
+    x, experts, weights, ids = make_case(140, 2, 1, 16, 16, torch.float32, TRITON_DEVICE)
     ids[0, 0], ids[1:, 0] = 1, 0
-    assert_close(fused_moe_triton(x, w13, w2, weights, ids), fused_moe_torch(x, w13, w2, weights, ids), torch.float32)
+    assert_close(fused_moe_triton(x, experts, weights, ids), fused_moe_torch(x, experts, weights, ids), torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+def test_native_with_packed_experts_matches_torch(dtype):
+    from pdserve.shared.linear import Linear
+
+    x, experts, weights, ids = make_case(9, 6, 2, 64, 32, dtype, "cpu", idle=(4,))
+    packed = ExpertWeights(experts.w13, experts.w2, gate_up=[Linear(w) for w in experts.w13],
+                           down=[Linear(w) for w in experts.w2])
+    for rows in (1, 3, 9):  # 1-4 rows take the bf16 GEMV, more the packed oneDNN matmul
+        args = (x[:rows], weights[:rows], ids[:rows])
+        out = fused_moe_native(args[0], packed, *args[1:])
+        assert_close(out, fused_moe_torch(args[0], experts, *args[1:]), dtype)
 
 
 @pytest.mark.parametrize("fn", [fused_moe_torch, fused_moe_triton])
 def test_mismatched_shapes_are_refused(fn):
-    x, w13, w2, weights, ids = make_case(3, 4, 2, 16, 8, torch.float32, TRITON_DEVICE)
+    x, experts, weights, ids = make_case(3, 4, 2, 16, 8, torch.float32, TRITON_DEVICE)
     with pytest.raises(ValueError, match="must be"):
-        fn(x, w13, w2[:, :, :4], weights, ids)
+        fn(x, ExpertWeights(experts.w13, experts.w2[:, :, :4]), weights, ids)
     with pytest.raises(ValueError, match="topk_ids"):
-        fn(x, w13, w2, weights, ids[:2])
+        fn(x, experts, weights, ids[:2])

@@ -21,6 +21,11 @@ from pdserve.shared.scheduler import Batch
 CUDA = torch.cuda.is_available()
 BACKENDS = [("cpu", "native"), ("cpu", "torch")] + ([("cuda", "torch"), ("cuda", "triton")] if CUDA
                                                     else [("cpu", "triton")])
+# The interpreter is slow: there Triton skips the archs whose kernels it already runs in another (qwen3-moe has
+# Qwen3's q/k norm, experts and a dense layer; Mixtral differs from it only in routing and weight names).
+INTERPRETER_SKIPS = {"qwen3", "mixtral"}
+PARITY_CASES = [(device, backend, arch) for device, backend in BACKENDS for arch in ARCHS
+                if not (backend == "triton" and not CUDA and arch in INTERPRETER_SKIPS)]
 PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66], [1, 2, 3], [400, 401, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
@@ -53,8 +58,7 @@ def make_reqs(runner: ModelRunner, prompts: list[list[int]]) -> list[Req]:
     return reqs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("device,backend", BACKENDS)
+@pytest.mark.parametrize("device,backend,arch", PARITY_CASES)
 def test_prefill_then_decode_logits_match_transformers(tiny_models, arch, backend, device):
     runner = make_runner(tiny_models[arch], backend, device)
     reqs = make_reqs(runner, PROMPTS)
@@ -182,6 +186,9 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(tiny_models, tmp_path)
         tensors[p + "down_proj"] = torch.stack([d for _, _, d in per])
     save_file(tensors, tmp_path / "m" / "model.safetensors")
     stacked, plain = make_runner(tmp_path / "m", "torch"), make_runner(src, "torch")
+    checked = 0
     for a, b in zip(stacked.model.layers, plain.model.layers):
-        if hasattr(a.mlp, "w13"):
-            assert torch.equal(a.mlp.w13, b.mlp.w13) and torch.equal(a.mlp.w2, b.mlp.w2)
+        if hasattr(a.mlp, "experts"):
+            assert torch.equal(a.mlp.experts.w13, b.mlp.experts.w13) and torch.equal(a.mlp.experts.w2, b.mlp.experts.w2)
+            checked += 1
+    assert checked == 2
