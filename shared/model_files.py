@@ -11,12 +11,10 @@ import argparse
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from pdserve.shared.packaged_models import find_packaged, prepare_packaged
+from pdserve.shared.packaged_models import find_packaged, prepare_packaged, write_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,19 +75,7 @@ def _converted_dir(gguf: Path, name: str, quiet: bool) -> Path:
     target = cache_root() / "models" / name
     if (target / ".complete").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a temporary sibling and rename, so a crash never leaves a half-written model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        convert_gguf(gguf, tmp, quiet=quiet)
-        (tmp / ".complete").write_text(str(gguf))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_model_dir(target, lambda tmp: convert_gguf(gguf, tmp, quiet=quiet), origin=gguf)
 
 
 def convert_gguf(gguf: Path, out_dir: Path, quiet: bool = False) -> None:

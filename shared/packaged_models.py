@@ -12,6 +12,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,26 @@ def prepare_packaged(model: PackagedModel, cache_dir: Path) -> Path:
     archive = Path(spec.origin).parent / model.archive
     if not archive.exists():
         raise ValueError(f"{archive} is missing from the {model.pip_name} package")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
-    try:
+
+    def unpack(tmp: Path) -> None:
         with zipfile.ZipFile(archive) as z:
             for member in z.infolist():
                 dest = (tmp / member.filename).resolve()
                 if not dest.is_relative_to(tmp.resolve()):  # a zip entry must not escape the directory
                     raise ValueError(f"{archive}: unsafe entry {member.filename!r}")
             z.extractall(tmp)
-        (tmp / ".complete").write_text(str(archive))
+
+    return write_model_dir(target, unpack, origin=archive)
+
+
+def write_model_dir(target: Path, fill: Callable[[Path], None], origin: Path) -> Path:
+    """Make the model directory `target` with `fill(tmp)`: it writes into a temporary sibling that is renamed
+    into place and marked complete only at the end, so a crash never leaves a half-written model."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        fill(tmp)
+        (tmp / ".complete").write_text(str(origin))
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

@@ -28,3 +28,11 @@ def default_model_dir():
     from pdserve.shared.model_files import resolve_model_path
 
     return resolve_model_path(None, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """all-MiniLM-L6-v2, prepared by scripts/setup: missing, it fails the tests that need it (never skips)."""
+    from pdserve.shared.model_files import resolve_model_path
+
+    return resolve_model_path("all-MiniLM-L6-v2")

@@ -13,16 +13,6 @@ TEXTS = ["Hello, world!", "SGLang is fast", "The giant panda is a bear species e
 
 
 @pytest.fixture(scope="module")
-def minilm_dir():
-    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
-
-    try:
-        return resolve_model_path("all-MiniLM-L6-v2")
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
 def encoder(minilm_dir):
     from pdserve.shared.encoder import Encoder
 

@@ -11,15 +11,10 @@ DOCS = ["hi", "The giant panda (Ailuropoda melanoleuca) is a bear species endemi
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, minilm_dir):
     from pooling_models import make_cross_encoder, make_tiny_classifier
 
-    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
-
-    try:
-        minilm = resolve_model_path("all-MiniLM-L6-v2")
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+    minilm = minilm_dir
     root = tmp_path_factory.mktemp("classifiers")
     return {"cross": make_cross_encoder(minilm, root / "cross"), "tiny": make_tiny_classifier(minilm, root / "tiny")}
 

@@ -10,7 +10,6 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.gateway.backend import Backend, BackendSettings
 from pdserve.services.gateway.errors import ApiError
@@ -20,41 +19,9 @@ from pdserve.services.gateway.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.workers import WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
+from harness import ScriptedWorker
 
 EOS = 2
-
-
-class ScriptedWorker(pb_grpc.WorkerServicer):
-    """Streams `script` (one list of token ids per message) for choice 0, then finishes as told."""
-
-    def __init__(self, script: list[list[int]], finish: str = "length", stop_token: int = -1,
-                 delay: float = 0.01) -> None:
-        self.script, self.finish, self.stop_token, self.delay = script, finish, stop_token, delay
-        self.sent = 0
-        self.ended = asyncio.Event()
-        self.completed = False
-
-    async def Generate(self, request, context):
-        try:
-            for i, ids in enumerate(self.script):
-                last = i == len(self.script) - 1
-                yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), cached_tokens=3, choices=[
-                    pb.ChoiceDelta(index=0, token_ids=ids, finish_reason=self.finish if last else "",
-                                   matched_stop_token=self.stop_token if last else -1)])
-                self.sent += 1
-                await asyncio.sleep(self.delay)
-            self.completed = True
-        finally:
-            self.ended.set()
-
-    async def Health(self, request, context):
-        return pb.HealthReply(ok=True, role="colocated")
-
-    async def Load(self, request, context):
-        return pb.LoadReply(free_pages=100, total_pages=100)
-
-    async def Info(self, request, context):
-        return pb.InfoReply(max_running_requests=8, context_length=8192, compat=pb.Compat(page_size=16))
 
 
 @pytest.fixture(scope="module")

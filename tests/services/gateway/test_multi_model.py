@@ -16,13 +16,7 @@ MINILM = "all-MiniLM-L6-v2"
 
 
 @pytest.fixture(scope="module")
-def two_models(tiny_models):
-    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
-
-    try:
-        minilm_dir = resolve_model_path(MINILM)
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+def two_models(tiny_models, minilm_dir):
     llama = tiny_models["llama"]
     system = System()
     try:

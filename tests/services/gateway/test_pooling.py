@@ -49,13 +49,8 @@ def error_of(r: requests.Response, status: int, param: str | None = None) -> str
 
 # ---------------------------------------------------------------- embeddings
 @pytest.fixture(scope="module")
-def embedding():
-    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
-
-    try:
-        model_dir = resolve_model_path("all-MiniLM-L6-v2")
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+def embedding(minilm_dir):
+    model_dir = minilm_dir
     system = System()
     try:
         proc, addr = start_worker("colocated", str(model_dir), threads=1)  # no --is-embedding: found by itself

@@ -21,16 +21,10 @@ DOCS = ["hi", "The giant panda (Ailuropoda melanoleuca), sometimes called a pand
 
 
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory):
+def reranker(tmp_path_factory, minilm_dir):
     from pooling_models import make_cross_encoder
 
-    from pdserve.shared.model_files import ModelNotFound, resolve_model_path
-
-    try:
-        minilm = resolve_model_path("all-MiniLM-L6-v2")
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
-    model_dir = make_cross_encoder(minilm, tmp_path_factory.mktemp("reranker") / "minilm-reranker")
+    model_dir = make_cross_encoder(minilm_dir, tmp_path_factory.mktemp("reranker") / "minilm-reranker")
     system = System()
     try:
         proc, addr = start_worker("colocated", str(model_dir), "--is-embedding", threads=1)

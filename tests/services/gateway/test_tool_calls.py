@@ -18,6 +18,7 @@ import openai
 import pytest
 import requests
 from aiohttp.test_utils import TestServer
+from harness import ScriptedWorker
 
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.protocol import ChatCompletionRequest, parse
@@ -337,35 +338,18 @@ def scripted_gateway(default_model_dir):
     """An in-process gateway with --tool-call-parser qwen25 over a worker that always answers QWEN_REPLY."""
     import grpc
 
-    from pdserve.proto import worker_pb2 as pb
     from pdserve.proto import worker_pb2_grpc as pb_grpc
     from pdserve.services.gateway import cli
 
     tok = ModelTokenizer(default_model_dir)
     reply = tok.encode(QWEN_REPLY, add_special_tokens=False) + [2]  # then <|im_end|>, a stop token
 
-    class Worker(pb_grpc.WorkerServicer):
-        async def Generate(self, request, context):
-            for i, token in enumerate(reply):
-                last = i == len(reply) - 1
-                yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), choices=[pb.ChoiceDelta(
-                    index=0, token_ids=[token], finish_reason="stop" if last else "",
-                    matched_stop_token=2 if last else -1)])
-
-        async def Health(self, request, context):
-            return pb.HealthReply(ok=True, role="colocated")
-
-        async def Load(self, request, context):
-            return pb.LoadReply(free_pages=100, total_pages=100)
-
-        async def Info(self, request, context):
-            return pb.InfoReply(max_running_requests=8, context_length=8192, compat=pb.Compat(page_size=16))
-
     loop = asyncio.new_event_loop()
 
     async def start():
         server = grpc.aio.server()
-        pb_grpc.add_WorkerServicer_to_server(Worker(), server)
+        worker = ScriptedWorker([[t] for t in reply], finish="stop", stop_token=2, delay=0)
+        pb_grpc.add_WorkerServicer_to_server(worker, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         parser = argparse.ArgumentParser()
