@@ -70,6 +70,16 @@ class WorkerStub:
                 request_serializer=worker__pb2.Empty.SerializeToString,
                 response_deserializer=worker__pb2.PoolStats.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.Worker/LoadLoraAdapter',
+                request_serializer=worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=worker__pb2.LoraReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.Worker/UnloadLoraAdapter',
+                request_serializer=worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=worker__pb2.LoraReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -118,6 +128,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +177,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=worker__pb2.Empty.FromString,
                     response_serializer=worker__pb2.PoolStats.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=worker__pb2.LoraReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=worker__pb2.LoraReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +379,60 @@ class Worker:
             '/pdserve.Worker/Stats',
             worker__pb2.Empty.SerializeToString,
             worker__pb2.PoolStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/LoadLoraAdapter',
+            worker__pb2.LoadLoraRequest.SerializeToString,
+            worker__pb2.LoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/UnloadLoraAdapter',
+            worker__pb2.UnloadLoraRequest.SerializeToString,
+            worker__pb2.LoraReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,7 @@ class Load:
     stall_timeout_s: float = 120.0  # longest silence within a request's stream
     seed: int = 0
     extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (e.g. response_format), as pairs
+    models: tuple[str, ...] = ()  # if set: request i asks for models[i % len] (e.g. LoRA adapters), not the target's
 
 
 @dataclass
@@ -198,9 +199,9 @@ class StreamTally:
                              itls_s=self.itls, itl_tokens_from_usage=self.itl_from_usage)
 
 
-def chat_body(target: Target, load: Load, prompt: str) -> dict:
+def chat_body(target: Target, load: Load, prompt: str, model: str | None = None) -> dict:
     return {
-        "model": target.model,
+        "model": model or target.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": load.output_len,
         "ignore_eos": True,  # every request produces exactly output_len tokens, on every server
@@ -211,14 +212,15 @@ def chat_body(target: Target, load: Load, prompt: str) -> dict:
     }
 
 
-async def stream_chat(session: aiohttp.ClientSession, target: Target, load: Load, prompt: str) -> RequestResult:
+async def stream_chat(session: aiohttp.ClientSession, target: Target, load: Load, prompt: str,
+                      model: str | None = None) -> RequestResult:
     """Send one streamed chat completion and time it. Never raises (but for cancellation)."""
     timeout = aiohttp.ClientTimeout(total=load.timeout_s, sock_connect=min(30.0, load.timeout_s),
                                     sock_read=load.stall_timeout_s)
     started = time.perf_counter()
     tally = StreamTally(started)
     try:
-        async with session.post(f"{target.base_url}/chat/completions", json=chat_body(target, load, prompt),
+        async with session.post(f"{target.base_url}/chat/completions", json=chat_body(target, load, prompt, model),
                                 headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:ERROR_TEXT_LIMIT]
@@ -262,17 +264,18 @@ async def run_level(session: aiohttp.ClientSession, target: Target, load: Load, 
     offsets = arrival_offsets(len(prompts), load.request_rate, load.seed + concurrency)
     start = time.perf_counter()
 
-    async def one(prompt: str, offset: float) -> RequestResult:
+    async def one(i: int, prompt: str, offset: float) -> RequestResult:
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        model = load.models[i % len(load.models)] if load.models else None
         async with gate:
-            result = await stream_chat(session, target, load, prompt)
+            result = await stream_chat(session, target, load, prompt, model)
         if result.error:
             on_error(redact(result.error, target.api_key))
         return result
 
-    results = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets)))
+    results = await asyncio.gather(*(one(i, p, o) for i, (p, o) in enumerate(zip(prompts, offsets))))
     return list(results), time.perf_counter() - start
 
 
@@ -429,6 +432,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000/v1",
                         help="OpenAI base URL of the server (default: %(default)s)")
     parser.add_argument("--model", default=None, help="model to request (default: the first of GET /models)")
+    parser.add_argument("--models", default=None, metavar="NAME[,NAME...]",
+                        help="spread the requests over these models in turn, e.g. LoRA adapters (overrides --model)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
                         help="bearer key for the server (default: $OPENAI_API_KEY); never printed")
     parser.add_argument("--concurrency", action="append", default=[], metavar="N[,N...]",
@@ -468,7 +473,8 @@ def load_from_args(args: argparse.Namespace) -> Load:
             raise ValueError("--extra-body must be a JSON object")
     return Load(output_len=args.output_len, prompt_len=args.prompt_len, temperature=args.temperature,
                 request_rate=args.request_rate, timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
-                seed=args.seed, extra_body=tuple(extra.items()))
+                seed=args.seed, extra_body=tuple(extra.items()),
+                models=tuple(m for m in (args.models or "").split(",") if m))
 
 
 def report(target: Target, load: Load, summaries: Sequence[LevelSummary]) -> dict:

@@ -17,6 +17,9 @@ class Compat:
     num_kv_heads: int
     head_dim: int
     transfer_backend: str
+    # "name@version" of the LoRA adapters loaded at start-up: a request's adapter must mean the same weights on
+    # both sides (adapters loaded later are checked per request, by version).
+    lora_adapters: tuple[str, ...] = ()
 
     def mismatches(self, other: Compat, me: str = "this worker", peer: str = "the peer") -> list[str]:
         """Human-readable differences, e.g. "page_size: prefill has 16, decode has 32"."""
@@ -24,8 +27,14 @@ class Compat:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
-                out.append(f"{f.name}: {me} has {mine}, {peer} has {theirs}")
+                out.append(f"{f.name}: {me} has {_show(mine)}, {peer} has {_show(theirs)}")
         return out
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "lora_adapters": list(self.lora_adapters)}
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(value) + "]"
+    return str(value)

@@ -203,6 +203,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (--enable-lora): adapters over the base model, mixed in one batch."""
+
+    paths: tuple[tuple[str, str], ...] = ()  # (name, PEFT directory) of the adapters loaded at start-up
+    max_loras_per_batch: int = 8  # adapter slots: the distinct adapters one batch may mix
+    max_rank: int | None = None  # largest rank a slot holds (default: the start-up adapters' largest, else 16)
+    # Modules adapters may change (default: those the start-up adapters change, else all seven).
+    target_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_rank is not None and self.max_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_rank}")
+        names = [name for name, _ in self.paths]
+        for name in names:
+            if not name or ":" in name or "/" in name:
+                raise ValueError(f"--lora-paths: adapter name {name!r} must be non-empty, without ':' or '/'")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"--lora-paths names {', '.join(duplicates)} more than once")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a runtime process needs to load a model and serve it."""
 
@@ -216,6 +240,7 @@ class RuntimeConfig:
     seed: int = 0
     # Same prompt, same greedy tokens, bit for bit, whatever else is batched, cached or chunked with it.
     deterministic: bool = False
+    lora: LoraConfig | None = None  # None: LoRA disabled (no slots allocated, adapter requests refused)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

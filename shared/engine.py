@@ -22,6 +22,8 @@ from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
+from pdserve.shared.lora import LoraAdapter, LoraError
+from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqOutput, ReqStatus, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
@@ -73,7 +75,9 @@ class Engine:
         page_size = self.runner.page_size
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.cache = RadixCache(page_size)
-        self.scheduler = Scheduler(config.scheduler, role, self.allocator, self.cache, page_size)
+        lora = getattr(self.runner, "lora", None)  # runners built for a test may have no adapters at all
+        self.scheduler = Scheduler(config.scheduler, role, self.allocator, self.cache, page_size,
+                                   lora.pool if lora is not None else None)
         self.sampler = Sampler()
         self.transfer_fn = transfer_fn
         self.poll_fn = poll_fn
@@ -157,8 +161,12 @@ class Engine:
         return bool(s.waiting or s.running or s.chunked or s.reserving)
 
     # ------------------------------------------------------------ requests (engine thread)
-    def add_request(self, req: Req) -> None:
+    def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> None:
+        """Queue `req`; `lora` names its adapter (or the path it was loaded from), `lora_version` the version
+        the peer worker of a PD pair runs. Raises ValueError for anything the request cannot run with."""
         req.params.validate(self.model_config.vocab_size)
+        if lora:
+            req.lora = self._lora(lora).resolve(lora, lora_version)
         limit = self.runner.context_length
         if len(req.input_ids) == 0:
             raise ValueError("the prompt is empty")
@@ -176,12 +184,12 @@ class Engine:
         if self.role == Role.DECODE:
             self._reserve()
 
-    def add_prefill(self, req: Req) -> Future:
+    def add_prefill(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> Future:
         """Prefill role: queue `req` (with req.transfer set); the Future yields its PrefillResult."""
         fut: Future = Future()
         self._prefill_waiters[req.rid] = (fut, time.monotonic())
         try:
-            self.add_request(req)
+            self.add_request(req, lora, lora_version)
         except Exception:
             self._prefill_waiters.pop(req.rid, None)
             raise
@@ -331,6 +339,8 @@ class Engine:
                         index=index)
             child.generator = make_generator(seed)
             child.grammar = req.grammar.fork() if req.grammar is not None else None
+            child.lora = req.lora
+            self.scheduler.hold_adapter(child)  # one more use of the slot the parent holds
             child.cached_tokens = req.cached_tokens
             child.num_computed = req.num_computed
             child.prefix_node = req.prefix_node
@@ -429,6 +439,31 @@ class Engine:
     # ------------------------------------------------------------ inspection (engine thread)
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
+
+    # ------------------------------------------------------------ LoRA adapters (engine thread)
+    def _lora(self, adapter: str | None = None) -> LoraRegistry:
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError(f"{f'adapter {adapter!r}: ' if adapter else ''}LoRA is not enabled on this worker "
+                             "(start it with --enable-lora)")
+        return lora
+
+    def adapters(self) -> list[LoraAdapter]:
+        lora = getattr(self.runner, "lora", None)
+        return [] if lora is None else [lora.get(name) for name in lora.names()]
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Load a PEFT adapter while serving; raises LoraError (a ValueError) and loads nothing on any problem."""
+        return self._lora(name).load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refused while any request, running or queued, uses the adapter."""
+        lora = self._lora(name)
+        adapter = lora.get(name)
+        users = sum(1 for r in self.scheduler.live_reqs() if r.lora is adapter)
+        if users:
+            raise LoraError(f"adapter {name!r}: cannot unload it while {users} requests use it; retry when they finish")
+        lora.unload(name)
 
     def load(self) -> dict[str, int]:
         s = self.scheduler

@@ -28,6 +28,7 @@ class KernelOps:
     decode_attention: Callable
     extend_attention: Callable
     fused_moe: Callable  # the experts of a Mixture-of-Experts layer, grouped by expert
+    lora_apply: Callable  # adds each row's LoRA adapter delta into a fused linear's output, in place
 
 
 def resolve_kernel_set(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -71,7 +72,7 @@ def get_kernel_ops(kernel_set: str, deterministic: bool = False) -> KernelOps:
         raise ValueError(f"unknown attention backend {kernel_set!r} (choose {', '.join(KERNEL_SETS)})")
     if deterministic and kernel_set != "native":
         raise ValueError("deterministic inference needs the native CPU kernels")
-    from pdserve.kernels import decode_attention, extend_attention, fused_moe, rmsnorm, rotary_kv, silu_mul
+    from pdserve.kernels import decode_attention, extend_attention, fused_moe, lora, rmsnorm, rotary_kv, silu_mul
 
     suffix = "_" + kernel_set
     extend = getattr(extend_attention, "extend_attention" + suffix)
@@ -86,4 +87,5 @@ def get_kernel_ops(kernel_set: str, deterministic: bool = False) -> KernelOps:
         decode_attention=getattr(decode_attention, "decode_attention" + suffix),
         extend_attention=extend,
         fused_moe=getattr(fused_moe, "fused_moe" + suffix),
+        lora_apply=getattr(lora, "lora_apply" + suffix),
     )

@@ -13,6 +13,7 @@ from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.host_memory import keep_freed_memory
 from pdserve.shared.kernel_ops import get_kernel_ops, resolve_kernel_set
 from pdserve.shared.kv_pool import KVLayout, KVPool
+from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
 
@@ -58,6 +59,10 @@ class ModelRunner:
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
                                      batch_invariant=config.deterministic)
         self.model.load(config.model_path)
+        self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
+        if config.lora is not None:
+            self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device)
+            self.model.lora = self.lora.pool
         layout = KVLayout(1, config.cache.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = config.cache.num_pages
         if config.cache.mem_fraction is not None:
@@ -85,7 +90,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seq_lens, q_start, last_rows, prompt_rows = [], [], [], []
+        seq_lens, q_start, last_rows, prompt_rows, lora_slots = [], [], [], [], []
         batch.prompt_rows = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             start = req.num_computed
@@ -103,6 +108,7 @@ class ModelRunner:
                 slots.append(req.pages[pos // s] * s + pos % s)
             seq_lens.append(start + n)
             last_rows.append(len(ids) - 1)
+            lora_slots.extend([req.lora_slot] * n)
         max_pages = max(len(r.pages) for r in batch.reqs)
         table = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.reqs]
         dev = self.device
@@ -116,4 +122,6 @@ class ModelRunner:
             extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
             q_start=torch.tensor(q_start, dtype=torch.int32, device=dev),
             last_rows=torch.tensor(last_rows + prompt_rows, dtype=torch.int64, device=dev),
+            lora_slots=(torch.tensor(lora_slots, dtype=torch.int32, device=dev)
+                        if any(slot >= 0 for slot in lora_slots) else None),
         )

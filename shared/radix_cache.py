@@ -2,7 +2,9 @@
 
 Each node owns exactly one full page: its key is the tuple of `page_size` token
 ids in that page, its path from the root is the token prefix before it. The tree
-only ever holds full pages, so a match is always page-aligned.
+only ever holds full pages, so a match is always page-aligned. A namespace (a LoRA
+adapter's) is part of the first page's key, so each namespace has its own subtree:
+KV computed under one adapter never matches a prompt under another, or the base.
 
 Invariants: a node with `lock_ref > 0` (some running request reads it, or a
 descendant) is never evicted; only unlocked leaves are evicted, least recently
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]
+    key: tuple
     page: int
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
@@ -55,17 +57,21 @@ class RadixCache:
     def num_pages(self) -> int:
         return self._num_pages
 
-    def _keys(self, tokens: list[int], num_pages: int) -> list[tuple[int, ...]]:
+    def _keys(self, tokens: list[int], num_pages: int, namespace: str | None) -> list[tuple]:
         s = self.page_size
-        return [tuple(tokens[i * s:(i + 1) * s]) for i in range(num_pages)]
+        keys: list[tuple] = [tuple(tokens[i * s:(i + 1) * s]) for i in range(num_pages)]
+        if namespace is not None and keys:
+            keys[0] = (namespace, *keys[0])
+        return keys
 
-    def match_prefix(self, tokens: list[int], max_pages: int | None = None) -> PrefixMatch:
+    def match_prefix(self, tokens: list[int], max_pages: int | None = None,
+                     namespace: str | None = None) -> PrefixMatch:
         """Longest cached page-aligned prefix of `tokens` (at most `max_pages` pages)."""
         n = len(tokens) // self.page_size
         if max_pages is not None:
             n = min(n, max_pages)
         node, pages, now = self.root, [], time.monotonic()
-        for key in self._keys(tokens, n):
+        for key in self._keys(tokens, n, namespace):
             child = node.children.get(key)
             if child is None:
                 break
@@ -74,11 +80,11 @@ class RadixCache:
             node = child
         return PrefixMatch(pages, node)
 
-    def insert(self, tokens: list[int], pages: list[int]) -> InsertResult:
+    def insert(self, tokens: list[int], pages: list[int], namespace: str | None = None) -> InsertResult:
         """Add the full pages of `tokens` (backed by `pages`); see InsertResult."""
         n = min(len(tokens) // self.page_size, len(pages))
         node, path, duplicates, now = self.root, [], [], time.monotonic()
-        for key, page in zip(self._keys(tokens, n), pages):
+        for key, page in zip(self._keys(tokens, n, namespace), pages):
             child = node.children.get(key)
             if child is None:
                 child = Node(key=key, page=page, parent=node)

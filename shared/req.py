@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from pdserve.shared.grammar import Constraint
+from pdserve.shared.lora import LoraAdapter
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -87,6 +88,8 @@ class Req:
     first_token_time: float | None = None
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
     input_logprobs_sent: bool = False
+    lora: LoraAdapter | None = None  # the adapter the request runs with (None: the base model)
+    lora_slot: int = -1  # its slot in the LoRA pool while the request holds one (scheduler-owned)
 
     @property
     def first_logit_row(self) -> int | None:
@@ -94,6 +97,11 @@ class Req:
         if not self.params.wants_prompt_logprobs or self.output_ids:
             return None
         return max(self.params.logprob_start_len, 1) - 1
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """Prefix-cache namespace: KV computed under an adapter is only ever reused under the same adapter."""
+        return None if self.lora is None else f"{self.lora.name}@{self.lora.version}"
 
     @property
     def fill_ids(self) -> list[int]:

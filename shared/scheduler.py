@@ -10,6 +10,11 @@ Page ownership: a request's `pages[:num_cached_pages]` belong to the radix
 cache (kept alive by the request's lock on `prefix_node`), the rest belong to
 the request. `check_integrity` proves free + held + cached == total.
 
+LoRA slots are owned the same way: a request of an adapter holds one use of its
+adapter's slot from admission until it is released (finished, aborted or
+retracted), and is only admitted while the pool has that adapter in a slot or a
+slot to put it in, so one batch never mixes more adapters than there are slots.
+
 Roles share this class: a prefill worker never decodes (its requests end in
 TRANSFERRING), a decode worker never prefills (pages are reserved for the
 prompt, filled by a prefill worker, then the request joins the running batch).
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.shared.config import Role, SchedulerConfig
+from pdserve.shared.lora import LoraPool
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
@@ -58,8 +64,9 @@ class PoolExhausted(RuntimeError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, role: Role, allocator: PageAllocator, cache: RadixCache,
-                 page_size: int) -> None:
+                 page_size: int, lora: LoraPool | None = None) -> None:
         self.config = config
+        self.lora = lora
         self.role = role
         self.allocator = allocator
         self.cache = cache
@@ -116,7 +123,7 @@ class Scheduler:
 
     def cache_pages(self, req: Req, lock: bool) -> None:
         """Hand the request's full pages of computed tokens to the radix cache."""
-        result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages)
+        result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages, req.cache_namespace)
         self.allocator.free(result.duplicates)
         req.pages[:len(result.pages)] = result.pages
         if lock:
@@ -138,6 +145,21 @@ class Scheduler:
         req.prefix_node = None
         self.allocator.free(owned)
         req.pages, req.num_cached_pages, req.num_computed = [], 0, 0
+        self._drop_adapter(req)
+
+    # ------------------------------------------------------------ LoRA slots
+    def can_hold_adapter(self, req: Req) -> bool:
+        return req.lora is None or req.lora_slot >= 0 or (self.lora is not None and self.lora.can_acquire(req.lora.name))
+
+    def hold_adapter(self, req: Req) -> None:
+        """Take one use of the request's adapter slot (writing the adapter in first if needed)."""
+        if req.lora is not None and req.lora_slot < 0:
+            req.lora_slot = self.lora.acquire(req.lora)
+
+    def _drop_adapter(self, req: Req) -> None:
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora.name)
+            req.lora_slot = -1
 
     def cache_prefix_len(self, req: Req) -> int:
         """Pages of `req` now owned by the tree after an unlocked cache_pages."""
@@ -159,7 +181,7 @@ class Scheduler:
 
     def _candidates(self) -> list[Req]:
         if self.config.policy == "lpm" and len(self.waiting) > 1:
-            self.waiting.sort(key=lambda r: -self.cache.match_prefix(r.fill_ids).num_tokens)
+            self.waiting.sort(key=lambda r: -self.cache.match_prefix(r.fill_ids, namespace=r.cache_namespace).num_tokens)
         return ([self.chunked] if self.chunked is not None else []) + self.waiting
 
     def _schedule_prefill(self) -> Batch | None:
@@ -169,6 +191,8 @@ class Scheduler:
         for req in self._candidates():
             if req is not self.chunked and self.num_running + len(chosen) >= cfg.max_running_requests:
                 break
+            if not self.can_hold_adapter(req):
+                continue  # every LoRA slot serves other adapters' running requests: it waits for one
             if req.num_computed == 0 and req.prefix_node is None:
                 self._match_prefix(req)
             remaining = req.seq_len - req.num_computed
@@ -182,6 +206,7 @@ class Scheduler:
                 break
             chosen.append(req)
             lens.append(take)
+            self.hold_adapter(req)
             budget -= take
             if take < remaining:
                 break  # this prompt continues in a later step
@@ -200,7 +225,7 @@ class Scheduler:
         limit = req.seq_len - 1
         if req.first_logit_row is not None:  # prompt logprobs need the logits of those positions: compute them
             limit = min(limit, req.first_logit_row)
-        match = self.cache.match_prefix(req.fill_ids, max_pages=limit // self.page_size)
+        match = self.cache.match_prefix(req.fill_ids, max_pages=limit // self.page_size, namespace=req.cache_namespace)
         self.cache.lock(match.node)
         req.prefix_node = match.node
         req.pages = list(match.pages)
@@ -245,10 +270,13 @@ class Scheduler:
         reserved = []
         while self.reserving and self.num_running + len(self.awaiting_kv) < self.config.max_running_requests:
             req = self.reserving[0]
+            if not self.can_hold_adapter(req):
+                break
             pages = self.allocate(self._pages_for(len(req.input_ids)))
             if pages is None:
                 break
             self.reserving.pop(0)
+            self.hold_adapter(req)
             req.pages = pages
             req.status = ReqStatus.WAITING_FOR_KV
             self.awaiting_kv.setdefault(req.rid, []).append(req)

@@ -36,3 +36,22 @@ def minilm_dir():
     from pdserve.shared.model_files import resolve_model_path
 
     return resolve_model_path("all-MiniLM-L6-v2")
+
+
+# Seeded PEFT adapters for the default model: ranks, target sets and scalings that differ on purpose.
+DEFAULT_MODEL_ADAPTERS = {
+    "sql": dict(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], alpha=16, seed=1),
+    "poet": dict(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                          "down_proj"], alpha=16, seed=2, use_rslora=True, std=0.02),
+    "terse": dict(rank=4, target_modules=["v_proj", "up_proj", "down_proj"], alpha=8, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_adapters(default_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """{name: PEFT directory} of DEFAULT_MODEL_ADAPTERS, saved by PEFT itself."""
+    from lora_adapters import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("lora-adapters")
+    return {name: make_peft_adapter(default_model_dir, root / name, **spec)
+            for name, spec in DEFAULT_MODEL_ADAPTERS.items()}

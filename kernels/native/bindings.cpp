@@ -17,6 +17,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 bool gemv_supported(const at::Tensor& weight);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
 void apply_token_mask(at::Tensor logits, const at::Tensor& bitmask);
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                std::vector<int64_t> out_offsets, const at::Tensor& row_slots, const at::Tensor& ranks);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,4 +31,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
   m.def("apply_token_mask", &pdserve::apply_token_mask, release());
+  m.def("lora_apply", &pdserve::lora_apply, release());
 }

@@ -42,13 +42,17 @@ class Gateway:
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model this gateway does not serve (no name means the served model)."""
-        if name is None or name in self.accepted_model_names:
-            return
-        if ":" in name and name.split(":", 1)[0] in self.accepted_model_names:
-            raise ApiError(400, f"LoRA adapters are not supported yet (model {name!r}).", "model")
-        raise ApiError(404, f"The model {name!r} does not exist; this server serves {self.served_model_name!r}.",
-                       "model")
+        """404 for a model this gateway does not serve (no name means the served model; a loaded LoRA adapter,
+        which shares the base model's tokenizer, is served too)."""
+        self.adapter_of(name)
+
+    def adapter_of(self, model: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py."""
+        if model in self.accepted_model_names and lora_path is None:
+            return None
+        from pdserve.services.gateway.adapters import adapter_of
+
+        return adapter_of(self, model, lora_path)
 
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, given as text or ids; checked against the vocabulary and the context."""

@@ -50,6 +50,7 @@ class Job:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
+    lora: str | None = None  # LoRA adapter name (None: the base model)
 
 
 @dataclass
@@ -173,7 +174,8 @@ class Generation:
         self.choices = [_Choice(self) for _ in range(job.params.n)]
         timer = TokenTimer(self.backend.metrics, self.start)
         request = pb.GenerateRequest(rid=job.rid, input_ids=job.input_ids, sampling=params_to_proto(job.params),
-                                     prefill_addr=pair.prefill.address if pair.prefill is not None else "")
+                                     prefill_addr=pair.prefill.address if pair.prefill is not None else "",
+                                     lora=job.lora or "")
         call = self._call = pair.generate.stub.Generate(request)
         for w in pair.workers:
             w.in_flight += 1

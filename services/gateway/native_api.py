@@ -12,7 +12,7 @@ from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
-                                               parse, refuse_unsupported)
+                                               parse, per_prompt, refuse_unsupported)
 from pdserve.services.gateway.constraints import (GATEWAY_DERIVED, SGLANG_CONSTRAINTS, constraint_values,
                                                   logit_bias_values)
 from pdserve.shared.sampling_params import SamplingParams
@@ -23,20 +23,12 @@ FROM_SAMPLING_PARAMS = tuple(f.name for f in fields(SamplingParams)
                              if f.name not in ("return_logprob", "top_logprobs_num", "logprob_start_len",
                                                *GATEWAY_DERIVED))
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
-    "lora_path", "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
+    "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
     "custom_logit_processor")}
 VERSION = "0.1.0"
 
 
 # ---------------------------------------------------------------- /generate
-def _per_prompt(value, count: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ApiError(400, f"'{name}' has {len(value)} entries for {count} prompts.", name)
-        return value
-    return [value] * count
-
-
 def native_values(sp: NativeSampling, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int,
                   logprob_start_len: int = -1) -> dict:
     """SamplingParams values of one prompt: sampling_params' fields under their runtime names (NATIVE_NAMES maps
@@ -55,11 +47,12 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
     prompt)."""
     prompts, batch = req.prompts()
     count = len(prompts)
-    sps = _per_prompt(req.sampling_params or {}, count, "sampling_params")
-    logprob_flags = [bool(x) for x in _per_prompt(req.return_logprob, count, "return_logprob")]
-    tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
-    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len")
-    rids = _per_prompt(req.rid, count, "rid") if req.rid is not None else None
+    sps = per_prompt(req.sampling_params or {}, count, "sampling_params")
+    logprob_flags = [bool(x) for x in per_prompt(req.return_logprob, count, "return_logprob")]
+    tops = per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
+    starts = per_prompt(req.logprob_start_len, count, "logprob_start_len")
+    rids = per_prompt(req.rid, count, "rid") if req.rid is not None else None
+    loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, count, "lora_path")]
     if rids is not None and batch and len(set(rids)) != len(rids):
         raise ApiError(400, "'rid' must be different for every prompt.", "rid")
     base = new_id()
@@ -79,7 +72,7 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         await gw.check_constraint(params, NATIVE_NAMES, prefix)
         rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
         jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim,
-                        sp.spaces_between_special_tokens))
+                        sp.spaces_between_special_tokens, lora=loras[k]))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 
@@ -137,7 +130,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     refuse_unsupported(body, UNSUPPORTED_GENERATE)
     req = parse(GenerateRequest, body)
-    gw.check_model(req.model)
     jobs, batch, logprob_flags, intervals = await _jobs(gw, req)
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
         gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]

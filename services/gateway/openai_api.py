@@ -15,7 +15,7 @@ from pdserve.services.gateway import openai_format as fmt
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import Job, Update, merge_updates
-from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
+from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse, per_prompt,
                                                refuse_unsupported)
 from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.served_models import MODELS
@@ -55,7 +55,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     refuse_unsupported(body)
     req = parse(ChatCompletionRequest, body)
-    gw.check_model(req.model)
+    if isinstance(req.lora_path, list):
+        raise ApiError(400, "'lora_path' of a chat completion is one adapter, not a list.", "lora_path")
+    lora = gw.adapter_of(req.model, req.lora_path)
     tools = plan_tools(req, gw.tool_call_parser)
     messages = template_messages(req.template_messages())
     try:
@@ -80,7 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = gw.build_params(after_reasoning(values, parser, gw.tokenizer), names)
     await gw.check_constraint(params, names)
     job = Job(req.rid or new_id(), ids, params, req.stop_list(),
-              req.skip_special_tokens and not tools.needs_special_tokens, req.no_stop_trim)
+              req.skip_special_tokens and not tools.needs_special_tokens, req.no_stop_trim, lora=lora)
     with gw.backend.admit(), gw.backend.generation(job) as gen:
         if req.stream:
             return await _stream_chat(request, gw, req, job, gen, parser, tools)
@@ -165,9 +167,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     refuse_unsupported(body)
     req = parse(CompletionRequest, body)
-    gw.check_model(req.model)
     prompts = req.prompts()
     many = len(prompts) > 1
+    loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, len(prompts), "lora_path")]
     ids_list = [gw.prompt_ids(p, f"prompt.{k}" if many else "prompt") for k, p in enumerate(prompts)]
     rid = req.rid or new_id()
     jobs = []
@@ -179,7 +181,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params = gw.build_params(values, names)
         await gw.check_constraint(params, names)
         jobs.append(Job(f"{rid}-{k}" if many else rid, ids, params, req.stop_list(), req.skip_special_tokens,
-                        req.no_stop_trim))
+                        req.no_stop_trim, lora=loras[k]))
     echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
               for p, ids in zip(prompts, ids_list)]
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
@@ -249,7 +251,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     model = next((m for m in request.app[MODELS].models if name in m.gateway.accepted_model_names), None)
     if model is None:
-        raise ApiError(404, f"The model {name!r} does not exist.", "model")
+        card = next((c for c in request.app[MODELS].cards() if c["id"] == name), None)
+        if card is None:
+            raise ApiError(404, f"The model {name!r} does not exist.", "model")
+        return web.json_response(card)  # a LoRA adapter
     gw = model.gateway
     return web.json_response(fmt.model_card(gw.served_model_name, gw.created, gw.backend.context_length()))
 

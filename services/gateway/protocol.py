@@ -17,7 +17,6 @@ StopField = Union[str, list[str], None]
 # Fields that belong to later work, with the feature they stand for. A field is refused when present with a
 # value that asks for something (None, empty containers and the neutral values below are accepted).
 UNSUPPORTED_OPENAI = {
-    "lora_path": "LoRA adapters",
     "suffix": "suffix",
     "best_of": "best_of",
     "audio": "audio output",
@@ -43,6 +42,15 @@ def refuse_unsupported(body: dict, fields: dict[str, str] = UNSUPPORTED_OPENAI, 
         raise unsupported(prefix + name, what)
 
 
+def per_prompt(value, count: int, name: str) -> list:
+    """A request field given once for every prompt, or as a list of one value per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ApiError(400, f"'{name}' has {len(value)} entries for {count} prompts.", name)
+        return value
+    return [value] * count
+
+
 def parse(model: type[BaseModel], body: dict, prefix: str = "") -> Any:
     try:
         return model.model_validate(body)
@@ -59,6 +67,7 @@ class OpenAISampling(_Schema):
     """Sampling fields common to /v1/chat/completions and /v1/completions (SGLang's extensions included)."""
 
     model: str | None = None
+    lora_path: str | list[str | None] | None = None  # LoRA adapter by name or loaded path (a list: one per prompt)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -268,6 +277,7 @@ class GenerateRequest(_Schema):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     model: str | None = None
+    lora_path: str | list[str | None] | None = None  # LoRA adapter by name or loaded path (a list: one per prompt)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(one entry per prompt, whether the request is a batch)."""

@@ -94,6 +94,7 @@ class ServedModels:
                 return model
         try:
             self.primary.gateway.check_model(name)
+            return self.primary  # one of its LoRA adapters
         except ApiError as exc:
             if exc.status != 404:
                 raise
@@ -110,7 +111,10 @@ class ServedModels:
         """/v1/models entries, the primary first."""
         from pdserve.services.gateway.openai_format import model_card
 
-        return [model_card(m.name, m.gateway.created, m.gateway.backend.context_length()) for m in self.models]
+        from pdserve.services.gateway.lora_api import adapter_cards
+
+        cards = [model_card(m.name, m.gateway.created, m.gateway.backend.context_length()) for m in self.models]
+        return cards[:1] + adapter_cards(self.primary.gateway) + cards[1:]
 
 
 MODELS: web.AppKey[ServedModels] = web.AppKey("served_models", ServedModels)

@@ -55,14 +55,17 @@ class WorkerApp:
         mc = runner.model_config
         self.compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
                              page_size=config.cache.page_size, num_layers=mc.num_layers,
-                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend)
+                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend,
+                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters())))
         self.info = pb.InfoReply(
             role=role.value, model_path=config.model_path,
             served_model_name=args.served_model_name or config.model_path,
             compat=compat_to_proto(self.compat), max_total_tokens=runner.pool.num_pages * runner.pool.page_size,
             context_length=runner.context_length, max_running_requests=config.scheduler.max_running_requests,
             architecture=mc.architecture, model_type=mc.model_type,
-            attention_backend=runner.ops.name)
+            attention_backend=runner.ops.name, lora_enabled=runner.lora is not None,
+            max_lora_rank=runner.lora.pool.max_rank if runner.lora else 0,
+            max_loras_per_batch=runner.lora.pool.num_slots if runner.lora else 0)
         self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
         self.ready = False
 

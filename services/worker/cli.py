@@ -10,7 +10,10 @@ import socket
 import sys
 import uuid
 
-from pdserve.shared.config import ENCODER_MODEL_TYPES, CacheConfig, Role, RuntimeConfig, SchedulerConfig
+from pathlib import Path
+
+from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
+                                   SchedulerConfig)
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -44,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--schedule-policy", default=sched.policy, choices=["fcfs", "lpm"])
     parser.add_argument("--enable-mixed-chunk", action="store_true",
                         help="colocated: prefill new prompts in the same steps that decode running requests")
+    add_lora_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
     parser.add_argument("--log-level", default="info")
     if command in ("prefill", "decode"):
@@ -60,6 +64,58 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
 
 
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = LoraConfig()
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters over the base model (implied by --lora-paths)")
+    parser.add_argument("--lora-paths", nargs="+", default=os.environ.get("PDSERVE_LORA_PATHS", "").split(),
+                        metavar="NAME=PATH", help="PEFT adapter directories loaded at start-up, as NAME=PATH (or "
+                        "PATH: named by its folder); default: $PDSERVE_LORA_PATHS, space-separated")
+    parser.add_argument("--max-loras-per-batch", type=int, default=lora.max_loras_per_batch,
+                        help="adapter slots: the distinct adapters one batch may mix")
+    parser.add_argument("--max-lora-rank", type=int, default=int(os.environ.get("PDSERVE_MAX_LORA_RANK") or 0) or None,
+                        help="largest adapter rank (default: $PDSERVE_MAX_LORA_RANK, else the largest of "
+                             "--lora-paths, else 16)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                        help="modules adapters may change, or 'all' (default: those of --lora-paths, else all)")
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The LoRA flags of `args` for a worker's command line (what `pdserve up` passes through), paths absolute."""
+    if not (args.enable_lora or args.lora_paths):
+        return []
+    flags = ["--enable-lora", "--max-loras-per-batch", str(args.max_loras_per_batch)]
+    if args.lora_paths:
+        specs = []
+        for spec in args.lora_paths:
+            name, sep, path = spec.partition("=")
+            specs.append(f"{name}={Path(path).resolve()}" if sep else str(Path(spec).resolve()))
+        flags += ["--lora-paths", *specs]
+    if args.max_lora_rank is not None:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+    if args.lora_target_modules:
+        flags += ["--lora-target-modules", *args.lora_target_modules]
+    return flags
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    if not (args.enable_lora or args.lora_paths):
+        return None
+    paths = []
+    for spec in args.lora_paths:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec).resolve().name, spec
+        paths.append((name, path))
+    targets = args.lora_target_modules
+    if targets is not None and "all" in targets:
+        from pdserve.shared.lora import SUPPORTED_TARGETS
+
+        targets = list(SUPPORTED_TARGETS)
+    return LoraConfig(paths=tuple(paths), max_loras_per_batch=args.max_loras_per_batch, max_rank=args.max_lora_rank,
+                      target_modules=tuple(targets) if targets is not None else None)
+
+
 def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
     return RuntimeConfig(
         model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -70,6 +126,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy,
                                   mixed_prefill=args.enable_mixed_chunk),
+        lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
     )
 
 

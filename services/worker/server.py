@@ -23,6 +23,7 @@ from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.grammar import Constraint, GrammarError
+from pdserve.shared.lora import LoraAdapter
 from pdserve.shared.req import Req, ReqOutput, TransferTarget
 from pdserve.shared.sampling_params import InvalidParam
 
@@ -93,9 +94,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         if self.role == Role.DECODE:
             req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
-                self._start_prefill, r.rid, request, list(r.pages))
+                self._start_prefill, r.rid, request, list(r.pages), r.lora and r.lora.version)
         try:
-            await self._engine(lambda: self.engine.add_request(req))
+            await self._engine(lambda: self.engine.add_request(req, request.lora or None))
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished: set[int] = set()
@@ -140,15 +141,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             task.cancel()
 
     # ------------------------------------------------------------ decode: pull KV from prefill
-    def _start_prefill(self, rid: str, request: pb.GenerateRequest, pages: list[int]) -> None:
-        self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages))
+    def _start_prefill(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str | None) -> None:
+        self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages, lora_version or ""))
 
-    async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int]) -> None:
+    async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
-                                                         dst_pages=pages), timeout=self.timeouts.prefill)
+                                                         dst_pages=pages, lora=request.lora,
+                                                         lora_version=lora_version), timeout=self.timeouts.prefill)
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
@@ -177,7 +179,30 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.HealthReply(ok=self.is_ready(), role=self.role.value)
 
     async def Info(self, request, context):
-        return self.info
+        reply = pb.InfoReply()
+        reply.CopyFrom(self.info)
+        reply.lora_adapters.extend(await self._engine(self._adapter_infos))
+        return reply
+
+    # ------------------------------------------------------------ LoRA adapters
+    def _adapter_infos(self) -> list[pb.LoraAdapterInfo]:
+        return [adapter_info(a) for a in self.engine.adapters()]
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
+        return await self._change_adapters(lambda: self.engine.load_adapter(request.name, request.path))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
+        return await self._change_adapters(lambda: self.engine.unload_adapter(request.name))
+
+    async def _change_adapters(self, change) -> pb.LoraReply:
+        def run():
+            change()
+            return self._adapter_infos()
+        try:
+            # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
+            return pb.LoraReply(ok=True, adapters=await self._engine(run))
+        except ValueError as exc:  # LoraError included: the message names the adapter and the problem
+            return pb.LoraReply(ok=False, error=str(exc), adapters=await self._engine(self._adapter_infos))
 
     async def Load(self, request, context):
         return pb.LoadReply(**await self._engine(self.engine.load))
@@ -193,6 +218,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 cached_pages=report.cached, radix_nodes=self.engine.cache.num_pages,
                                 integrity_ok=report.ok, integrity_message=report.message)
         return await self._engine(stats)
+
+
+def adapter_info(adapter: LoraAdapter) -> pb.LoraAdapterInfo:
+    return pb.LoraAdapterInfo(name=adapter.name, path=str(adapter.path), version=adapter.version, rank=adapter.rank,
+                              target_modules=list(adapter.target_modules))
 
 
 class PrefillService(pb_grpc.PrefillServicer):
@@ -231,7 +261,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         done = False
         try:
-            fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.add_prefill(req))),
+            add = lambda: self.engine.add_prefill(req, request.lora or None, request.lora_version or None)  # noqa: E731
+            fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(add)),
                                          self.timeouts.engine_call)
             result = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeouts.prefill)
             done = True

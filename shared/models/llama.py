@@ -20,6 +20,7 @@ from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
 from pdserve.shared.linear import Linear
+from pdserve.shared.lora import LoraPool
 from pdserve.shared.models.moe import DenseMLP, RouteHook, SparseMoE, load_sparse_moe
 
 
@@ -36,6 +37,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int32, new tokens per sequence
     q_start: torch.Tensor  # [B] int32, first row of each sequence in the T rows
     last_rows: torch.Tensor  # [B] int64, row whose logits each sequence needs
+    lora_slots: torch.Tensor | None = None  # [T] int32, each row's LoRA slot (-1: base model); None: no adapter
 
 
 @dataclass
@@ -67,6 +69,7 @@ class LlamaForCausalLM:
         self.cos_sin = build_cos_sin_cache(config.head_dim, max_positions, config.rope_theta,
                                            config.rope_scaling, self.device)  # [max_pos, D] fp32
         self.scale = config.head_dim ** -0.5
+        self.lora: LoraPool | None = None  # the adapter slots a batch's rows may name (ForwardBatch.lora_slots)
 
     # ---------------------------------------------------------------- loading
     def load(self, model_dir: str | Path) -> None:
@@ -134,7 +137,7 @@ class LlamaForCausalLM:
                 x = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = ops.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = layer.qkv(x)  # [T, (Hq + 2 Hk) * D]
+            qkv = self._project(i, "qkv", layer.qkv, x, batch, ops)  # [T, (Hq + 2 Hk) * D]
             if layer.q_norm is not None:
                 self._norm_qk_heads(qkv, layer, ops)
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
@@ -145,12 +148,27 @@ class LlamaForCausalLM:
             else:
                 attn = ops.extend_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
                                             batch.extend_lens, batch.q_start, self.scale)
-            hidden = layer.o(attn.reshape(-1, q_size))  # [T, H]
+            hidden = self._project(i, "o", layer.o, attn.reshape(-1, q_size), batch, ops)  # [T, H]
             x, residual = ops.rmsnorm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = layer.mlp(x, ops)
+            if batch.lora_slots is not None and isinstance(layer.mlp, DenseMLP):
+                gate_up = self._project(i, "gate_up", layer.mlp.gate_up, x, batch, ops)  # [T, 2 I]
+                hidden = self._project(i, "down", layer.mlp.down, ops.silu_and_mul(gate_up), batch, ops)
+            else:
+                hidden = layer.mlp(x, ops)
         last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
         last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
         return self.lm_head(last)  # [B, V]
+
+    def _project(self, i: int, name: str, linear: Linear, x: torch.Tensor, batch: ForwardBatch,
+                 ops: KernelOps) -> torch.Tensor:
+        """Layer i's fused linear `name`, plus each row's LoRA delta when the batch has adapter rows."""
+        y = linear(x)
+        if batch.lora_slots is None or self.lora is None:
+            return y
+        slots = self.lora.layer(i, name)
+        if slots is not None:
+            ops.lora_apply(y, x, slots.lora_a, slots.lora_b, slots.out_offsets, batch.lora_slots, self.lora.ranks)
+        return y
 
     def _norm_qk_heads(self, qkv: torch.Tensor, layer: LayerWeights, ops: KernelOps) -> None:
         """Qwen3: RMSNorm over every q and k head of the fused projection, in place, before rotary."""

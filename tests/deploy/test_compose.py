@@ -153,6 +153,16 @@ def test_settings_come_from_the_environment(compose_binary):
     assert flag(s["decode"]["command"], "--transfer-backend") == ["tcp"]
 
 
+def test_lora_adapters_reach_both_worker_roles(compose_binary):
+    project = config(compose_binary, env={"PDSERVE_LORA_PATHS": "sql=/adapters/sql", "PDSERVE_LORA_DIR": "/srv/ad"})
+    for name in ("prefill", "decode"):
+        service = project["services"][name]
+        assert service["environment"]["PDSERVE_LORA_PATHS"] == "sql=/adapters/sql"
+        mounts = {v["target"]: v for v in service["volumes"]}
+        assert mounts["/adapters"]["source"] == "/srv/ad" and mounts["/adapters"]["read_only"]
+        assert "/var/cache/pdserve" in mounts
+
+
 @pytest.mark.parametrize("name", [*PDSERVE_SERVICES, *GPU_SERVICES])
 def test_commands_are_accepted_by_the_pdserve_cli(gpu_project, name):
     command = gpu_project["services"][name]["command"]

@@ -234,6 +234,22 @@ def test_pods_that_need_the_model_prepare_it_into_the_shared_volume(render):
     assert spec["volumes"] == [{"name": "models", "persistentVolumeClaim": {"claimName": "models-pvc"}}]
 
 
+def test_lora_flags_and_adapter_volume_reach_both_worker_roles(render):
+    r = render("--set", "lora.enabled=true", "--set", "lora.adapters.sql=/adapters/sql",
+               "--set", "lora.maxRank=32", "--set", "lora.existingClaim=adapters-pvc",
+               "--set", "lora.targetModules={q_proj,v_proj}")
+    for role in ("prefill", "decode"):
+        spec = r.get("Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
+        args = spec["containers"][0]["args"]
+        parsed = pdserve_parse(args)
+        assert parsed.enable_lora and parsed.lora_paths == ["sql=/adapters/sql"] and parsed.max_lora_rank == 32
+        assert parsed.lora_target_modules == ["q_proj", "v_proj"] and parsed.max_loras_per_batch == 8
+        assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+        assert {"name": "lora-adapters", "persistentVolumeClaim": {"claimName": "adapters-pvc", "readOnly": True}} \
+            in spec["volumes"]
+    assert "--enable-lora" not in render().container("prefill")["args"]
+
+
 def test_disruption_budgets_for_workers(render):
     r = render()
     budgets = {d["metadata"]["name"]: d for d in r.kinds("PodDisruptionBudget")}

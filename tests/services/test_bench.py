@@ -202,3 +202,10 @@ def test_prompts_are_distinct_repeatable_and_about_the_asked_length():
     assert all(len(p.split()) == 40 for p in prompts)
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0], 99) == 5.0 and percentile([], 50) is None
+
+
+def test_models_spread_the_requests_over_several_models_in_turn(server):
+    base_url, behaviour = server
+    load = Load(output_len=3, prompt_len=10, models=("a", "b", "c"))
+    asyncio.run(run_sweep(Target(base_url, MODEL), load, [2], num_requests=6, warmup=0))
+    assert sorted(b["model"] for b in behaviour.bodies) == ["a", "a", "b", "b", "c", "c"]

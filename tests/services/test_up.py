@@ -510,3 +510,20 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(run_up):
     assert time.monotonic() - started < 15
     assert "[up] gateway did not stop within 1 s: killing it" in run.output
     assert pids_alive(list(pids.values())) == []
+
+
+def test_lora_flags_reach_every_generating_worker(tmp_path):
+    from pdserve import cli
+
+    adapter = tmp_path / "sql"
+    plan = up.build_plan(parse("--lora-paths", f"sql={adapter}", "--max-lora-rank", "32", "--max-loras-per-batch", "4",
+                               "--lora-target-modules", "all"), tmp_path, cpus=2)
+    workers = [s for s in plan.services if s.args[0] in ("prefill", "decode")]
+    assert len(workers) == 2
+    for service in workers:
+        parser, _ = cli.build_parser(service.args)
+        parsed = parser.parse_args(service.args)
+        assert parsed.enable_lora and parsed.lora_paths == [f"sql={adapter.resolve()}"]
+        assert (parsed.max_lora_rank, parsed.max_loras_per_batch, parsed.lora_target_modules) == (32, 4, ["all"])
+    plain = up.build_plan(parse("--colocated"), tmp_path, cpus=2)
+    assert not any("--enable-lora" in s.args for s in plain.services)

@@ -114,6 +114,50 @@ livenessProbe:
   mountPath: /var/cache/pdserve
 {{- end }}
 
+{{/* The workers' LoRA flags, and the adapters' volume and mount when lora.existingClaim is set. */}}
+{{- define "pdserve.loraArgs" -}}
+{{- with .Values.lora }}
+{{- if .enabled }}
+- --enable-lora
+- --max-loras-per-batch
+- {{ .maxLorasPerBatch | quote }}
+{{- if .maxRank }}
+- --max-lora-rank
+- {{ .maxRank | quote }}
+{{- end }}
+{{- if .adapters }}
+- --lora-paths
+{{- range $name, $path := .adapters }}
+- {{ printf "%s=%s" $name $path | quote }}
+{{- end }}
+{{- end }}
+{{- if .targetModules }}
+- --lora-target-modules
+{{- range .targetModules }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.loraVolume" -}}
+{{- if and .Values.lora.enabled .Values.lora.existingClaim }}
+- name: lora-adapters
+  persistentVolumeClaim:
+    claimName: {{ .Values.lora.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.loraMount" -}}
+{{- if and .Values.lora.enabled .Values.lora.existingClaim }}
+- name: lora-adapters
+  mountPath: {{ .Values.lora.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* call with (dict "root" $ "gpu" BOOL "resources" DICT) */}}
 {{- define "pdserve.prepareModel" -}}
 - name: prepare-model

@@ -53,7 +53,6 @@ def test_chat_refuses_image_parts_naming_the_part():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("lora_path", "/adapters/x"),
     ("suffix", "and then"),
 ])
 def test_later_features_are_refused_not_ignored(field, value):
