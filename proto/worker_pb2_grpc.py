@@ -80,6 +80,21 @@ class WorkerStub:
                 request_serializer=worker__pb2.UnloadLoraRequest.SerializeToString,
                 response_deserializer=worker__pb2.LoraReply.FromString,
                 _registered_method=True)
+        self.StartExpertRecord = channel.unary_unary(
+                '/pdserve.Worker/StartExpertRecord',
+                request_serializer=worker__pb2.Empty.SerializeToString,
+                response_deserializer=worker__pb2.ExpertRecordReply.FromString,
+                _registered_method=True)
+        self.StopExpertRecord = channel.unary_unary(
+                '/pdserve.Worker/StopExpertRecord',
+                request_serializer=worker__pb2.Empty.SerializeToString,
+                response_deserializer=worker__pb2.ExpertRecordReply.FromString,
+                _registered_method=True)
+        self.DumpExpertRecord = channel.unary_unary(
+                '/pdserve.Worker/DumpExpertRecord',
+                request_serializer=worker__pb2.Empty.SerializeToString,
+                response_deserializer=worker__pb2.ExpertDumpReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -140,6 +155,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartExpertRecord(self, request, context):
+        """Start counts from zero; Dump returns the counts since the start or the last dump and clears them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopExpertRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DumpExpertRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +221,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=worker__pb2.UnloadLoraRequest.FromString,
                     response_serializer=worker__pb2.LoraReply.SerializeToString,
+            ),
+            'StartExpertRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartExpertRecord,
+                    request_deserializer=worker__pb2.Empty.FromString,
+                    response_serializer=worker__pb2.ExpertRecordReply.SerializeToString,
+            ),
+            'StopExpertRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopExpertRecord,
+                    request_deserializer=worker__pb2.Empty.FromString,
+                    response_serializer=worker__pb2.ExpertRecordReply.SerializeToString,
+            ),
+            'DumpExpertRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.DumpExpertRecord,
+                    request_deserializer=worker__pb2.Empty.FromString,
+                    response_serializer=worker__pb2.ExpertDumpReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -433,6 +482,87 @@ class Worker:
             '/pdserve.Worker/UnloadLoraAdapter',
             worker__pb2.UnloadLoraRequest.SerializeToString,
             worker__pb2.LoraReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartExpertRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/StartExpertRecord',
+            worker__pb2.Empty.SerializeToString,
+            worker__pb2.ExpertRecordReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopExpertRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/StopExpertRecord',
+            worker__pb2.Empty.SerializeToString,
+            worker__pb2.ExpertRecordReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DumpExpertRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/DumpExpertRecord',
+            worker__pb2.Empty.SerializeToString,
+            worker__pb2.ExpertDumpReply.FromString,
             options,
             channel_credentials,
             insecure,

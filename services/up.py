@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
-from pdserve.services.worker.cli import add_lora_arguments, lora_flags
+from pdserve.services.worker.cli import add_expert_arguments, add_lora_arguments, expert_flags, lora_flags
 
 CHAT_EXAMPLE = "What is the capital of France?"
 
@@ -87,7 +87,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         common += ["--device", args.device]
     if args.enable_deterministic_inference:
         common += ["--enable-deterministic-inference"]
-    common += lora_flags(args)
+    common += lora_flags(args) + expert_flags(args)
     workers: dict[str, list[str]] = {}  # role -> host:port of each worker
     index = 0
     for role, count in roles:
@@ -263,6 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="workers give a prompt the same greedy output, bit for bit, whatever it is batched, "
                              "cached or chunked with")
     add_lora_arguments(parser)
+    add_expert_arguments(parser)
     parser.add_argument("--state-dir", default=str(default_state_dir()),
                         help="Redis data and service logs (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,

@@ -14,14 +14,17 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
 
 from pdserve.shared.config import Role, RuntimeConfig
+from pdserve.shared.expert_recorder import ExpertRecorder, no_experts
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
+from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.lora import LoraAdapter, LoraError
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.radix_cache import RadixCache
@@ -83,12 +86,13 @@ class Engine:
         self.poll_fn = poll_fn
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | ComputeThread | None = None
         self._stopping = False
         # Prefill role: rid -> (future of the PrefillResult, arrival time).
         self._prefill_waiters: dict[str, tuple[Future, float]] = {}
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        self._experts: ExpertRecorder | None = None  # made at the first recording command
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -106,7 +110,12 @@ class Engine:
         return self._grammars.compile(params)
 
     # ------------------------------------------------------------ thread API
-    def start(self) -> None:
+    def start(self, thread: ComputeThread | None = None) -> None:
+        """Run the step loop on `thread` (the one that loaded the model: see compute_thread.py), or a new one."""
+        if thread is not None:
+            self._thread = thread
+            thread.hand_over(self.run_forever)
+            return
         self._thread = threading.Thread(target=self.run_forever, name="engine", daemon=True)
         self._thread.start()
 
@@ -464,6 +473,29 @@ class Engine:
         if users:
             raise LoraError(f"adapter {name!r}: cannot unload it while {users} requests use it; retry when they finish")
         lora.unload(name)
+
+    # ------------------------------------------------------------ expert distribution (engine thread)
+    def start_expert_record(self) -> None:
+        """Count every expert layer's routing choices from the next step on, from zero. ValueError: no experts."""
+        recorder = self._expert_recorder()
+        recorder.start()
+        self.runner.model.set_route_hook(recorder.record)
+
+    def stop_expert_record(self) -> None:
+        self._expert_recorder().stop()
+        self.runner.model.set_route_hook(None)
+
+    def dump_expert_record(self) -> torch.Tensor:
+        """Selections per layer and expert since the start or the last dump, [L, E] int64 on the CPU; clears them."""
+        return self._expert_recorder().dump()
+
+    def _expert_recorder(self) -> ExpertRecorder:
+        if self._experts is None:
+            moe = self.model_config.moe
+            if moe is None:
+                raise no_experts(Path(self.config.model_path).name)
+            self._experts = ExpertRecorder(self.model_config.num_layers, moe.num_experts, self.runner.device)
+        return self._experts
 
     def load(self) -> dict[str, int]:
         s = self.scheduler

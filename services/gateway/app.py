@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from pdserve.services.gateway import jobs_proxy, lora_api, native_api, openai_api, pooling_api
+from pdserve.services.gateway import expert_api, jobs_proxy, lora_api, native_api, openai_api, pooling_api
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, error_middleware
 
@@ -63,6 +63,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
     openai_api.add_routes(app)
     native_api.add_routes(app)
     lora_api.add_routes(app)
+    expert_api.add_routes(app)
     pooling_api.add_routes(app, list(extra_models))
     jobs_proxy.add_routes(app)
 

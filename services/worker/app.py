@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.cli import install_signal_handlers, worker_name
+from pdserve.services.worker.cli import expert_settings, install_signal_handlers, worker_name
 from pdserve.proto.codec import compat_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
@@ -24,6 +24,7 @@ from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.engine import Engine
+from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.worker")
@@ -36,7 +37,12 @@ class WorkerApp:
         self.args = args
         self.http_port = args.http_port or args.port + 1000
         self.name = worker_name(role.value, args.host, args.port)
-        runner = ModelRunner(config)
+        self.compute = ComputeThread()  # loads the model, then runs the engine loop: one OpenMP pool
+        runner = self.compute.run(lambda: ModelRunner(config))
+        self.experts = expert_settings(args, f"{role.value}-{args.port}")
+        if self.experts.mode is not None and runner.model_config.moe is None:
+            raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
+                             f"{runner.model_config.architecture} has no experts (not a Mixture-of-Experts model)")
         self.transfer = None
         backend = "none"
         if role != Role.COLOCATED:
@@ -80,11 +86,11 @@ class WorkerApp:
     async def serve(self) -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
-        self.engine.start()
+        self.engine.start(self.compute)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
-                          is_ready=lambda: self.ready and self.engine.is_alive()), server)
+                          is_ready=lambda: self.ready and self.engine.is_alive(), experts=self.experts), server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine), server)
         if self.role == Role.PREFILL:
             pb_grpc.add_PrefillServicer_to_server(PrefillService(self.engine, self.compat, self.transfer), server)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig)
+from pdserve.shared.expert_recorder import MODES as EXPERT_RECORD_MODES
+from pdserve.shared.expert_recorder import RecordSettings
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -48,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--enable-mixed-chunk", action="store_true",
                         help="colocated: prefill new prompts in the same steps that decode running requests")
     add_lora_arguments(parser)
+    add_expert_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
     parser.add_argument("--log-level", default="info")
     if command in ("prefill", "decode"):
@@ -96,6 +99,28 @@ def lora_flags(args: argparse.Namespace) -> list[str]:
     if args.lora_target_modules:
         flags += ["--lora-target-modules", *args.lora_target_modules]
     return flags
+
+
+def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--expert-distribution-recorder-mode", default=None, choices=EXPERT_RECORD_MODES,
+                        help="MoE models: let /start_expert_distribution_record count how often each layer picks "
+                             "each expert (stat: totals per layer and expert); unset, those endpoints are refused")
+    parser.add_argument("--expert-distribution-recorder-dir",
+                        default=os.environ.get("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR") or "/tmp",
+                        help="where /dump_expert_distribution_record writes its .pt files "
+                             "(default: $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp)")
+
+
+def expert_flags(args: argparse.Namespace) -> list[str]:
+    """The expert-recording flags of `args` for a worker's command line (what `pdserve up` passes through)."""
+    if args.expert_distribution_recorder_mode is None:
+        return []
+    return ["--expert-distribution-recorder-mode", args.expert_distribution_recorder_mode,
+            "--expert-distribution-recorder-dir", str(Path(args.expert_distribution_recorder_dir).resolve())]
+
+
+def expert_settings(args: argparse.Namespace, tag: str) -> RecordSettings:
+    return RecordSettings(args.expert_distribution_recorder_mode, args.expert_distribution_recorder_dir, tag)
 
 
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:

@@ -22,6 +22,7 @@ from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
+from pdserve.shared.expert_recorder import RECORDING_OFF, RecordSettings, save_dump, writable_dir
 from pdserve.shared.grammar import Constraint, GrammarError
 from pdserve.shared.lora import LoraAdapter
 from pdserve.shared.req import Req, ReqOutput, TransferTarget
@@ -55,7 +56,7 @@ async def grammar_of(engine: Engine, params, context, timeout: float) -> Constra
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
                  peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
-                 is_ready: Callable[[], bool] | None = None) -> None:
+                 is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings()) -> None:
         self.engine = engine
         self.is_ready = is_ready or engine.is_alive
         self.role = role
@@ -63,6 +64,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.info = info
         self.peers = peers
         self.timeouts = timeouts
+        self.experts = experts
         self.prefill_calls: dict[str, asyncio.Task] = {}
         self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
         self._relay: OutputRelay | None = None
@@ -203,6 +205,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.LoraReply(ok=True, adapters=await self._engine(run))
         except ValueError as exc:  # LoraError included: the message names the adapter and the problem
             return pb.LoraReply(ok=False, error=str(exc), adapters=await self._engine(self._adapter_infos))
+
+    # ------------------------------------------------------------ expert distribution
+    async def StartExpertRecord(self, request, context):
+        await self._expert_call(self.engine.start_expert_record, context)
+        return pb.ExpertRecordReply(recording=True)
+
+    async def StopExpertRecord(self, request, context):
+        await self._expert_call(self.engine.stop_expert_record, context)
+        return pb.ExpertRecordReply(recording=False)
+
+    async def DumpExpertRecord(self, request, context):
+        def dump():
+            writable_dir(self.experts.directory)  # before the counts are cleared: a bad directory loses nothing
+            return self.engine.dump_expert_record()
+        counts = await self._expert_call(dump, context)  # [L, E]
+        try:
+            path = await asyncio.to_thread(save_dump, counts, self.experts.directory, self.experts.tag)
+        except (OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"cannot write the expert distribution: {exc}")
+        return pb.ExpertDumpReply(counts=counts.flatten().tolist(), shape=list(counts.shape), path=str(path))
+
+    async def _expert_call(self, fn, context):
+        """`fn` on the engine thread; the reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION."""
+        try:
+            if self.engine.model_config.moe is not None and self.experts.mode is None:
+                raise ValueError(RECORDING_OFF)
+            return await self._engine(fn)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     async def Load(self, request, context):
         return pb.LoadReply(**await self._engine(self.engine.load))
