@@ -58,10 +58,9 @@ def adapter_of(gw: Gateway, model: str | None, lora_path: str | None = None) -> 
     if from_model is not None and from_path is not None and from_model != from_path:
         raise ApiError(400, f"'model' names LoRA adapter {from_model!r} but 'lora_path' names {from_path!r}.",
                        "lora_path")
-    name = from_model or from_path
-    if name is not None and from_model is not None:
-        _check_loaded(gw, name, "model")
-    return name
+    if from_model is not None and from_model not in loaded_adapters(gw.backend.pool):
+        raise _not_loaded(gw, from_model, "model")
+    return from_model or from_path
 
 
 def _by_path(gw: Gateway, ref: str) -> str:
@@ -74,18 +73,17 @@ def _by_path(gw: Gateway, ref: str) -> str:
     by_path = [a.name for a in adapters.values() if a.path.rstrip("/") == ref.rstrip("/")]
     if by_path:
         return by_path[0]
-    _check_loaded(gw, ref, "lora_path")
-    return ref  # unreachable: _check_loaded raised
+    raise _not_loaded(gw, ref, "lora_path")
 
 
-def _check_loaded(gw: Gateway, name: str, param: str) -> None:
+def _not_loaded(gw: Gateway, name: str, param: str) -> ApiError:
     pool = gw.backend.pool
     if not lora_enabled(pool):
-        raise ApiError(400, f"LoRA adapter {name!r} requested, but LoRA is not enabled on this server (start it "
-                            "with --enable-lora or --lora-paths).", param)
-    if name not in loaded_adapters(pool):
-        raise ApiError(400, f"LoRA adapter {name!r} is not loaded{_adapter_list(gw) or ' (none is)'}; load it with "
-                            "POST /load_lora_adapter.", param)
+        return ApiError(400, f"LoRA adapter {name!r} requested, but LoRA is not enabled on this server (start it "
+                             "with --enable-lora or --lora-paths).", param)
+    loaded = ", ".join(map(repr, sorted(loaded_adapters(pool)))) or "none"
+    return ApiError(400, f"LoRA adapter {name!r} is not loaded (loaded: {loaded}); load it with "
+                         "POST /load_lora_adapter.", param)
 
 
 def _adapter_list(gw: Gateway) -> str:
