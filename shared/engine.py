@@ -35,6 +35,8 @@ from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EARLY_ABORT_MEMORY_S = 60.0  # how long a prefill worker remembers an abort of a request it has not seen
+EARLY_ABORT_MEMORY_MAX = 10_000
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Engine:
         self._stopping = False
         # Prefill role: rid -> (future of the PrefillResult, arrival time).
         self._prefill_waiters: dict[str, tuple[Future, float]] = {}
+        self._early_aborts: dict[str, float] = {}  # prefill role: rid -> when its abort came before it
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._experts: ExpertRecorder | None = None  # made at the first recording command
@@ -195,6 +198,8 @@ class Engine:
 
     def add_prefill(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> Future:
         """Prefill role: queue `req` (with req.transfer set); the Future yields its PrefillResult."""
+        if self._early_aborts.pop(req.rid, None) is not None:
+            raise RuntimeError(f"request {req.rid} was aborted before it arrived")
         fut: Future = Future()
         self._prefill_waiters[req.rid] = (fut, time.monotonic())
         try:
@@ -212,7 +217,20 @@ class Engine:
         waiter = self._prefill_waiters.pop(rid, None)
         if waiter is not None and not waiter[0].done():
             waiter[0].set_exception(RuntimeError(error or "aborted"))
+        if not reqs and waiter is None and self.role == Role.PREFILL:
+            self._remember_abort(rid)
         return bool(reqs)
+
+    def _remember_abort(self, rid: str) -> None:
+        """Prefill role: an abort can overtake its request (two calls from the decode side); the request is
+        then refused when it arrives instead of being computed for nobody."""
+        now = time.monotonic()
+        self._early_aborts[rid] = now
+        while self._early_aborts:
+            oldest, at = next(iter(self._early_aborts.items()))
+            if now - at < EARLY_ABORT_MEMORY_S and len(self._early_aborts) <= EARLY_ABORT_MEMORY_MAX:
+                break
+            del self._early_aborts[oldest]
 
     def _fail_all(self, error: str) -> None:
         for req in self.scheduler.live_reqs():
@@ -239,6 +257,11 @@ class Engine:
             self.scheduler.running.append(child)
             self._append_token(child, first.token_id, first.logprob)
         self._emit_all(children)
+
+    def kv_settled(self, rid: str) -> None:
+        """Decode role: no KV write into `rid`'s reserved pages can land any more (the prefill call ended);
+        the pages of an `rid` aborted while it waited for them go back to the pool now."""
+        self.scheduler.release_quarantine(rid)
 
     # ------------------------------------------------------------ the step
     def step(self) -> None:

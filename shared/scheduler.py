@@ -76,6 +76,10 @@ class Scheduler:
         self.running: list[Req] = []
         self.reserving: list[Req] = []  # decode role: WAITING_FOR_PAGES
         self.awaiting_kv: dict[str, list[Req]] = {}  # decode role: WAITING_FOR_KV, by rid
+        # Decode role: pages of requests removed while their KV was on its way. The prefill worker may still
+        # be writing into them, so they go back to the pool only once that write is known to be over
+        # (release_quarantine), never to another request before.
+        self.quarantine: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------ admission
     def add(self, req: Req) -> None:
@@ -297,8 +301,16 @@ class Scheduler:
             if not group:
                 del self.awaiting_kv[req.rid]
             cache = False  # the pages may hold half-written KV
+            self.quarantine.setdefault(req.rid, []).extend(req.pages[req.num_cached_pages:])
+            req.pages = req.pages[:req.num_cached_pages]
         self.release(req, cache=cache)
         req.status = ReqStatus.FINISHED
+
+    def release_quarantine(self, rid: str) -> int:
+        """The KV write into `rid`'s reserved pages is over (done, failed or never started): free them."""
+        pages = self.quarantine.pop(rid, [])
+        self.allocator.free(pages)
+        return len(pages)
 
     def flush_cache(self) -> bool:
         if self.live_reqs():
@@ -322,6 +334,10 @@ class Scheduler:
             if held & set(own):
                 problems.append(f"{req.rid} shares owned pages with another request")
             held |= set(own)
+        for rid, pages in self.quarantine.items():
+            if held & set(pages):
+                problems.append(f"quarantined pages of {rid} are also held")
+            held |= set(pages)
         for a, b, name in ((free, held, "free and held"), (free, cached, "free and cached"),
                            (held, cached, "held and cached")):
             if a & b:

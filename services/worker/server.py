@@ -7,6 +7,7 @@ the event loop through an asyncio.Queue per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -65,7 +66,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.peers = peers
         self.timeouts = timeouts
         self.experts = experts
-        self.prefill_calls: dict[str, asyncio.Task] = {}
+        self.prefill_calls: dict[str, asyncio.Task] = {}  # decode: rid -> its Prefill call
+        self.prefill_addrs: dict[str, str] = {}  # decode: rid -> the prefill worker filling its pages
+        self._prefill_workers: dict[str, pb_grpc.WorkerStub] = {}  # decode: for aborts at a prefill worker
         self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
         self._relay: OutputRelay | None = None
 
@@ -138,12 +141,27 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _abort_soon(self, rid: str) -> None:
         self.engine.call(lambda: self.engine.abort(rid))
-        task = self.prefill_calls.pop(rid, None)
-        if task is not None:
-            task.cancel()
+        self._stop_prefill(rid)
+
+    def _stop_prefill(self, rid: str) -> None:
+        """Ask the prefill worker to drop `rid`. The pending Prefill call is left to end by itself: its end
+        is what proves no KV write into the request's pages is in flight (see _pull_kv)."""
+        addr = self.prefill_addrs.get(rid)
+        if addr is not None:
+            asyncio.ensure_future(self._abort_at(addr, rid))
+
+    async def _abort_at(self, addr: str, rid: str) -> None:
+        stub = self._prefill_workers.get(addr)
+        if stub is None:
+            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(grpc.aio.insecure_channel(addr))
+        try:
+            await stub.Abort(pb.AbortRequest(rid=rid), timeout=self.timeouts.engine_call)
+        except grpc.aio.AioRpcError as exc:  # the Prefill call still ends, by its own deadline at worst
+            log.debug("aborting %s at prefill worker %s: %s", rid, addr, exc.code().name)
 
     # ------------------------------------------------------------ decode: pull KV from prefill
     def _start_prefill(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str | None) -> None:
+        self.prefill_addrs[rid] = request.prefill_addr
         self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages, lora_version or ""))
 
     async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
@@ -152,7 +170,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
-                                                         lora_version=lora_version), timeout=self.timeouts.prefill)
+                                                         lora_version=lora_version), timeout=self._prefill_deadline())
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
@@ -168,13 +186,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.engine.call(lambda: self.engine.abort(rid, error=error))
         finally:
             self.prefill_calls.pop(rid, None)
+            self.prefill_addrs.pop(rid, None)
+            # The call has ended: the prefill worker answers only after its transfer for `rid` is over and
+            # the request is gone there (or it died, or the deadline beyond its own limits passed).
+            self.engine.call(lambda: self.engine.kv_settled(rid))
+
+    def _prefill_deadline(self) -> float:
+        """Longer than the prefill worker's own limits, so that it is the one that answers."""
+        return self.timeouts.engine_call + self.timeouts.prefill + 10.0
 
     # ------------------------------------------------------------ small RPCs
     async def Abort(self, request, context):
         found = await self._engine(lambda: self.engine.abort(request.rid))
-        task = self.prefill_calls.pop(request.rid, None)
-        if task is not None:
-            task.cancel()
+        self._stop_prefill(request.rid)
         return pb.AbortReply(found=found)
 
     async def Health(self, request, context):
@@ -307,7 +331,11 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             if not done:  # cancelled by the decode side (or it died) or timed out: free everything
-                self.engine.call(lambda: self.engine.abort(request.rid))
+                # and answer only once the engine thread ran the abort: a transfer of this request runs on
+                # that thread, so none is in flight any more and the decode side may reuse the pages.
+                aborted = asyncio.wrap_future(self.engine.call(lambda: self.engine.abort(request.rid)))
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(aborted, self.timeouts.engine_call)
         return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
                                cached_tokens=result.cached_tokens, queue_s=result.queue_s,
                                compute_s=result.compute_s, transfer_s=result.transfer_s,

@@ -6,6 +6,7 @@ colocated worker and with transformers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -261,3 +262,40 @@ async def test_prefill_killed_mid_prefill_fails_fast_and_decode_frees(tokenizer)
     finally:
         decode.stop()
         prefill.kill()
+
+
+async def test_aborts_at_every_stage_leave_other_requests_and_pages_intact(pair, prompts, tokenizer):
+    """Requests cancelled or aborted while queued, prefilling, transferring and decoding, beside greedy
+    requests: those still give their solo output, and no page is left held or written after reuse."""
+    paddr, daddr = pair
+    def outputs(results: list[dict]) -> list:  # cached-token counts differ with the cache's state
+        return [(r["tokens"], r["finish"]) for r in results]
+
+    solo = outputs([await generate(daddr, p, prefill=paddr) for p in prompts[:3]])
+    delays = [0.0, 0.01, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0, 1.5, 2.5]
+
+    async def doomed(k: int, delay: float) -> None:
+        ids = tokenizer.encode(" ".join(f"row {i} of document {k}." for i in range(60 + 20 * k)))
+        rid = f"doomed-{k}-{uuid.uuid4().hex}"
+        request = pb.GenerateRequest(rid=rid, input_ids=ids, prefill_addr=paddr, sampling=to_proto(
+            SamplingParams(temperature=0, max_new_tokens=300, ignore_eos=True)))
+        async with grpc.aio.insecure_channel(daddr) as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            call = stub.Generate(request, timeout=120)
+            if k % 2:  # half of them are cancelled by the client, half aborted by rid
+                await asyncio.sleep(delay)
+                call.cancel()
+                return
+            reader = asyncio.ensure_future(call.read())
+            await asyncio.sleep(delay)
+            await stub.Abort(pb.AbortRequest(rid=rid), timeout=10)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                while (await reader) is not grpc.aio.EOF:
+                    reader = asyncio.ensure_future(call.read())
+
+    kept = [asyncio.ensure_future(generate(daddr, p, prefill=paddr)) for p in prompts[:3]]
+    await asyncio.gather(*(doomed(k, d) for k, d in enumerate(delays)))
+    assert outputs([await t for t in kept]) == solo
+    again = [await generate(daddr, p, prefill=paddr) for p in prompts[:3]]  # pages reused after the aborts
+    assert outputs(again) == solo
+    await assert_clean(paddr, daddr)

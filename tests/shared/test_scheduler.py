@@ -243,14 +243,49 @@ def test_decode_role_reserves_pages_then_decodes_after_kv_arrives():
     assert_integrity(engine)
 
 
-def test_decode_role_abort_while_waiting_for_kv_frees_the_reservation():
-    engine, outputs = make_engine(page_size=4, role=Role.DECODE), {}
-    engine.add_request(make_req("d", list(range(1, 11)), outputs))
+def test_decode_role_abort_while_waiting_for_kv_frees_the_reservation_once_the_write_is_over():
+    engine, outputs = make_engine(page_size=4, num_pages=4, role=Role.DECODE), {}
+    reserved: list[Req] = []
+    first = make_req("d", list(range(1, 11)), outputs)
+    first.on_pages_reserved = reserved.append
+    engine.add_request(first)
+    pages = list(reserved[0].pages)
     assert engine.scheduler.check_integrity().held == 3
-    engine.abort("d", error="prefill worker died")
-    assert finish_of(outputs, "d").error == "prefill worker died"
-    engine.kv_ready("d", [FirstToken(11)], 0)  # a late reply is ignored
+    engine.abort("d", error="client went away")
+    assert finish_of(outputs, "d").error == "client went away"
+    # The prefill worker may still be writing into those pages: a new request must not get them.
+    late = make_req("e", list(range(1, 11)), outputs)
+    late.on_pages_reserved = reserved.append
+    engine.add_request(late)
+    assert len(reserved) == 1 and late.status == ReqStatus.WAITING_FOR_PAGES
+    assert engine.scheduler.check_integrity().held == 3
+    assert_integrity(engine)
+    engine.kv_ready("d", [FirstToken(11)], 0)  # a late reply is ignored ...
+    engine.kv_settled("d")  # ... and once the prefill call ended, the pages go back
+    engine.step()
+    assert len(reserved) == 2 and sorted(reserved[1].pages) == sorted(pages)
+    engine.abort("e")
+    engine.kv_settled("e")
     assert engine.scheduler.check_integrity().held == 0
+    assert_integrity(engine)
+
+
+def test_prefill_role_refuses_a_request_whose_abort_came_first():
+    engine = make_engine(page_size=4, role=Role.PREFILL)
+    engine.transfer_fn = lambda req: 0.001
+    from pdserve.shared.req import TransferTarget
+
+    assert not engine.abort("p")  # the abort overtook its request
+    req = make_req("p", list(range(1, 11)), {})
+    req.transfer = TransferTarget("decode-0", [7, 8, 9])
+    with pytest.raises(RuntimeError, match="aborted before it arrived"):
+        engine.add_prefill(req)
+    assert not engine.has_work()
+    again = make_req("p", list(range(1, 11)), {})  # remembered once only
+    again.transfer = TransferTarget("decode-0", [7, 8, 9])
+    fut = engine.add_prefill(again)
+    run_until_idle(engine)
+    assert fut.result(timeout=1).first_tokens[0].token_id == 11
     assert_integrity(engine)
 
 
