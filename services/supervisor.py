@@ -1,13 +1,20 @@
-"""Supervision of a set of local services as child processes: start in stages, watch, stop.
+"""Supervision of a set of local services as child processes: start in stages, watch, restart, stop.
 
-Each child leads its own process group and logs to `<log dir>/<name>.log`, its lines echoed with a
-`[name]` prefix. Stages start in order, each healthy before the next; the first child that exits or does
-not turn healthy in time stops everything (reverse stage order, SIGTERM then SIGKILL after a grace
-period), so a caller never keeps half a system running.
+Each child leads its own process group and logs to `<log dir>/<name>.log` (a restart appends to it), its
+lines echoed with a `[name]` prefix.
+
+Lifecycle:
+- start-up: stages start in order, each healthy before the next; the first child that exits or does not
+  turn healthy in time stops everything, so a caller never keeps a half-started system running.
+- serving: a child that exits is restarted after a backoff (`RestartPolicy`) while the others keep serving.
+  A service that keeps exiting without ever staying healthy for a while is crash-looping: then everything
+  stops, and the report names it and shows the end of its log.
+- stop: reverse stage order, SIGTERM to each process group, SIGKILL after a grace period.
 """
 from __future__ import annotations
 
 import collections
+import http.client
 import os
 import shlex
 import signal
@@ -23,6 +30,20 @@ from typing import Callable
 LAST_LINES = 20  # lines of a failed child's log shown to the user
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a service that exits after start-up is restarted, and when that is given up as a crash loop."""
+
+    first_delay_s: float = 1.0  # before the first restart; doubles with each further exit in a row
+    max_delay_s: float = 30.0  # the backoff stops growing here
+    max_restarts: int = 5  # exits in a row that are restarted; the next one is a crash loop
+    stable_s: float = 60.0  # healthy this long, a service's exits in a row count from zero again
+
+    def delay(self, exits: int) -> float:
+        """Seconds to wait before restarting a service after its `exits`-th exit in a row (1, 2, ...)."""
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (exits - 1))
 
 
 class UpError(RuntimeError):
@@ -69,7 +90,9 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     try:
         with opener.open(url, timeout=timeout) as response:
             return response.status == 200
-    except (OSError, ValueError):
+    # HTTPException: e.g. a port in the ephemeral range that nothing listens on yet can connect to itself
+    # and read back its own request; a failed probe must never end the supervision.
+    except (OSError, ValueError, http.client.HTTPException):
         return False
 
 
@@ -91,13 +114,16 @@ class Console:
 class Child:
     """One running service: its process (leader of its own process group), its log, its last lines."""
 
-    def __init__(self, service: Service, console: Console, log_dir: Path) -> None:
+    def __init__(self, service: Service, console: Console, log_dir: Path, append: bool = False) -> None:
         self.service = service
         self.name = service.name
         self.tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
         self.log_path = log_dir / f"{service.name}.log"
+        self.started_at = time.monotonic()
+        self.healthy_since: float | None = None  # set when its health check first passes
         self._console = console
-        self._log = open(self.log_path, "wb")
+        # A restart appends: the lines that explain the previous exit stay in the log.
+        self._log = open(self.log_path, "ab" if append else "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
         try:
             # Own session: Ctrl-C reaches only `up`, which stops the children in order.
@@ -140,17 +166,21 @@ class Child:
 
 
 class Supervisor:
-    """Starts services stage by stage, watches them, and stops them all on any way out."""
+    """Starts services stage by stage, restarts those that die while serving, stops them all on any way out."""
 
     def __init__(self, services: list[Service], console: Console, log_dir: Path, startup_timeout: float = 300.0,
-                 stop_timeout: float = 10.0, health: Callable[[str], bool] = probe) -> None:
+                 stop_timeout: float = 10.0, health: Callable[[str], bool] = probe,
+                 policy: RestartPolicy = RestartPolicy()) -> None:
         self.services = services
         self.console = console
         self.log_dir = log_dir
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.health = health
-        self.children: list[Child] = []
+        self.policy = policy
+        self.children: list[Child] = []  # the latest run of each service started so far
+        self._exits: dict[str, int] = {}  # service -> exits in a row without a stable run in between
+        self._restart_at: dict[str, float] = {}  # service -> when its dead child is started again
         self._stop = threading.Event()
         self._force = threading.Event()
         self.reason = ""
@@ -163,7 +193,7 @@ class Supervisor:
         self.reason = reason
 
     def run(self, on_ready: Callable[[], None]) -> int:
-        """Start everything, serve until stopped; 0 after a requested stop, 1 when any child failed."""
+        """Start everything, serve until stopped; 0 after a requested stop, 1 after a failed start or a crash loop."""
         try:
             for stage in sorted({s.stage for s in self.services}):
                 group = [s for s in self.services if s.stage == stage]
@@ -173,13 +203,7 @@ class Supervisor:
                 if outcome is not None:
                     return outcome
             on_ready()
-            while not self._stop.wait(POLL_S):
-                dead = next((c for c in self.children if c.exited()), None)
-                if dead is not None:
-                    self._report(dead, dead.describe_exit())
-                    return 1
-            self.console.print(f"[up] {self.reason}: stopping every service")
-            return 0
+            return self._serve()
         except UpError as exc:
             self.console.print(f"error: {exc}", err=True)
             return 1
@@ -211,10 +235,61 @@ class Supervisor:
             for child in list(pending):
                 if self.health(child.service.health_url):
                     pending.remove(child)
+                    child.healthy_since = time.monotonic()
                     self.console.print(f"[up] {child.name} is healthy")
             if pending:
                 self._stop.wait(POLL_S)
         return None
+
+    # ------------------------------------------------------------ serving: restarts
+    def _serve(self) -> int:
+        """Watch the running system: 0 once a stop is asked, 1 when a service crash-loops."""
+        while not self._stop.wait(POLL_S):
+            for i, child in enumerate(self.children):
+                if child.name in self._restart_at:
+                    if time.monotonic() >= self._restart_at[child.name]:
+                        self.children[i] = self._restart(child)
+                elif child.exited():
+                    if not self._schedule_restart(child):
+                        return 1
+                elif child.healthy_since is None:
+                    self._check_restarted(child)
+        self.console.print(f"[up] {self.reason}: stopping every service")
+        return 0
+
+    def _schedule_restart(self, child: Child) -> bool:
+        """Plan the restart of a child that exited; False when it is crash-looping (everything must stop)."""
+        child.signal_group(signal.SIGKILL)  # what it started itself must not hold its ports into the next run
+        now = time.monotonic()
+        stable = child.healthy_since is not None and now - child.healthy_since >= self.policy.stable_s
+        exits = 1 if stable else self._exits.get(child.name, 0) + 1
+        self._exits[child.name] = exits
+        if exits > self.policy.max_restarts:
+            self._report(child, f"{child.describe_exit()} and is crash-looping ({exits} exits in a row, none "
+                                f"after staying healthy for {self.policy.stable_s:g} s)")
+            return False
+        delay = self.policy.delay(exits)
+        self._restart_at[child.name] = now + delay
+        self.console.print(f"[up] {child.name} {child.describe_exit()}: restarting it in {delay:g} s "
+                           f"(restart {exits} of at most {self.policy.max_restarts} in a row)", err=True)
+        return True
+
+    def _restart(self, old: Child) -> Child:
+        del self._restart_at[old.name]
+        old.last_lines()  # the old reader is done with the log before the new run appends to it
+        child = Child(old.service, self.console, self.log_dir, append=True)
+        self.console.print(f"[up] restarted {child.name} (pid {child.proc.pid})")
+        return child
+
+    def _check_restarted(self, child: Child) -> None:
+        """A restarted child turns healthy in time, or is killed (its exit then counts as one more in a row)."""
+        if self.health(child.service.health_url):
+            child.healthy_since = time.monotonic()
+            self.console.print(f"[up] {child.name} is healthy again")
+        elif time.monotonic() - child.started_at > self.startup_timeout:
+            self.console.print(f"[up] {child.name} did not become healthy within {self.startup_timeout:g} s of "
+                               f"its restart: killing it", err=True)
+            child.signal_group(signal.SIGKILL)
 
     def _report(self, child: Child, what: str) -> None:
         lines = child.last_lines()

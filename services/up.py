@@ -3,11 +3,14 @@
 Lifecycle: plan (command lines and ports, from the flags) -> preflight (every executable present, every
 port free, the model resolved once: converted on first use with a progress bar) -> start in stages, each
 healthy before the next (redis; prefill workers and jobs; decode workers; gateway) -> serve until
-Ctrl-C/SIGTERM or until any child exits -> stop in reverse stage order (SIGTERM to each child's process
-group, SIGKILL after a grace period).
+Ctrl-C/SIGTERM, restarting any service that dies meanwhile -> stop in reverse stage order (SIGTERM to each
+child's process group, SIGKILL after a grace period).
 
-Invariant: `up` never serves half a system. A child that exits, or that does not turn healthy in time,
-is reported with its last log lines, everything else is stopped, and `up` exits non-zero.
+Invariant: `up` never leaves a half-started system running. A child that exits during start-up, or that
+does not turn healthy in time, is reported with its last log lines, everything else is stopped, and `up`
+exits non-zero. Once serving, a child that dies is restarted with backoff (supervisor.RestartPolicy: 1 s,
+doubling to 30 s) while the others keep serving; only a crash loop (a 6th exit in a row, none after
+staying healthy for 60 s) is reported that way and stops everything.
 """
 from __future__ import annotations
 

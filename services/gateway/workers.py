@@ -1,10 +1,12 @@
 """The runtime workers the gateway talks to: gRPC clients, health checks, DNS discovery.
 
 `WorkerPool` owns one `Worker` per address. A background loop asks every worker for Health and Load about
-once a second with a short deadline; a worker that fails twice in a row is taken out (and the requests in
-flight on it are failed at once through their `on_out` callbacks) until it answers again. Worker lists
-may name DNS hosts that resolve to several addresses (compose/Kubernetes services); they are resolved
-again every few seconds, so workers that come and go are picked up.
+once a second with a short deadline; a worker whose address refuses the call (its process is gone) is taken
+out at the first failed check, one that fails otherwise (no answer in time, not ready) after two in a row.
+Taking a worker out fails the requests in flight on it at once, through their `on_out` callbacks; it is
+back in rotation as soon as it answers again (a restarted worker included). Worker lists may name DNS
+hosts that resolve to several addresses (compose/Kubernetes services); they are resolved again every few
+seconds, so workers that come and go are picked up.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
                 ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                 # A restarted worker must be found again within seconds, not after gRPC's 2-minute backoff.
                 ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
-                ("grpc.max_reconnect_backoff_ms", 2_000)]
+                ("grpc.max_reconnect_backoff_ms", 1_000)]
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -33,7 +35,7 @@ ROLES = ("colocated", "prefill", "decode")
 class HealthSettings:
     interval_s: float = 1.0  # between two checks of a worker
     deadline_s: float = 2.0  # for one Health answer (a dead process is refused at once; this catches hangs)
-    failures_to_remove: int = 2  # consecutive failed checks that take a worker out
+    failures_to_remove: int = 2  # consecutive failed checks that take a worker out (refused: the first)
     resolve_interval_s: float = 5.0  # between two DNS resolutions of the worker lists
 
 
@@ -141,8 +143,9 @@ class WorkerPool:
             if worker.info is None or not worker.healthy:  # (re)joining: it may have restarted differently
                 worker.info = await worker.stub.Info(pb.Empty(), timeout=deadline)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
-            reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self._failed(worker, reason or "no answer")
+            rpc = isinstance(exc, grpc.aio.AioRpcError)
+            reason = exc.details() if rpc else str(exc)
+            self._failed(worker, reason or "no answer", gone=rpc and exc.code() == grpc.StatusCode.UNAVAILABLE)
             return False
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.address)
@@ -155,10 +158,11 @@ class WorkerPool:
             pass
         return True
 
-    def _failed(self, worker: Worker, reason: str) -> None:
+    def _failed(self, worker: Worker, reason: str, gone: bool = False) -> None:
+        """`gone`: the connection was refused or lost, so waiting for a second failure would only delay."""
         worker.failures += 1
         worker.last_error = reason
-        if worker.healthy and worker.failures >= self.settings.failures_to_remove:
+        if worker.healthy and (gone or worker.failures >= self.settings.failures_to_remove):
             self.take_out(worker, reason)
 
     def take_out(self, worker: Worker, reason: str) -> None:

@@ -1,8 +1,15 @@
 """PrefillPeers: a decode worker's registrations with the prefill workers it pulls KV from.
 
-Registration happens once per prefill address (at start-up for `--prefill`
-addresses, else on first use): it checks compatibility and sets up the KV
-transfer connection, so a mismatched pair fails here with the mismatch named.
+Registration checks compatibility and sets up the KV transfer connection, so a mismatched pair fails
+there with the mismatch named. Lifecycle of one prefill address:
+- registered at start-up (`--prefill` addresses) or on first use;
+- kept: every `refresh_s` a background task registers again. Registering is idempotent on the prefill
+  side, so this costs one small RPC, and a prefill worker that restarted (and so forgot us) has us back
+  within about a second, without anything else restarting;
+- a Prefill call refused in between because we are not registered registers at once and is sent again;
+- an address that stops answering leaves the registered set (logged once) until it answers again, and is
+  no longer tried after `FORGET_AFTER_S` (a prefill worker scaled away); a refusal (incompatible peer) is
+  logged and raised to the caller.
 """
 from __future__ import annotations
 
@@ -19,6 +26,12 @@ from pdserve.shared.compat import Compat
 log = logging.getLogger(__name__)
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# A restarted prefill worker must be reached again within a second, not after gRPC's backoff of up to 2 min.
+CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+                                  ("grpc.max_reconnect_backoff_ms", 1_000)]
+REFRESH_S = 1.0  # between two registrations with the same prefill worker
+REFRESH_TIMEOUT_S = 2.0  # for one background registration: a hung peer must not hold its lock for long
+FORGET_AFTER_S = 300.0  # an address that has not answered this long is dropped (used again, it starts over)
 
 
 class PeerError(RuntimeError):
@@ -29,44 +42,71 @@ class PeerRefused(PeerError):
     """A prefill worker refused us: the pair is incompatible."""
 
 
+class PrefillClient:
+    """Prefill calls to one registered prefill worker.
+
+    A call refused with FAILED_PRECONDITION (the worker does not know us: it restarted since we registered)
+    registers again and is sent once more, so a request never fails for a registration it could renew.
+    """
+
+    def __init__(self, peers: PrefillPeers, addr: str, stub: pb_grpc.PrefillStub) -> None:
+        self._peers = peers
+        self._addr = addr
+        self._stub = stub
+
+    async def Prefill(self, request: pb.PrefillRequest, timeout: float) -> pb.PrefillReply:  # noqa: N802 (stub's name)
+        try:
+            return await self._stub.Prefill(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.info("prefill worker %s does not know us (%s): registering again", self._addr, exc.details())
+        await self._peers.register(self._addr)  # the same channel: our stub stays valid
+        return await self._stub.Prefill(request, timeout=timeout)
+
+
 class PrefillPeers:
-    def __init__(self, name: str, compat: Compat, transfer, timeout: float = 10.0) -> None:
+    def __init__(self, name: str, compat: Compat, transfer, timeout: float = 10.0,
+                 refresh_s: float = REFRESH_S) -> None:
         self.name = name
         self.compat = compat
         self.transfer = transfer
         self.timeout = timeout
-        self._stubs: dict[str, pb_grpc.PrefillStub] = {}
+        self.refresh_s = refresh_s
+        self._channels: dict[str, grpc.aio.Channel] = {}  # every address ever used, registered or not
+        self._clients: dict[str, PrefillClient] = {}  # the addresses we are registered with now
         self._locks: dict[str, asyncio.Lock] = {}
+        self._answered_at: dict[str, float] = {}  # loop time of each address's last registration (or first try)
+        self._metadata: bytes | None = None
+        self._keeper: asyncio.Task | None = None
 
-    async def get(self, addr: str) -> tuple[pb_grpc.PrefillStub, str]:
-        """The stub for `addr`, registering first if needed; raises PeerError."""
-        stub = self._stubs.get(addr)
-        if stub is not None:
-            return stub, self.name
+    async def get(self, addr: str) -> tuple[PrefillClient, str]:
+        """The client for `addr`, registering first if needed; raises PeerError."""
+        client = self._clients.get(addr)
+        if client is None:
+            client = await self.register(addr)
+        return client, self.name
+
+    async def register(self, addr: str, timeout: float | None = None) -> PrefillClient:
+        """Register with `addr` now (again if we were already); raises PeerError, PeerRefused."""
+        self._keep_registered()
         async with self._locks.setdefault(addr, asyncio.Lock()):
-            if addr not in self._stubs:
-                self._stubs[addr] = await self.register(addr)
-        return self._stubs[addr], self.name
-
-    async def register(self, addr: str) -> pb_grpc.PrefillStub:
-        channel = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
-        stub = pb_grpc.PrefillStub(channel)
-        request = pb.RegisterRequest(peer_name=self.name, compat=compat_to_proto(self.compat),
-                                     transfer_metadata=self.transfer.metadata())
-        try:
-            reply = await stub.Register(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            await channel.close()
-            raise PeerError(f"cannot register with prefill worker {addr}: {exc.details() or exc.code().name}") from None
-        if not reply.ok:
-            await channel.close()
-            raise PeerRefused(f"prefill worker {addr} refused registration: {reply.error}")
-        log.info("registered with prefill worker %s", addr)
-        return stub
-
-    def forget(self, addr: str) -> None:
-        """Drop a registration (the prefill worker restarted); the next use registers again."""
-        self._stubs.pop(addr, None)
+            stub = pb_grpc.PrefillStub(self._channel(addr))
+            try:
+                reply = await stub.Register(self._request(), timeout=timeout or self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                error = f"cannot register with prefill worker {addr}: {exc.details() or exc.code().name}"
+                self._lose(addr, error)
+                raise PeerError(error) from None
+            if not reply.ok:
+                error = f"prefill worker {addr} refused registration: {reply.error}"
+                self._lose(addr, error)
+                raise PeerRefused(error)
+            self._answered_at[addr] = asyncio.get_running_loop().time()
+            if addr not in self._clients:
+                log.info("registered with prefill worker %s", addr)
+                self._clients[addr] = PrefillClient(self, addr, stub)
+            return self._clients[addr]
 
     async def register_all(self, addrs: list[str], deadline_s: float) -> None:
         """Register with every address, retrying unreachable ones until the deadline.
@@ -87,3 +127,45 @@ class PrefillPeers:
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------ internals
+    def _channel(self, addr: str) -> grpc.aio.Channel:
+        # One channel per address for the worker's life: registering again must not open a connection each time.
+        if addr not in self._channels:
+            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            self._answered_at[addr] = asyncio.get_running_loop().time()
+        return self._channels[addr]
+
+    def _request(self) -> pb.RegisterRequest:
+        if self._metadata is None:  # the same bytes every time, so the prefill side sees nothing changed
+            self._metadata = self.transfer.metadata()
+        return pb.RegisterRequest(peer_name=self.name, compat=compat_to_proto(self.compat),
+                                  transfer_metadata=self._metadata)
+
+    def _lose(self, addr: str, error: str) -> None:
+        if self._clients.pop(addr, None) is not None:
+            log.warning("%s (registration lost: trying again every %g s)", error, self.refresh_s)
+
+    def _keep_registered(self) -> None:
+        if self._keeper is None:  # started by the first registration, on the serving loop
+            self._keeper = asyncio.get_running_loop().create_task(self._refresh_loop(), name="prefill-peers")
+
+    async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            for addr in [a for a, t in self._answered_at.items() if loop.time() - t > FORGET_AFTER_S]:
+                await self._drop(addr)
+            results = await asyncio.gather(*(self.register(a, min(self.timeout, REFRESH_TIMEOUT_S))
+                                             for a in list(self._channels)), return_exceptions=True)
+            for result in results:  # PeerErrors were logged when a registration was lost
+                if isinstance(result, Exception) and not isinstance(result, PeerError):
+                    log.error("registering again with a prefill worker failed: %r", result)
+
+    async def _drop(self, addr: str) -> None:
+        log.info("prefill worker %s has not answered for %g s: no longer trying it", addr, FORGET_AFTER_S)
+        self._clients.pop(addr, None)
+        self._answered_at.pop(addr, None)
+        channel = self._channels.pop(addr, None)
+        if channel is not None:
+            await channel.close()

@@ -463,23 +463,6 @@ def test_up_starts_in_stages_prefixes_logs_and_stops_everything_on_signal(run_up
     assert any((run.state / "redis").rglob("*.aof")), "redis ran without its append-only file in the state dir"
 
 
-def test_a_child_that_dies_after_start_stops_everything_with_its_last_lines(run_up, tmp_path):
-    trigger = tmp_path / "die"
-    run = run_up(substitute={**ALL_STAND_INS, "decode": f"--die-when {trigger} --lines 30 --exit-code 3"})
-    run.wait_for("OpenAI base URL")
-    pids = run.child_pids()
-    trigger.touch()
-    code = run.wait_exit(30)
-    assert code == 1
-    out = run.output
-    report = out[out.index("error: decode exited with code 3"):]
-    assert "last 20 lines of decode" in report
-    shown = [line[4:] for line in report.splitlines() if line.startswith("  | ")]
-    assert len(shown) == 20
-    assert shown[-1] == "dying now" and "line 29" in shown and "line 11" not in shown
-    assert pids_alive(list(pids.values())) == []
-
-
 def test_a_child_that_dies_during_start_up_stops_the_rest_and_nothing_more_starts(run_up):
     run = run_up(substitute={**ALL_STAND_INS, "jobs": "--die-after 0 --exit-code 2"})
     assert run.wait_exit(60) == 1
