@@ -3,11 +3,16 @@
 Handlers raise `ApiError` (or let pydantic's `ValidationError` escape); `error_middleware` turns every
 exception into `{"object": "error", "message", "type", "param", "code"}` with its HTTP status. Anything
 unexpected becomes a 500 whose body names no internals (the traceback goes to the log only).
+
+`read_json` is the one door for JSON bodies: one over the app's `client_max_size` is a 413 as soon as it passes
+the limit, and JSON that Python accepts but nothing downstream can use (lone UTF-16 surrogates such as
+"\\ud800", nesting deeper than the parser's stack) is a 400.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -72,16 +77,51 @@ def _is_union_tag(part) -> bool:
                                       or part.startswith("function-") or part[:1].isupper())
 
 
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than the limit of {limit / (1 << 20):g} MiB.")
+
+
+# A \uD800-\uDFFF escape in the raw body: only then can the parsed JSON hold a lone surrogate (a valid pair
+# parses to one character), so the walk below runs only for bodies that have one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 async def read_json(request: web.Request) -> dict:
-    """The request body as a JSON object; 400 when it is not one."""
+    """The request body as a JSON object; 400 when it is not one, 413 when it is over the size limit."""
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
     try:
-        raw = await request.read()
         body = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError):
         raise bad_request("The request body is not valid JSON.") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    where = lone_surrogate(body) if _SURROGATE_ESCAPE.search(raw) else None
+    if where is not None:
+        raise bad_request(f"{where!r} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
+                          "which is not text.", where)
     return body
+
+
+def lone_surrogate(value) -> str | None:
+    """The dotted path of the first string (or key) in `value` holding a lone surrogate; None when none does."""
+    stack = [("", value)]  # iterative: the body may be nested as deep as the JSON parser allows
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                sub_path = f"{path}.{key}" if path else str(key)
+                if _SURROGATE.search(key):
+                    return sub_path
+                stack.append((sub_path, sub))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}" if path else str(i), sub) for i, sub in enumerate(item))
+    return None
 
 
 @web.middleware
@@ -100,8 +140,12 @@ async def error_middleware(request: web.Request, handler):
         if exc.status == 405:
             return ApiError(405, f"Method {request.method} is not allowed for {request.path}.").response()
         if exc.status == 413:
-            return ApiError(413, "The request body is too large.").response()
+            return too_large(request.client_max_size).response()
         return ApiError(exc.status, exc.reason or "request failed").response()
+    except RecursionError:
+        # Only input nested deeper than Python's stack gets here (a JSON body parsed before read_json sees it,
+        # as the model-kind check does): the client's doing, not the server's.
+        return bad_request("The request body is nested too deeply.").response()
     except (ConnectionResetError, ConnectionError):
         raise  # the client went away: nobody to answer
     except Exception:

@@ -41,7 +41,13 @@ class TokenLogprob:
 
 @dataclass
 class Job:
-    """What to generate for one prompt."""
+    """What to generate for one prompt.
+
+    Two ids: `rid` is the gateway's own (`context.new_id`, never taken from a client), the one workers key the
+    request's pages and aborts by, so no client can collide with another request there. `public_id` is the id
+    the client knows the request by: the `rid` it sent, or else the id of the answer; /abort_request finds
+    requests by it.
+    """
 
     rid: str
     input_ids: list[int]
@@ -51,6 +57,10 @@ class Job:
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
     lora: str | None = None  # LoRA adapter name (None: the base model)
+    public_id: str = ""  # empty: the same as rid
+
+    def __post_init__(self) -> None:
+        self.public_id = self.public_id or self.rid
 
 
 @dataclass

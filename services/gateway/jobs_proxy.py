@@ -2,12 +2,14 @@
 
 Bodies stream through in both directions (file uploads and downloads may be large); the client's
 Authorization header goes along, so the jobs service sees the same API key. Its answers, errors included,
-come back unchanged.
+come back unchanged. The path goes exactly as the client encoded it: decoded and parsed again, an id such as
+`..%2F..%2Fhealth` would become a different path on the jobs service instead of an id it refuses (400).
 """
 from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import ApiError
@@ -22,7 +24,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     if not gw.jobs_url:
         raise ApiError(404, "Files and Batches need the jobs service: start the gateway with --jobs-url.")
     session = request.app[JOBS_SESSION]
-    url = gw.jobs_url.rstrip("/") + request.rel_url.path_qs
+    url = URL(gw.jobs_url.rstrip("/") + request.rel_url.raw_path_qs, encoded=True)
     headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
     data = request.content if request.body_exists else None
     reply: web.StreamResponse | None = None

@@ -61,14 +61,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = plan_tools(req, gw.tool_call_parser)
     messages = template_messages(req.template_messages())
     try:
-        ids = gw.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message,
-                                       template_kwargs=req.chat_template_kwargs, tools=tools.template_tools)
+        text = gw.tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message,
+                                        template_kwargs=req.chat_template_kwargs, tools=tools.template_tools)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages") from None
-    gw.check_length(ids, "messages")
+    # The rendered template already holds any special tokens it wants (BOS included): add none.
+    ids = gw.prompt_ids(text, "messages", add_special_tokens=False)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true.", "top_logprobs")
     max_new = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
@@ -81,8 +82,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parser = gw.reasoning_parser if req.separate_reasoning else None
     params = gw.build_params(after_reasoning(values, parser, gw.tokenizer), names)
     await gw.check_constraint(params, names)
-    job = Job(req.rid or new_id(), ids, params, req.stop_list(),
-              req.skip_special_tokens and not tools.needs_special_tokens, req.no_stop_trim, lora=lora)
+    job = Job(new_id(), ids, params, req.stop_list(), req.skip_special_tokens and not tools.needs_special_tokens,
+              req.no_stop_trim, lora=lora, public_id=req.rid or "")
     with gw.backend.admit(), gw.backend.generation(job) as gen:
         if req.stream:
             return await _stream_chat(request, gw, req, job, gen, parser, tools)
@@ -104,7 +105,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                        calls.finish_reason(r.finish_reason, r.matched_stop)))
     usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
                       reasoning_tokens)
-    return web.json_response(fmt.chat_completion(job.rid, int(time.time()), req.model or gw.served_model_name,
+    return web.json_response(fmt.chat_completion(job.public_id, int(time.time()), req.model or gw.served_model_name,
                                                  choices, usage))
 
 
@@ -120,7 +121,7 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
             async for u in updates:
                 if not sse.started:  # the role comes first, once the workers have accepted the request
                     for i in range(req.n):
-                        await sse.send(fmt.chat_chunk(job.rid, created, model,
+                        await sse.send(fmt.chat_chunk(job.public_id, created, model,
                                                       [fmt.chunk_choice(i, {"role": "assistant", "content": ""})]))
                 splitter = splitters[u.index]
                 if splitter is not None and splitter.in_reasoning:
@@ -134,14 +135,14 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
                 if delta or lps or u.finish_reason is not None:
                     running = fmt.usage(gen.prompt_tokens, gen.completion_tokens, None) \
                         if req.continuous_usage else None
-                    await sse.send(fmt.chat_chunk(job.rid, created, model, [
+                    await sse.send(fmt.chat_chunk(job.public_id, created, model, [
                         fmt.chunk_choice(u.index, delta, lps, *finish)], running))
     except ApiError as exc:
         return await sse.fail(exc)
     if req.include_usage:
         usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
                           reasoning_tokens)
-        await sse.send(fmt.chat_chunk(job.rid, created, model, [], usage))
+        await sse.send(fmt.chat_chunk(job.public_id, created, model, [], usage))
     return await sse.done()
 
 
@@ -171,7 +172,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     many = len(prompts) > 1
     loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, len(prompts), "lora_path")]
     ids_list = [gw.prompt_ids(p, f"prompt.{k}" if many else "prompt") for k, p in enumerate(prompts)]
-    rid = req.rid or new_id()
+    rid = req.rid or new_id()  # the answer's id; each prompt's job has its own server-side id
+    base = new_id()
     jobs = []
     for k, ids in enumerate(ids_list):
         max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
@@ -180,8 +182,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         names = dict(COMPLETION_NAMES, **constraint_names)
         params = gw.build_params(values, names)
         await gw.check_constraint(params, names)
-        jobs.append(Job(f"{rid}-{k}" if many else rid, ids, params, req.stop_list(), req.skip_special_tokens,
-                        req.no_stop_trim, lora=loras[k]))
+        jobs.append(Job(f"{base}-{k}" if many else base, ids, params, req.stop_list(), req.skip_special_tokens,
+                        req.no_stop_trim, lora=loras[k], public_id=rid))
     echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
               for p, ids in zip(prompts, ids_list)]
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:

@@ -6,13 +6,22 @@ Value ranges are checked once, by the runtime's SamplingParams; these schemas ch
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from pdserve.services.gateway.errors import ApiError, from_validation_error, unsupported
 
 StopField = Union[str, list[str], None]
+# OpenAI takes up to 4 stop strings; SGLang sets no bound. Every generated piece of text is matched against
+# each of them, so thousands would slow every token of the request: 64 is generous for any real use.
+MAX_STOP_STRINGS = 64
+
+
+def check_stop_count(v: StopField) -> StopField:
+    if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, not {len(v)}")
+    return v
 
 # Fields that belong to later work, with the feature they stand for. A field is refused when present with a
 # value that asks for something (None, empty containers and the neutral values below are accepted).
@@ -95,6 +104,8 @@ class OpenAISampling(_Schema):
     ebnf: str | None = None
     json_schema: str | None = None
     structural_tag: str | None = None
+
+    _check_stop_count = field_validator("stop")(check_stop_count)
 
     @field_validator("stop")
     @classmethod
@@ -262,14 +273,23 @@ class NativeSampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     custom_params: Any = None  # accepted by name so that the refusal above can name it
 
+    _check_stop_count = field_validator("stop")(check_stop_count)
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+# sampling_params are validated per prompt (NativeSampling, naming the prompt in errors); the API document
+# shows what they hold.
+_SAMPLING_SCHEMA = NativeSampling.model_json_schema()
+SamplingParamsField = Annotated[dict[str, Any] | list[dict[str, Any]] | None, WithJsonSchema(
+    {"anyOf": [_SAMPLING_SCHEMA, {"type": "array", "items": _SAMPLING_SCHEMA}, {"type": "null"}]})]
 
 
 class GenerateRequest(_Schema):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsField = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1

@@ -40,8 +40,35 @@ class ReservedTemplateKwarg(ValueError):
         self.name = name
 
 
-# Names apply_chat_template hands its renderer besides its own arguments, and the functions templates may call.
-RENDER_NAMES = frozenset({"conversations", "messages", "raise_exception", "strftime_now", "dict", "namespace"})
+# Names apply_chat_template hands its renderer besides its own arguments, and the functions templates may call
+# (Jinja's own globals and those transformers adds; `template_names` adds any others the environment defines).
+RENDER_NAMES = frozenset({"conversations", "messages", "raise_exception", "strftime_now", "dict", "namespace",
+                          "range", "lipsum", "cycler", "joiner"})
+
+
+@dataclass(frozen=True)
+class TemplateNames:
+    variables: frozenset[str]  # what the templates read from their context (enable_thinking, messages, ...)
+    functions: frozenset[str]  # the globals of the environment they render in (raise_exception, range, ...)
+
+
+def template_names(template: str | dict | None) -> TemplateNames:
+    """The names the model's chat template(s) use, read from their syntax tree in the Jinja environment
+    transformers renders them with. A template that does not parse reads nothing (rendering it fails anyway)."""
+    from jinja2 import TemplateError, meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    templates = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    variables: set[str] = set()
+    functions: set[str] = set()
+    for text in templates:
+        try:
+            env = _compile_jinja_template(text).environment
+            variables |= meta.find_undeclared_variables(env.parse(text))
+        except TemplateError:
+            continue
+        functions |= set(env.globals)
+    return TemplateNames(frozenset(variables), frozenset(functions))
 
 
 class ModelTokenizer:
@@ -63,8 +90,15 @@ class ModelTokenizer:
         # What a request's template variables may not replace: which template runs and with what (the
         # arguments of apply_chat_template), what the renderer passes it, and the tokenizer's special tokens.
         params = inspect.signature(self.tok.apply_chat_template).parameters.values()
-        self.reserved_template_kwargs: frozenset[str] = RENDER_NAMES | frozenset(self.tok.special_tokens_map) \
+        names = template_names(self.tok.chat_template)
+        self.reserved_template_kwargs: frozenset[str] = RENDER_NAMES | names.functions \
+            | frozenset(self.tok.special_tokens_map) \
             | {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        # The only request variables that reach the template: those it reads. Any other name could matter only
+        # to apply_chat_template itself (its arguments, today's or a later version's), never to the prompt.
+        self.template_variables: frozenset[str] = names.variables - self.reserved_template_kwargs
+        # Characters of the vocabulary's longest token: a text longer than the context times this cannot fit.
+        self.max_token_chars = max((len(t) for t in self.tok.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:
@@ -89,10 +123,11 @@ class ModelTokenizer:
             raise ReservedTemplateKwarg(reserved)
         if not self.has_chat_template:
             raise ValueError("the model has no chat template; pass --chat-template FILE to the gateway")
+        variables = {k: v for k, v in (template_kwargs or {}).items() if k in self.template_variables}
         try:
             return self.tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, tools=tools or None, **(template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools or None, **variables)
         except Exception as exc:  # jinja errors (e.g. raise_exception in the template) are user input problems
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 

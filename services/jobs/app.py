@@ -6,6 +6,7 @@ own. Authentication and the mapping of every error to an HTTP status happen here
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from dataclasses import dataclass
 
@@ -39,7 +40,8 @@ async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
     settings: Settings = request.app[SETTINGS]
     try:
         if settings.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
+            # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; compare them as sent.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
@@ -164,9 +166,11 @@ async def delete_file(request: web.Request) -> web.Response:
 
 async def create_batch(request: web.Request) -> web.Response:
     try:
-        body = await request.json()
-    except ValueError:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError):
         raise bad_request("The request body is not valid JSON.") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
     params = batches.parse_create(body)
     settings: Settings = request.app[SETTINGS]
     created = now()

@@ -8,6 +8,7 @@ naming each bad line (1-based), and no items are queued.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from pdserve.services.jobs.errors import bad_request, invalid_id
@@ -22,6 +23,7 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_REQUESTS = 50_000
 MAX_ERRORS = 100  # errors reported per failed batch; the rest are counted in the last message
 MAX_METADATA = 16
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
               "cancelled_at")
 
@@ -62,7 +64,19 @@ def parse_create(body: object) -> CreateParams:
             if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
                 raise bad_request("'metadata' keys are strings of at most 64 characters and values strings of "
                                   "at most 512.", "metadata")
+            if not (is_text(key) and is_text(value)):
+                raise bad_request("'metadata' holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
+                                  "escape), which is not text.", "metadata")
     return CreateParams(file_id, endpoint, window, metadata)
+
+
+def is_text(value: str) -> bool:
+    """Whether `value` is Unicode text that UTF-8 can store: JSON's "\\ud800" parses to a string that is not."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,11 @@ def parse_line(line: str, number: int, endpoint: str, index: int, errors: LineEr
         return None
     if not isinstance(request, dict):
         errors.add(number, "invalid_json", f"Line {number} must be a JSON object.")
+        return None
+    # Only a \uD800-\uDFFF escape can put a lone surrogate into the parsed line; Redis could not store it.
+    if _SURROGATE_ESCAPE.search(line) and not is_text(json.dumps(request, ensure_ascii=False)):
+        errors.add(number, "invalid_json", f"Line {number} holds a lone UTF-16 surrogate (an unpaired \\uD800-"
+                   "\\uDFFF escape), which is not text.")
         return None
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:

@@ -48,7 +48,9 @@ async def read_upload(request: web.Request, max_bytes: int) -> Upload:
             raw = await part.read_chunk(MAX_FIELD_BYTES + 1)
             purpose = raw.decode("utf-8", "replace").strip()
         elif part.name == "file":
-            filename = part.filename or "upload"
+            # Header bytes that are not UTF-8 arrive as lone surrogates, which Redis cannot store: the name
+            # is only a label, so they become "?" rather than failing the upload.
+            filename = (part.filename or "upload").encode("utf-8", "replace").decode("utf-8")
             chunks: list[bytes] = []
             size = 0
             while chunk := await part.read_chunk(CHUNK):
