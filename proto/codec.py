@@ -16,6 +16,7 @@ from pdserve.shared.compat import Compat
 from pdserve.shared.engine import FirstToken
 from pdserve.shared.req import ReqOutput, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.weights import WeightsVersion
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
@@ -112,4 +113,13 @@ def compat_to_proto(compat: Compat) -> pb.Compat:
 def compat_from_proto(msg: pb.Compat) -> Compat:
     return Compat(model=msg.model, dtype=msg.dtype, page_size=msg.page_size, num_layers=msg.num_layers,
                   num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, transfer_backend=msg.transfer_backend,
-                  lora_adapters=tuple(msg.lora_adapters))
+                  lora_adapters=tuple(msg.lora_adapters), weights_version=msg.weights_version)
+
+
+# ------------------------------------------------------------------ weights version
+def weights_to_proto(version: WeightsVersion) -> pb.WeightsVersion:
+    return pb.WeightsVersion(number=version.number, path=version.path)
+
+
+def weights_from_proto(msg: pb.WeightsVersion) -> WeightsVersion:
+    return WeightsVersion(msg.number, msg.path)

@@ -95,6 +95,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.Empty.SerializeToString,
                 response_deserializer=worker__pb2.ExpertDumpReply.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/pdserve.Worker/UpdateWeights',
+                request_serializer=worker__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=worker__pb2.UpdateWeightsReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -174,6 +179,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +247,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.DumpExpertRecord,
                     request_deserializer=worker__pb2.Empty.FromString,
                     response_serializer=worker__pb2.ExpertDumpReply.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=worker__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=worker__pb2.UpdateWeightsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -563,6 +579,33 @@ class Worker:
             '/pdserve.Worker/DumpExpertRecord',
             worker__pb2.Empty.SerializeToString,
             worker__pb2.ExpertDumpReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/UpdateWeights',
+            worker__pb2.UpdateWeightsRequest.SerializeToString,
+            worker__pb2.UpdateWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,11 +20,18 @@ class Compat:
     # "name@version" of the LoRA adapters loaded at start-up: a request's adapter must mean the same weights on
     # both sides (adapters loaded later are checked per request, by version).
     lora_adapters: tuple[str, ...] = ()
+    # WeightsVersion.label of the model weights served. Exchanged but not a reason to refuse a peer: a worker
+    # restarted after a weight update must be able to rejoin, so that the next update brings it level with the
+    # others. Until then, and while an update is under way, a prefill worker refuses each request of a peer on
+    # other weights (Engine.check_peer_weights).
+    weights_version: str = "0"
 
     def mismatches(self, other: Compat, me: str = "this worker", peer: str = "the peer") -> list[str]:
         """Human-readable differences, e.g. "page_size: prefill has 16, decode has 32"."""
         out = []
         for f in fields(self):
+            if f.name == "weights_version":
+                continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 out.append(f"{f.name}: {me} has {_show(mine)}, {peer} has {_show(theirs)}")

@@ -34,6 +34,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    # Sequence classifiers (reward models): the same decoder, a `score` head on the last token's hidden state.
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    # Bare decoders, saved without any head (embedding checkpoints): served only for their embeddings.
+    "LlamaModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 
 
@@ -93,6 +101,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
     moe: MoeConfig | None = None  # the expert block of a Mixture-of-Experts model
+    num_labels: int = 0  # a sequence classifier's outputs; 0 for a language model
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_labels > 0
+
+    @property
+    def is_bare(self) -> bool:
+        """A decoder without a head: its hidden states are all it gives (an embedding model)."""
+        return not self.architecture.endswith(("ForCausalLM", "ForSequenceClassification"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -149,6 +167,8 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             moe=(MoeConfig.from_raw(raw, model_type, raw["num_hidden_layers"])
                  if model_type in ("qwen2_moe", "qwen3_moe", "mixtral") else None),
+            num_labels=(len(raw.get("id2label") or {}) or int(raw.get("num_labels", 2))
+                        if architecture.endswith("ForSequenceClassification") else 0),
         )
 
     def identity(self) -> str:
@@ -241,6 +261,8 @@ class RuntimeConfig:
     # Same prompt, same greedy tokens, bit for bit, whatever else is batched, cached or chunked with it.
     deterministic: bool = False
     lora: LoraConfig | None = None  # None: LoRA disabled (no slots allocated, adapter requests refused)
+    # --is-embedding on a decoder: the model's last hidden state is the output (pooled by the caller), no LM head.
+    is_embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

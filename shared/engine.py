@@ -32,6 +32,7 @@ from pdserve.shared.req import Req, ReqOutput, ReqStatus, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
+from pdserve.shared.weights import Checkpoint, WeightsError, WeightsVersion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,13 +71,33 @@ class StepStats:
 TransferFn = Callable[[Req], float]
 
 
+class RequestObserver:
+    """Hooks at a request's lifecycle, for metrics; called on the engine thread, and doing nothing here.
+
+    Each runs once per request, or once per output message of a request, never per batch: keep them cheap.
+    """
+
+    def scheduled(self, req: Req) -> None:
+        """The first chunk of `req`'s prompt ran (at `req.first_scheduled`): its queue time is over."""
+
+    def prefilled(self, req: Req) -> None:
+        """The KV of `req`'s fresh prompt is complete (`req.cached_tokens` of it came from the prefix cache)."""
+
+    def output(self, req: Req, num_tokens: int, finish_reason: str | None) -> None:
+        """`num_tokens` new tokens of `req` (none when it only finishes) are leaving through `on_output`."""
+
+
 class Engine:
     def __init__(self, config: RuntimeConfig, role: Role = Role.COLOCATED, runner: ModelRunner | None = None,
-                 transfer_fn: TransferFn | None = None, poll_fn: Callable[[], None] | None = None) -> None:
+                 transfer_fn: TransferFn | None = None, poll_fn: Callable[[], None] | None = None,
+                 observer: RequestObserver | None = None) -> None:
         self.config = config
         self.role = role
         self.runner = runner or ModelRunner(config)
         self.model_config = self.runner.model_config
+        # A pooling model (--is-embedding decoder, sequence classifier) has no LM head: nothing to sample.
+        mc = self.model_config
+        self.generates = not (config.is_embedding or mc.is_classifier or mc.is_bare)
         page_size = self.runner.page_size
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.cache = RadixCache(page_size)
@@ -86,6 +107,7 @@ class Engine:
         self.sampler = Sampler()
         self.transfer_fn = transfer_fn
         self.poll_fn = poll_fn
+        self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | ComputeThread | None = None
@@ -96,6 +118,8 @@ class Engine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._experts: ExpertRecorder | None = None  # made at the first recording command
+        self.weights = WeightsVersion(0, config.model_path)  # what the runner serves (see commit_weights)
+        self._staged: tuple[str, object] | None = None  # (path, model) of weights built but not yet served
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -294,6 +318,9 @@ class Engine:
                 reqs.append(req)
                 continue
             self.stats.prefill_tokens += n
+            if req.first_scheduled is None:  # its first chunk: it left the queue when this step began
+                req.first_scheduled = time.monotonic() - compute_s
+                self.observer.scheduled(req)
             if req.num_computed < req.seq_len:
                 req.status = ReqStatus.PREFILLING
                 self.scheduler.chunked = req
@@ -301,6 +328,8 @@ class Engine:
             if self.scheduler.chunked is req:
                 self.scheduler.chunked = None
             self.scheduler.cache_pages(req, lock=True)
+            if not req.output_ids:  # a fresh prompt, not the recompute of a retracted request
+                self.observer.prefilled(req)
             # A fresh prompt with n > 1 becomes n choices sharing the prompt's pages; a prefill
             # worker only samples each choice's first token, the decode worker forks the pages.
             if req.output_ids:
@@ -461,6 +490,7 @@ class Engine:
         if not new_ids and finish_reason is None:
             return
         req.num_sent = len(req.output_ids)
+        self.observer.output(req, len(new_ids), finish_reason)
         prompt_lps = None
         if req.input_logprobs and not req.input_logprobs_sent and req.index == 0:
             prompt_lps, req.input_logprobs_sent = req.input_logprobs, True
@@ -519,6 +549,49 @@ class Engine:
                 raise no_experts(Path(self.config.model_path).name)
             self._experts = ExpertRecorder(self.model_config.num_layers, moe.num_experts, self.runner.device)
         return self._experts
+
+    # ------------------------------------------------------------ model weights (engine thread; shared/weights.py)
+    def stage_weights(self, checkpoint: Checkpoint) -> None:
+        """Build `checkpoint`'s weights beside the running ones, which keep serving until commit_weights.
+        Replaces weights staged before. Raises WeightsError, and then nothing is staged."""
+        self._staged = None  # the previous staged model is freed before the next one is built
+        self._staged = (checkpoint.source, self.runner.build_weights(checkpoint))
+
+    @property
+    def staged_weights(self) -> str | None:
+        """The path of the weights staged, or None."""
+        return self._staged[0] if self._staged is not None else None
+
+    def discard_weights(self) -> None:
+        self._staged = None
+
+    def commit_weights(self, version: WeightsVersion, abort_reason: str | None = None) -> int | None:
+        """Serve the staged weights from the next step on, as `version`, with an empty prefix cache.
+
+        Only once no request is live, so that none mixes two versions (in PD mode: is prefilled with one and
+        decoded with the other). `abort_reason`: abort every live request first, with that error. Returns how
+        many requests were aborted, or None when requests still run and nothing changed: ask again later."""
+        if self._staged is None:
+            raise WeightsError("no weights are staged")
+        rids = {r.rid for r in self.scheduler.live_reqs()} if abort_reason is not None else set()
+        for rid in rids:
+            self.abort(rid, error=abort_reason)
+        if self.scheduler.live_reqs() or not self.scheduler.flush_cache():  # old KV must never meet new weights
+            return None
+        self.runner.swap_weights(self._staged[1])
+        self._staged = None
+        self.weights = version
+        log.info("serving weights version %s", version.label)
+        return len(rids)
+
+    def check_peer_weights(self, label: str) -> None:
+        """Prefill role: refuse KV for a decode worker that serves other weights (the label it sent); ValueError.
+        Called on the engine thread, where no commit can come between this check and the request's prefill."""
+        if label and label != self.weights.label:
+            raise WeightsError(f"the decode worker serves weights version {label} and this prefill worker version "
+                               f"{self.weights.label}: KV cannot move between different weights (retry once the "
+                               "weight update under way is over, or update the weights again after a worker "
+                               "restarted)")
 
     def load(self) -> dict[str, int]:
         s = self.scheduler

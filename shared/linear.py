@@ -8,13 +8,26 @@ CPU whose oneDNN cannot pack the dtype) it is a plain `F.linear`.
 A step of at most GEMV_MAX_ROWS tokens (decoding one or a few sequences) only streams the weights once, and
 there the native bf16 GEMV (kernels/native/gemv.cpp) reads them 1.5-2.7x faster than oneDNN; the layer keeps
 the plain bf16 weight for it beside the packed one.
+
+Wide steps (prefill, at least WIDE_MIN_ROWS tokens) are bound by arithmetic, and on a CPU without AMX oneDNN's
+bf16 kernels (AVX512-BF16 dot products) compute slower than its fp32 ones: measured 1.45x slower at 256 rows
+of the default model's shapes on a 2-core Xeon. There a bf16 layer also keeps an fp32 packed copy of its
+weight and computes wide steps in fp32 (inputs widened exactly, fp32 accumulation as in the bf16 kernel,
+output rounded back to bf16). Whether that pays is measured once per process (`wide_f32_pays`), so a CPU with
+AMX, where bf16 wins, pays no memory for it; PDSERVE_CPU_WIDE_MATMUL=bf16|f32 overrides the measurement.
 """
 from __future__ import annotations
+
+import logging
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import native
+
+log = logging.getLogger(__name__)
 
 
 # oneDNN computes a row of a packed bf16 matmul with one kernel for fewer than 8 rows and another, which
@@ -22,6 +35,9 @@ from pdserve.kernels import native
 # the same bits. A batch-invariant Linear therefore pads its input to 8 rows.
 BATCH_INVARIANT_MIN_ROWS = 8
 GEMV_MAX_ROWS = 4
+# From this many rows a step may run its bf16 matmuls in fp32 (see above); below, bf16 measured as fast or
+# faster (0.74x at 8 rows, 1.05x at 32, 1.24x at 64, 1.45x at 256 on the 2-core Xeon).
+WIDE_MIN_ROWS = 64
 
 
 class Linear:
@@ -36,6 +52,9 @@ class Linear:
         # The GEMV sums in another order than oneDNN, so a batch-invariant layer never uses it.
         self._gemv_weight = None if batch_invariant else _gemv_weight(weight)
         self._gemv = native.load().gemv if self._gemv_weight is not None else None
+        # Batch-invariant layers never switch kernels with the number of rows.
+        wide = self._packed is not None and weight.dtype == torch.bfloat16 and not batch_invariant and wide_f32_pays()
+        self._packed_f32 = _pack(weight.float()) if wide else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features]."""
@@ -45,6 +64,10 @@ class Linear:
             return out if self.bias is None else out.add_(self.bias)
         if rows < self.min_rows:
             return self(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]
+        if self._packed_f32 is not None and rows >= WIDE_MIN_ROWS:
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self._packed_f32, None, "none", [], "")
+            out = out.to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self._weight, self.bias)
@@ -83,3 +106,45 @@ def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     weight = weight.contiguous()
     return weight if lib.gemv_supported(weight) else None
+
+
+_wide_f32: bool | None = None
+
+
+def wide_f32_pays() -> bool:
+    """Whether wide bf16 matmuls run faster in fp32 on this CPU: decided once per process, by timing one
+    packed matmul of the default model's MLP shape both ways (about 0.1 s), or by PDSERVE_CPU_WIDE_MATMUL."""
+    global _wide_f32
+    if _wide_f32 is None:
+        choice = os.environ.get("PDSERVE_CPU_WIDE_MATMUL", "auto")
+        if choice not in ("auto", "bf16", "f32"):
+            raise ValueError(f"PDSERVE_CPU_WIDE_MATMUL must be auto, bf16 or f32, got {choice!r}")
+        _wide_f32 = choice == "f32" if choice != "auto" else _measure_wide_f32()
+        log.info("wide CPU matmuls of bf16 weights run in %s", "fp32" if _wide_f32 else "bf16")
+    return _wide_f32
+
+
+def _measure_wide_f32(rows: int = 256, k: int = 576, n: int = 1536, reps: int = 5) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    try:
+        bf16 = (x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()))
+        f32 = (x, torch.ops.mkldnn._reorder_linear_weight(w))
+    except RuntimeError:
+        return False
+
+    def best(inputs) -> float:
+        a, packed = inputs
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])  # the first call builds oneDNN's kernel
+
+    # Interleaved, so a burst of load from elsewhere falls on both; fp32 must win clearly.
+    t_bf16, t_f32 = min(best(bf16), best(bf16)), min(best(f32), best(f32))
+    return t_bf16 > 1.2 * t_f32

@@ -16,6 +16,7 @@ from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
+from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,8 +57,9 @@ class ModelRunner:
         kernel_set = resolve_kernel_set("native" if config.deterministic else config.attention_backend,
                                         self.device, self.dtype)
         self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
+        self.hidden_output = config.is_embedding or mc.is_bare  # an embedding model: no LM head
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
-                                     batch_invariant=config.deterministic)
+                                     batch_invariant=config.deterministic, hidden_output=self.hidden_output)
         self.model.load(config.model_path)
         self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
         if config.lora is not None:
@@ -75,6 +77,28 @@ class ModelRunner:
     @property
     def page_size(self) -> int:
         return self.pool.page_size
+
+    # ---------------------------------------------------------------- live weight updates (shared/weights.py)
+    def read_weights(self, model_path: str) -> Checkpoint:
+        """The checkpoint at `model_path`, checked against the running model; file I/O only, any thread."""
+        return read_checkpoint(model_path, self.model_config, self.model.checkpoint_shapes)
+
+    def build_weights(self, checkpoint: Checkpoint) -> LlamaForCausalLM:
+        """A model holding `checkpoint`'s weights, prepared exactly as the running one was (dtype, device, packed
+        matmuls); the running model is not touched. Consumes checkpoint.tensors, so each raw tensor is freed once
+        converted. Compute: call it on the engine thread. Raises WeightsError."""
+        check_finite(checkpoint.tensors)
+        staged = LlamaForCausalLM(self.model_config, self.dtype, self.device, self.context_length,
+                                  batch_invariant=self.config.deterministic, hidden_output=self.hidden_output)
+        try:
+            staged.load(checkpoint.directory, checkpoint.tensors)
+        except (RuntimeError, ValueError) as exc:  # out of memory, or a tensor the checks could not foresee
+            raise WeightsError(f"cannot build the new weights: {exc}") from None
+        return staged
+
+    def swap_weights(self, staged: LlamaForCausalLM) -> None:
+        """Serve `staged`'s weights from the next forward on (engine thread, between two steps)."""
+        self.model.take_weights(staged)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch; the logits of the

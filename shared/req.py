@@ -85,7 +85,9 @@ class Req:
     matched_stop_token: int | None = None
     num_sent: int = 0  # output tokens already reported through on_output
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # when its first prompt chunk ran: the end of its queue time
     first_token_time: float | None = None
+    last_output: float | None = None  # when its latest tokens left through on_output (inter-token latency)
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
     input_logprobs_sent: bool = False
     lora: LoraAdapter | None = None  # the adapter the request runs with (None: the base model)

@@ -22,6 +22,33 @@ from pdserve.shared.scheduler import Batch
 _NO_SAMPLING = SamplingParams(max_new_tokens=0)
 
 
+@dataclass(frozen=True)
+class DecoderPooling:
+    """How a pooling decoder's output is served: an embedding (last token, maybe L2-normalised) or the raw
+    scores of a sequence classifier."""
+
+    kind: str  # "an embedding model" or "a classification model", for messages
+    normalize: bool
+
+    @classmethod
+    def for_model(cls, model_dir: str, is_classifier: bool) -> DecoderPooling:
+        if is_classifier:
+            return cls("a classification model", False)
+        from pathlib import Path
+
+        from pdserve.shared.pooling import PoolingConfig
+
+        # Decoder embedding checkpoints (gte-Qwen2 and the like) pool the last token and normalise; a
+        # sentence-transformers modules.json may say so, or say otherwise.
+        if not (Path(model_dir) / "modules.json").exists():
+            return cls("an embedding model", True)
+        config = PoolingConfig.from_dir(model_dir)
+        if config.mode != "last":
+            raise ValueError(f"{model_dir}: {config.mode} pooling of a decoder is not supported (a causal "
+                             "model's embedding is its last token's hidden state: pooling_mode_lasttoken)")
+        return cls("an embedding model", config.normalize)
+
+
 class PoolBusy(RuntimeError):
     """The KV pool has no room for the group now (running generations hold it); retry later."""
 
@@ -48,13 +75,18 @@ def plan_groups(lengths: list[int], max_tokens: int) -> list[range]:
 
 def check_inputs(seqs: list[list[int]], label_ids: list[int], vocab_size: int, context_length: int) -> None:
     """ValueError for inputs the runtime cannot score (the gateway checks the same, in the API's words)."""
-    if not seqs:
-        raise ValueError("no input to score")
     if not label_ids:
         raise ValueError("label_token_ids is empty")
     bad = next((t for t in label_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"label token id {bad} is outside the vocabulary (size {vocab_size})")
+    check_sequences(seqs, vocab_size, context_length)
+
+
+def check_sequences(seqs: list[list[int]], vocab_size: int, context_length: int) -> None:
+    """ValueError for token sequences the runtime cannot prefill."""
+    if not seqs:
+        raise ValueError("no input to score")
     for seq in seqs:
         if not seq:
             raise ValueError("an input is empty")
@@ -67,6 +99,26 @@ def check_inputs(seqs: list[list[int]], label_ids: list[int], vocab_size: int, c
 
 def score_group(engine, seqs: list[list[int]], label_ids: list[int]) -> ScoreResult:
     """Engine thread only. Log-probabilities of `label_ids` after each sequence of `seqs`."""
+    logits, cached = _last_rows(engine, seqs)  # [B, V]
+    labels = torch.tensor(label_ids, dtype=torch.int64, device=logits.device)
+    # Normalise over the whole vocabulary in fp32: a label's probability is what sampling would give it.
+    logprobs = torch.log_softmax(logits.float(), dim=-1).index_select(1, labels)  # [B, L]
+    return ScoreResult(logprobs.tolist(), sum(len(s) for s in seqs), cached)
+
+
+def pool_group(engine, seqs: list[list[int]], normalize: bool) -> ScoreResult:
+    """Engine thread only. A pooling decoder's output for each sequence of `seqs`: its last token's final
+    hidden state (an embedding, L2-normalised when `normalize`) or a classifier's scores."""
+    out, cached = _last_rows(engine, seqs)  # [B, H] or [B, labels]
+    out = out.float()
+    if normalize:
+        out = torch.nn.functional.normalize(out, dim=-1)
+    return ScoreResult(out.tolist(), sum(len(s) for s in seqs), cached)
+
+
+def _last_rows(engine, seqs: list[list[int]]) -> tuple[torch.Tensor, int]:
+    """One prefill forward of `seqs` on the paged runtime: the model's output at each last token, and the
+    prompt tokens read from the prefix cache. No page outlives the call (full ones stay cached)."""
     scheduler, runner = engine.scheduler, engine.runner
     reqs = [Req(rid="score", input_ids=list(seq), params=_NO_SAMPLING) for seq in seqs]
     admitted: list[Req] = []
@@ -77,13 +129,10 @@ def score_group(engine, seqs: list[list[int]], label_ids: list[int]) -> ScoreRes
             if not scheduler.grow(req, req.seq_len):
                 raise PoolBusy(f"the KV pool has no room for {req.seq_len} more tokens now; retry later")
         batch = Batch(reqs, is_decode=False, extend_lens=[r.seq_len - r.num_computed for r in reqs])
-        logits = runner.forward(batch)  # [B, V]
+        out = runner.forward(batch)  # [B, V]
         for req, n in zip(reqs, batch.extend_lens):
             req.num_computed += n
-        labels = torch.tensor(label_ids, dtype=torch.int64, device=logits.device)
-        # Normalise over the whole vocabulary in fp32: a label's probability is what sampling would give it.
-        logprobs = torch.log_softmax(logits.float(), dim=-1).index_select(1, labels)  # [B, L]
-        return ScoreResult(logprobs.tolist(), sum(len(s) for s in seqs), sum(r.cached_tokens for r in reqs))
+        return out, sum(r.cached_tokens for r in reqs)
     finally:
         for req in admitted:
             scheduler.release(req, cache=True)

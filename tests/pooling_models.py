@@ -52,3 +52,59 @@ def make_tiny_classifier(minilm_dir: Path, out_dir: Path, seed: int = 0) -> Path
     model.eval().save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(str(minilm_dir)).save_pretrained(out_dir)
     return out_dir
+
+
+def _tiny_decoder_config(kind: str, **extra):
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2,
+                  bos_token_id=1, pad_token_id=2, **extra)
+    return tf.Qwen2Config(**common) if kind == "qwen2" else tf.LlamaConfig(**common)
+
+
+def _spread(model) -> None:
+    with torch.no_grad():  # std 0.02 init makes every output near-identical: let each weight matter
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+
+
+def make_tiny_decoder_embedder(out_dir: Path, seed: int = 0) -> Path:
+    """A bare 2-layer Qwen2 (saved from Qwen2Model, so without the "model." prefix, as gte-Qwen2-style
+    checkpoints are) whose sentence-transformers files ask for last-token pooling and normalisation."""
+    import json
+
+    from transformers import Qwen2Model
+
+    from fixtures import make_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    model = Qwen2Model(_tiny_decoder_config("qwen2"))
+    _spread(model)
+    model.eval().save_pretrained(out_dir)
+    make_tiny_tokenizer(out_dir)
+    (out_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}))
+    return out_dir
+
+
+def make_tiny_reward_model(out_dir: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A 2-layer LlamaForSequenceClassification (the reference's Skywork reward model's architecture)."""
+    from transformers import LlamaForSequenceClassification
+
+    from fixtures import make_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(_tiny_decoder_config("llama", num_labels=num_labels))
+    _spread(model)
+    model.eval().save_pretrained(out_dir)
+    make_tiny_tokenizer(out_dir)
+    return out_dir

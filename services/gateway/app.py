@@ -1,9 +1,9 @@
 """The gateway's aiohttp application: routes, middlewares, and the worker pool's lifecycle.
 
 Middlewares, outermost first: request counting (sees every final status), error mapping (every exception
-becomes an OpenAI-shaped error), API key check. The worker pool starts with the app and stops with it.
-Handlers are cancelled when their client disconnects (see `run`), which cancels the gRPC calls they hold
-and so aborts the requests on the workers.
+becomes an OpenAI-shaped error), body size limit, API key check. The worker pool starts with the app and
+stops with it. Handlers are cancelled when their client disconnects (see `run`), which cancels the gRPC
+calls they hold and so aborts the requests on the workers.
 """
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import logging
 
 from aiohttp import web
 
-from pdserve.services.gateway import expert_api, jobs_proxy, lora_api, native_api, openai_api, pooling_api
+from pdserve.services.gateway import (expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi, pooling_api,
+                                      weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
-from pdserve.services.gateway.errors import ApiError, error_middleware
+from pdserve.services.gateway.errors import ApiError, error_middleware, too_large
 
 log = logging.getLogger("pdserve.gateway")
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key (orchestrators probe it)
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM)
 
 
 def _route_name(request: web.Request) -> str:
@@ -45,27 +46,42 @@ async def count_requests(request: web.Request, handler):
 
 
 @web.middleware
+async def limit_body(request: web.Request, handler):
+    """413 for a body whose Content-Length is over the limit, before anything reads it (a body without one is
+    cut off at the same limit by aiohttp as it is read). The jobs proxy streams uploads through: the jobs
+    service holds them to its own limit."""
+    limit = request.client_max_size
+    if (request.content_length or 0) > limit and request.match_info.handler is not jobs_proxy.forward:
+        raise too_large(limit)
+    return await handler(request)
+
+
+@web.middleware
 async def check_api_key(request: web.Request, handler):
     key = request.app[GATEWAY].api_key
     if key and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; compare them as sent.
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, key.encode()):
             raise ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.")
     return await handler(request)
 
 
 def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
-    app = web.Application(middlewares=[count_requests, error_middleware, check_api_key],
-                          client_max_size=64 << 20)
+    app = web.Application(middlewares=[count_requests, error_middleware, limit_body, check_api_key],
+                          client_max_size=gateway.max_body_bytes)
     app[GATEWAY] = gateway
     openai_api.add_routes(app)
     native_api.add_routes(app)
     lora_api.add_routes(app)
     expert_api.add_routes(app)
+    weights_api.add_routes(app)
     pooling_api.add_routes(app, list(extra_models))
     jobs_proxy.add_routes(app)
+    openapi.add_routes(app, OPEN_PATHS)
 
     async def pool_lifecycle(app: web.Application):
         await gateway.backend.pool.start()

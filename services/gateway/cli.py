@@ -46,13 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
     parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker checks")
-    parser.add_argument("--embedding-model", default=None, metavar="PATH",
+    parser.add_argument("--embedding-model", default=os.environ.get("PDSERVE_EMBEDDING_MODEL") or None,
+                        metavar="PATH",
                         help="also serve this embedding or cross-encoder model on its own workers "
-                             "(--embedding-worker); requests pick it by their 'model'")
-    parser.add_argument("--embedding-worker", action="append", default=[], metavar="HOST:PORT",
-                        help="worker serving --embedding-model (repeatable; a DNS name may resolve to several)")
+                             "(--embedding-worker); requests pick it by their 'model' (default: "
+                             "$PDSERVE_EMBEDDING_MODEL)")
+    parser.add_argument("--embedding-worker", action="append", metavar="HOST:PORT",
+                        default=os.environ.get("PDSERVE_EMBEDDING_WORKER", "").replace(",", " ").split(),
+                        help="worker serving --embedding-model (repeatable; a DNS name may resolve to several); "
+                             "added to those in $PDSERVE_EMBEDDING_WORKER (space- or comma-separated)")
     parser.add_argument("--embedding-served-model-name", default=None,
                         help="name clients use for --embedding-model (default: the path as given)")
+    parser.add_argument("--is-embedding", action="store_true",
+                        help="the model is served for embeddings (/v1/embeddings, /encode), as its workers are "
+                             "(`colocated --is-embedding`); encoders and sequence classifiers are recognised alone")
     parser.add_argument("--log-level", default="info")
 
 
@@ -101,7 +108,7 @@ def build(args: argparse.Namespace):
                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                       enable_cache_report=args.enable_cache_report,
                       api_key=args.api_key or None, jobs_url=args.jobs_url, server_args=public_args,
-                      accepted_model_names=frozenset(names))
+                      accepted_model_names=frozenset(names), is_embedding=args.is_embedding)
     from pdserve.services.gateway.served_models import build_embedding_gateway
 
     extra = build_embedding_gateway(args, gateway)

@@ -20,6 +20,9 @@ from pdserve.shared.grammar import GrammarError, Grammars
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+# JSON bodies beyond it are a 413. 32 MiB holds a full context of token ids many times over; file uploads
+# stream through to the jobs service, which has its own limit (--max-file-size).
+MAX_BODY_BYTES = 32 << 20
 
 
 @dataclass
@@ -37,7 +40,9 @@ class Gateway:
     jobs_url: str | None = None
     server_args: dict = field(default_factory=dict)  # for /get_server_info (never the API key)
     accepted_model_names: frozenset[str] = frozenset()
+    is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
     _grammars: Grammars | None = field(default=None, init=False, repr=False)
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -57,6 +62,7 @@ class Gateway:
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, given as text or ids; checked against the vocabulary and the context."""
         if isinstance(prompt, str):
+            self.check_text_size(prompt, param)
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
@@ -66,6 +72,15 @@ class Gateway:
                                     f"(size {self.tokenizer.vocab_size}).", param)
         self.check_length(ids, param)
         return ids
+
+    def check_text_size(self, text: str, param: str) -> None:
+        """400 for a text with more characters than the context holds even in the vocabulary's longest tokens:
+        it cannot fit, and tokenizing megabytes would stall every other request on the event loop."""
+        limit = self.backend.context_length()
+        max_chars = limit * self.tokenizer.max_token_chars
+        if len(text) > max_chars:
+            raise ApiError(400, f"The prompt ({param!r}) has {len(text)} characters, more than the model's context "
+                                f"length of {limit} tokens can hold (at most {max_chars} characters).", param)
 
     def check_length(self, ids: list[int], param: str) -> None:
         limit = self.backend.context_length()

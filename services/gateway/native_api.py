@@ -8,8 +8,10 @@ from dataclasses import fields
 from aiohttp import web
 
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.weights_api import weight_version
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
+from pdserve.services.gateway.served_models import GENERATE, MODELS
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
                                                parse, per_prompt, refuse_unsupported)
@@ -70,9 +72,10 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else gw.backend.context_length() - len(ids)
         params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k], start), NATIVE_NAMES, prefix)
         await gw.check_constraint(params, NATIVE_NAMES, prefix)
-        rid = rids[k] if rids is not None else (f"{base}-{k}" if batch else base)
+        rid = f"{base}-{k}" if batch else base  # the client's rid is only its name for the request (Job)
         jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim,
-                        sp.spaces_between_special_tokens, lora=loras[k]))
+                        sp.spaces_between_special_tokens, lora=loras[k],
+                        public_id=rids[k] if rids is not None else ""))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 
@@ -99,7 +102,7 @@ def _logprob_meta(gw: Gateway, lps: list[TokenLogprob], with_text: bool, top: bo
 
 def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: ChoiceResult, logprob: bool) -> dict:
     tokens = len(r.token_ids)
-    meta = {"id": job.rid, "finish_reason": _finish(r, tokens), "prompt_tokens": gen.prompt_tokens,
+    meta = {"id": job.public_id, "finish_reason": _finish(r, tokens), "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": tokens, "cached_tokens": gen.cached_tokens,
             "e2e_latency": round(gen.e2e_latency, 6)}
     if logprob:
@@ -171,8 +174,10 @@ async def _stream_generate(request: web.Request, gw: Gateway, req: GenerateReque
 async def get_model_info(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     return web.json_response({
-        "model_path": gw.model_path, "is_generation": True, "tokenizer_path": gw.tokenizer_path,
-        "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+        "model_path": gw.model_path, "tokenizer_path": gw.tokenizer_path,
+        "is_generation": request.app[MODELS].primary.kind == GENERATE,
+        "preferred_sampling_params": None, "weight_version": weight_version(request.app),
+        "has_image_understanding": False,
         "has_audio_understanding": False, "model_type": gw.model_config.model_type,
         "architectures": gw.model_config.architectures or None})
 
@@ -235,8 +240,11 @@ async def tokenize(request: web.Request) -> web.Response:
     encode = gw.tokenizer.encode
     limit = gw.backend.context_length()
     if isinstance(req.prompt, str):
+        gw.check_text_size(req.prompt, "prompt")
         tokens = encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
+    for k, p in enumerate(req.prompt):
+        gw.check_text_size(p, f"prompt.{k}")
     lists = [encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
     return web.json_response({"tokens": lists, "count": [len(t) for t in lists], "max_model_len": limit})
 
@@ -261,14 +269,17 @@ async def detokenize(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse(AbortRequestBody, await read_json(request))
+    running = list(gw.backend.generations.values())
     if req.abort_all:
-        rids = list(gw.backend.generations)
+        targets = running
     elif req.rid:
-        rids = [req.rid]
+        # The requests created with this rid (or answered under this id): a client's rid is never the id the
+        # workers know a request by, so it cannot reach another client's request there.
+        targets = [g for g in running if g.job.public_id == req.rid]
     else:
         raise ApiError(400, "Give 'rid' (or 'abort_all': true).", "rid")
-    found = await asyncio.gather(*(gw.backend.abort(rid) for rid in rids))
-    return web.json_response({"rid": req.rid, "aborted": [r for r, f in zip(rids, found) if f]})
+    found = await asyncio.gather(*(gw.backend.abort(g.job.rid) for g in targets))
+    return web.json_response({"rid": req.rid, "aborted": [g.job.public_id for g, f in zip(targets, found) if f]})
 
 
 async def metrics(request: web.Request) -> web.Response:

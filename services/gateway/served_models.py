@@ -6,8 +6,10 @@ second model with its own tokenizer and worker pool. Each model's kind comes fro
 request for an endpoint the model cannot serve is a 400 naming the model and what it serves, answered here
 before any worker is asked:
 - generate: decoder models on the paged runtime (chat, completions, /generate, /v1/score);
-- embed: encoder checkpoints pooled into one vector (/v1/embeddings, /encode);
-- classify: sequence-classification checkpoints, cross-encoders among them (/v1/rerank, /classify).
+- embed: encoder checkpoints pooled into one vector, and decoders served with --is-embedding (/v1/embeddings,
+  /encode);
+- classify: sequence-classification checkpoints, cross-encoders and reward models among them (/v1/rerank,
+  /classify).
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def describe(gw: Gateway) -> ServedModel:
     model_type = gw.model_config.model_type or config.get("model_type")
     archs = gw.model_config.architectures or list(config.get("architectures") or [])
     classifier = any("ForSequenceClassification" in a for a in archs)
-    if model_type not in ENCODER_MODEL_TYPES:
+    bare = bool(archs) and not any(a.endswith(("ForCausalLM", "ForSequenceClassification")) for a in archs)
+    if model_type not in ENCODER_MODEL_TYPES and not (classifier or bare or gw.is_embedding):
         return ServedModel(gw, GENERATE)
     if classifier:
         labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 2))
@@ -171,7 +174,7 @@ def build_embedding_gateway(args: argparse.Namespace, primary: Gateway) -> Gatew
                       default_context_length=config.max_position_embeddings)
     return Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
                    tokenizer_path=str(model_dir), model_config=config, api_key=primary.api_key,
-                   accepted_model_names=frozenset(names))
+                   accepted_model_names=frozenset(names), is_embedding=True)
 
 
 def install(app: web.Application, extra: list[Gateway]) -> ServedModels:

@@ -11,12 +11,12 @@ import logging
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.cli import expert_settings, install_signal_handlers, worker_name
-from pdserve.proto.codec import compat_to_proto
+from pdserve.services.worker.metrics import WorkerMetrics
+from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
 from pdserve.services.worker.server import PrefillService, WorkerService
@@ -26,6 +26,7 @@ from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.model_runner import ModelRunner
+from pdserve.shared.scoring import DecoderPooling
 
 log = logging.getLogger("pdserve.worker")
 
@@ -39,6 +40,12 @@ class WorkerApp:
         self.name = worker_name(role.value, args.host, args.port)
         self.compute = ComputeThread()  # loads the model, then runs the engine loop: one OpenMP pool
         runner = self.compute.run(lambda: ModelRunner(config))
+        self.pooled = None  # a pooling decoder (embedding or classifier): served by Encode, never Generate
+        if config.is_embedding or runner.model_config.is_classifier or runner.model_config.is_bare:
+            if role != Role.COLOCATED:
+                raise ValueError(f"{runner.model_config.architecture} with --is-embedding serves embeddings or "
+                                 "scores, which need no prefill/decode split: run it as `pdserve colocated`")
+            self.pooled = DecoderPooling.for_model(config.model_path, runner.model_config.is_classifier)
         self.experts = expert_settings(args, f"{role.value}-{args.port}")
         if self.experts.mode is not None and runner.model_config.moe is None:
             raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
@@ -57,12 +64,16 @@ class WorkerApp:
             self.transfer = create_transfer(backend, self.name, runner.pool.buffer, **kwargs)
         transfer_fn = self._write_kv if role == Role.PREFILL else None
         poll_fn = self.transfer.poll if (self.transfer is not None and role == Role.DECODE) else None
-        self.engine = Engine(config, role, runner, transfer_fn=transfer_fn, poll_fn=poll_fn)
+        self.metrics = WorkerMetrics(args.served_model_name or config.model_path, role, runner.pool.page_size,
+                                     runner.pool.num_pages, runner.lora.pool.num_slots if runner.lora else None)
+        self.engine = Engine(config, role, runner, transfer_fn=transfer_fn, poll_fn=poll_fn,
+                             observer=self.metrics)
         mc = runner.model_config
         self.compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
                              page_size=config.cache.page_size, num_layers=mc.num_layers,
                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend,
-                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters())))
+                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters())),
+                             weights_version=self.engine.weights.label)
         self.info = pb.InfoReply(
             role=role.value, model_path=config.model_path,
             served_model_name=args.served_model_name or config.model_path,
@@ -71,29 +82,45 @@ class WorkerApp:
             architecture=mc.architecture, model_type=mc.model_type,
             attention_backend=runner.ops.name, lora_enabled=runner.lora is not None,
             max_lora_rank=runner.lora.pool.max_rank if runner.lora else 0,
-            max_loras_per_batch=runner.lora.pool.num_slots if runner.lora else 0)
+            max_loras_per_batch=runner.lora.pool.num_slots if runner.lora else 0,
+            weights=weights_to_proto(self.engine.weights))
         self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
         self.ready = False
 
     def _write_kv(self, req) -> float:
         import time
 
+        peer, num_pages = req.transfer.peer_name, len(req.transfer.dst_pages)
         t0 = time.perf_counter()
-        num_pages = len(req.transfer.dst_pages)
-        self.transfer.write_pages(req.transfer.peer_name, req.pages[:num_pages], req.transfer.dst_pages)
-        return time.perf_counter() - t0
+        try:
+            self.transfer.write_pages(peer, req.pages[:num_pages], req.transfer.dst_pages)
+        except Exception:
+            self.metrics.transfer_failed(peer)
+            raise
+        seconds = time.perf_counter() - t0
+        self.metrics.transferred(peer, num_pages * self.transfer.page_bytes, seconds)
+        return seconds
 
     async def serve(self) -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
         self.engine.start(self.compute)
         server = grpc.aio.server(options=GRPC_OPTIONS)
+        prefill = PrefillService(self.engine, self.compat, self.transfer) if self.role == Role.PREFILL else None
+
+        def weights_changed(compat: Compat) -> None:  # what registration exchanges names the new weights
+            self.compat = compat
+            if prefill is not None:
+                prefill.compat = compat
+
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
-                          is_ready=lambda: self.ready and self.engine.is_alive(), experts=self.experts), server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine), server)
-        if self.role == Role.PREFILL:
-            pb_grpc.add_PrefillServicer_to_server(PrefillService(self.engine, self.compat, self.transfer), server)
+                          is_ready=lambda: self.ready and self.engine.is_alive(), experts=self.experts,
+                          on_weights=weights_changed), server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine, pooled=self.pooled),
+                                              server)
+        if prefill is not None:
+            pb_grpc.add_PrefillServicer_to_server(prefill, server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         if bound == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
@@ -127,24 +154,12 @@ class WorkerApp:
         return code
 
     async def _start_http(self) -> web.AppRunner | None:
-        registry = CollectorRegistry()
-        gauges = {name: Gauge(f"pdserve_worker_{name}", help_text, registry=registry) for name, help_text in (
-            ("running", "requests running"), ("waiting", "requests waiting"),
-            ("free_pages", "KV pages free or evictable"), ("total_pages", "KV pages in the pool"),
-            ("cached_pages", "KV pages held by the prefix cache"))}
-        tokens = Gauge("pdserve_worker_tokens_total", "tokens computed", ["kind"], registry=registry)
-
         async def health(request: web.Request) -> web.Response:
             ok = self.ready and self.engine.is_alive()
             return web.Response(text="ok" if ok else "starting", status=200 if ok else 503)
 
         async def metrics(request: web.Request) -> web.Response:
-            load = await asyncio.wrap_future(self.engine.call(self.engine.load))
-            for name, value in load.items():
-                gauges[name].set(value)
-            tokens.labels("prefill").set(self.engine.stats.prefill_tokens)
-            tokens.labels("decode").set(self.engine.stats.decode_tokens)
-            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return await self.metrics.scrape(self.engine)
 
         app = web.Application()
         app.router.add_get("/health", health)

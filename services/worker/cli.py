@@ -60,8 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="tcp backend: port the decode worker receives KV on (default: port + 2000)")
     if command == "colocated":
         parser.add_argument("--is-embedding", action="store_true",
-                            help="serve an embedding or cross-encoder model (/v1/embeddings, /encode); chosen by "
-                                 "itself for encoder checkpoints (BERT family)")
+                            help="serve an embedding or cross-encoder model (/v1/embeddings, /encode): an encoder "
+                                 "(BERT family; chosen by itself for those) or a decoder whose last token's hidden "
+                                 "state is the embedding (gte-Qwen2 style); sequence classifiers (reward models) "
+                                 "are pooling models by themselves")
     if command == "decode":
         parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
@@ -152,6 +154,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
                                   chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy,
                                   mixed_prefill=args.enable_mixed_chunk),
         lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
+        is_embedding=getattr(args, "is_embedding", False),
     )
 
 
@@ -176,7 +179,7 @@ def main(args: argparse.Namespace, command: str) -> int:
     from pdserve.services.worker.app import WorkerApp
 
     try:
-        if command == "colocated" and (args.is_embedding or is_encoder_checkpoint(model_path)):
+        if command == "colocated" and is_encoder_checkpoint(model_path):
             from pdserve.services.worker.encoder_app import EncoderWorkerApp
 
             app = EncoderWorkerApp(config, args)

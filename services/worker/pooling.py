@@ -2,8 +2,10 @@
 
 On a generative worker (colocated or prefill) `Encode` scores: each input is prefilled through the engine's
 runtime, in groups of at most --max-prefill-tokens tokens, one engine call per group so running generations
-keep stepping in between. On an encoder worker (--is-embedding) it queues the inputs on the Encoder, which
-batches them with whatever else is queued. A decode worker refuses: these requests never need one.
+keep stepping in between. A pooling decoder (--is-embedding on a decoder, or a sequence classifier) is served
+the same way, its output being the last token's hidden state or scores instead of label log-probabilities.
+On an encoder worker (--is-embedding) it queues the inputs on the Encoder, which batches them with whatever
+else is queued. A decode worker refuses: these requests never need one.
 """
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.shared.config import Role
 from pdserve.shared.encoder import Encoder
 from pdserve.shared.engine import Engine
-from pdserve.shared.scoring import PoolBusy, ScoreResult, check_inputs, plan_groups, score_group
+from pdserve.shared.scoring import (DecoderPooling, PoolBusy, ScoreResult, check_inputs, check_sequences,
+                                    plan_groups, pool_group, score_group)
 
 
 class PoolingService(pb_grpc.PoolingServicer):
     def __init__(self, role: Role, engine: Engine | None = None, encoder: Encoder | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, pooled: DecoderPooling | None = None) -> None:
         self.role = role
         self.engine = engine
         self.encoder = encoder
+        self.pooled = pooled  # set when the engine's model is a pooling decoder
         self.timeout_s = timeout_s  # for one group to be computed, queueing included
 
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
@@ -44,6 +48,11 @@ class PoolingService(pb_grpc.PoolingServicer):
                                     "colocated worker")
             if types is not None:
                 raise ValueError("segment ids (type_ids) need an encoder model (a worker started with --is-embedding)")
+            if self.pooled is not None:
+                if labels:
+                    raise ValueError(f"this worker serves {self.pooled.kind}: scoring label tokens needs a "
+                                     "generative model")
+                return await self._pool(seqs)
             if not labels:
                 raise ValueError("this worker serves a generative model: embeddings need a worker started "
                                  "with --is-embedding on an embedding model")
@@ -70,6 +79,20 @@ class PoolingService(pb_grpc.PoolingServicer):
             prompt += result.prompt_tokens
             cached += result.cached_tokens
         return _reply(logprobs, prompt, cached)
+
+    async def _pool(self, seqs: list[list[int]]) -> pb.EncodeReply:
+        engine = self.engine
+        check_sequences(seqs, engine.model_config.vocab_size, engine.runner.context_length)
+        vectors: list[list[float]] = []
+        prompt = cached = 0
+        for group in plan_groups([len(s) for s in seqs], engine.config.scheduler.max_prefill_tokens):
+            part = [seqs[i] for i in group]
+            result: ScoreResult = await self._wait(engine.call(
+                lambda part=part: pool_group(engine, part, self.pooled.normalize)))
+            vectors += result.logprobs
+            prompt += result.prompt_tokens
+            cached += result.cached_tokens
+        return _reply(vectors, prompt, cached)
 
     async def _wait(self, future):
         return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)

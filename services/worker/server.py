@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import (compat_from_proto, first_token_from_proto, first_token_to_proto, output_to_proto,
-                                 params_from_proto, prompt_logprobs_to_proto)
+from pdserve.proto.codec import (compat_from_proto, compat_to_proto, first_token_from_proto, first_token_to_proto,
+                                 output_to_proto, params_from_proto, prompt_logprobs_to_proto, weights_to_proto)
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
@@ -28,8 +29,13 @@ from pdserve.shared.grammar import Constraint, GrammarError
 from pdserve.shared.lora import LoraAdapter
 from pdserve.shared.req import Req, ReqOutput, TransferTarget
 from pdserve.shared.sampling_params import InvalidParam
+from pdserve.shared.weights import CheckpointNotFound, WeightsError, WeightsVersion
 
 log = logging.getLogger(__name__)
+
+WEIGHTS_BUILD_TIMEOUT_S = 600.0  # for the engine thread to build new weights (a step's worth per layer or so)
+WEIGHTS_DRAIN_S = 60.0  # for the requests running here to finish before new weights are swapped in
+UPDATE_ABORT_REASON = "aborted: the model weights are being updated (update_weights_from_disk, abort_all_requests)"
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,9 @@ async def grammar_of(engine: Engine, params, context, timeout: float) -> Constra
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
                  peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
-                 is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings()) -> None:
+                 is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings(),
+                 on_weights: Callable[[Compat], None] | None = None) -> None:
+        """`on_weights`: told this worker's new compatibility info after its weights changed."""
         self.engine = engine
         self.is_ready = is_ready or engine.is_alive
         self.role = role
@@ -71,6 +79,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._prefill_workers: dict[str, pb_grpc.WorkerStub] = {}  # decode: for aborts at a prefill worker
         self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
         self._relay: OutputRelay | None = None
+        self.on_weights = on_weights
+        self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
     def relay(self) -> OutputRelay:
         if self._relay is None:  # made on the serving loop, the first time a request needs it
@@ -85,6 +95,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         if self.role == Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is a prefill worker: send Generate to a decode or colocated worker")
+        if not self.engine.generates:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker serves a pooling model (embeddings or scores): it does not generate")
         if self.role == Role.DECODE and not request.prefill_addr:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr")
         loop = asyncio.get_running_loop()
@@ -170,7 +183,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
-                                                         lora_version=lora_version), timeout=self._prefill_deadline())
+                                                         lora_version=lora_version,
+                                                         weights_version=self.engine.weights.label),
+                                      timeout=self._prefill_deadline())
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
@@ -275,6 +290,78 @@ class WorkerService(pb_grpc.WorkerServicer):
         return await self._engine(stats)
 
 
+    # ------------------------------------------------------------ model weights (shared/weights.py)
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsReply:
+        """One step of a live weight update (see WeightsStep in the proto); any refusal leaves the served weights
+        as they were and says why."""
+        aborted = 0
+        async with self._weights_lock:
+            try:
+                if request.step == pb.WEIGHTS_DISCARD:
+                    await self._engine(self.engine.discard_weights)
+                elif not request.model_path:
+                    raise WeightsError("model_path is empty")
+                elif request.step == pb.WEIGHTS_PREPARE:
+                    await self._prepare_weights(request.model_path)
+                else:
+                    aborted = await self._commit_weights(request)
+            except CheckpointNotFound as exc:
+                return self._weights_reply(str(exc), path_not_found=True)
+            except WeightsError as exc:
+                log.warning("weights from %s refused: %s", request.model_path, exc)
+                return self._weights_reply(str(exc))
+        return self._weights_reply(aborted=aborted)
+
+    async def _prepare_weights(self, path: str) -> None:
+        checkpoint = await in_own_thread(lambda: self.engine.runner.read_weights(path))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.stage_weights(checkpoint))),
+                                   WEIGHTS_BUILD_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise WeightsError(f"building the new weights took more than {WEIGHTS_BUILD_TIMEOUT_S:g} s") from None
+
+    async def _commit_weights(self, request: pb.UpdateWeightsRequest) -> int:
+        """Swap the weights in once no request runs here; waits for running ones unless told to abort them."""
+        if self.engine.staged_weights != request.model_path:
+            await self._prepare_weights(request.model_path)
+        version = WeightsVersion(request.version, request.model_path)
+        reason = UPDATE_ABORT_REASON if request.abort_all_requests else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WEIGHTS_DRAIN_S
+        while (aborted := await self._engine(lambda: self.engine.commit_weights(version, reason))) is None:
+            if loop.time() > deadline:
+                raise WeightsError(f"requests were still running after {WEIGHTS_DRAIN_S:g} s, so the weights were "
+                                   "not swapped (retry, or pass abort_all_requests)")
+            await asyncio.sleep(0.05)
+        self._weights_changed(version)
+        return aborted
+
+    def _weights_changed(self, version: WeightsVersion) -> None:
+        """What this worker tells the gateway (Info) and its peers (registration) names the new weights."""
+        self.compat = replace(self.compat, weights_version=version.label)
+        self.info.model_path = version.path
+        self.info.weights.CopyFrom(weights_to_proto(version))
+        self.info.compat.CopyFrom(compat_to_proto(self.compat))
+        if self.peers is not None:
+            self.peers.compat = self.compat
+        if self.on_weights is not None:
+            self.on_weights(self.compat)
+
+    def _weights_reply(self, error: str = "", path_not_found: bool = False, aborted: int = 0) -> pb.UpdateWeightsReply:
+        return pb.UpdateWeightsReply(ok=not error, error=error, path_not_found=path_not_found, aborted=aborted,
+                                     weights=weights_to_proto(self.engine.weights))
+
+
+async def in_own_thread(fn):
+    """`fn` on a thread that ends with it: compute there (converting a GGUF file) must not leave a second
+    OpenMP pool alive beside the engine thread's (see shared/compute_thread.py)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
+    try:
+        return await asyncio.wrap_future(pool.submit(fn))
+    finally:
+        pool.shutdown(wait=False)
+
+
 def adapter_info(adapter: LoraAdapter) -> pb.LoraAdapterInfo:
     return pb.LoraAdapterInfo(name=adapter.name, path=str(adapter.path), version=adapter.version, rank=adapter.rank,
                               target_modules=list(adapter.target_modules))
@@ -296,15 +383,18 @@ class PrefillService(pb_grpc.PrefillServicer):
             msg = f"decode worker {request.peer_name} is incompatible: " + "; ".join(problems)
             log.error(msg)
             return pb.RegisterReply(ok=False, error=msg)
-        try:
+        known = self.transfer.has_peer(request.peer_name)
+        try:  # idempotent: the same name and metadata again leave the connection as it is
             await asyncio.to_thread(self.transfer.add_peer, request.peer_name, request.transfer_metadata)
         except Exception as exc:
             return pb.RegisterReply(ok=False, error=f"cannot reach decode worker {request.peer_name}: {exc}")
-        log.info("registered decode worker %s", request.peer_name)
+        if not known:  # decode workers register again every second; only a new one is news
+            log.info("registered decode worker %s", request.peer_name)
         return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
 
     async def Prefill(self, request: pb.PrefillRequest, context):
-        if not self.transfer.has_peer(request.peer_name):
+        if not self.transfer.has_peer(request.peer_name):  # we restarted since it registered
+            # FAILED_PRECONDITION makes the decode side register again and resend (peers.PrefillClient).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"decode worker {request.peer_name} is not registered")
         try:
@@ -316,7 +406,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         done = False
         try:
-            add = lambda: self.engine.add_prefill(req, request.lora or None, request.lora_version or None)  # noqa: E731
+            add = lambda: self._admit(req, request)  # noqa: E731
             fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(add)),
                                          self.timeouts.engine_call)
             result = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeouts.prefill)
@@ -340,3 +430,9 @@ class PrefillService(pb_grpc.PrefillServicer):
                                cached_tokens=result.cached_tokens, queue_s=result.queue_s,
                                compute_s=result.compute_s, transfer_s=result.transfer_s,
                                input_logprobs=prompt_logprobs_to_proto(result.input_logprobs))
+
+    def _admit(self, req: Req, request: pb.PrefillRequest) -> Future:
+        """Engine thread: refuse a decode worker that serves other weights (WeightsError, a ValueError), then queue
+        the prefill. On this thread no weight swap can come between the check and the request's admission."""
+        self.engine.check_peer_weights(request.weights_version)
+        return self.engine.add_prefill(req, request.lora or None, request.lora_version or None)

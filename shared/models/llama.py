@@ -56,10 +56,12 @@ class LayerWeights:
 
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
-                 batch_invariant: bool = False) -> None:
-        """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode)."""
+                 batch_invariant: bool = False, hidden_output: bool = False) -> None:
+        """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode).
+        `hidden_output`: an embedding model: forward returns the final hidden states, and no LM head is loaded."""
         self.config = config
         self.batch_invariant = batch_invariant
+        self.hidden_output = hidden_output
         self.dtype = dtype
         self.device = torch.device(device)
         self.layers: list[LayerWeights] = []
@@ -70,11 +72,21 @@ class LlamaForCausalLM:
                                            config.rope_scaling, self.device)  # [max_pos, D] fp32
         self.scale = config.head_dim ** -0.5
         self.lora: LoraPool | None = None  # the adapter slots a batch's rows may name (ForwardBatch.lora_slots)
+        self.checkpoint_shapes: dict[str, tuple[int, ...]] = {}  # of the tensors the weights were loaded from
 
     # ---------------------------------------------------------------- loading
-    def load(self, model_dir: str | Path) -> None:
-        tensors = _read_safetensors(Path(model_dir))
+    def load(self, model_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Load the checkpoint in `model_dir`, or `tensors` already read from it (a live update checks them first).
+
+        Records in `checkpoint_shapes` the name and shape of every tensor taken: a checkpoint that is to replace
+        these weights must hold the same (shared/weights.py)."""
+        if tensors is None:
+            tensors = _read_safetensors(Path(model_dir))
         cfg = self.config
+        self.checkpoint_shapes = {}
+        if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
+            # A bare decoder (saved from e.g. Qwen2Model, as embedding checkpoints often are): no "model." prefix.
+            tensors = {f"model.{name}": t for name, t in tensors.items()}
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, batch_invariant=self.batch_invariant)
@@ -82,7 +94,9 @@ class LlamaForCausalLM:
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise ValueError(f"weight {name!r} missing from {model_dir}")
-            return tensors.pop(name).to(device=self.device, dtype=self.dtype)
+            tensor = tensors.pop(name)
+            self.checkpoint_shapes[name] = tuple(tensor.shape)
+            return tensor.to(device=self.device, dtype=self.dtype)
 
         sparse = set(cfg.moe.sparse_layers) if cfg.moe is not None else set()
         self.embed = take("model.embed_tokens.weight")
@@ -106,11 +120,29 @@ class LlamaForCausalLM:
                 k_norm=take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
             ))
         self.norm = take("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+        if cfg.is_classifier:  # a reward model or classifier: its score head reads the last hidden state
+            self.lm_head = linear(take("score.weight"))
+        elif self.hidden_output:  # the caller pools the hidden state itself
+            self.lm_head = None
+        elif cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed copy.
             self.lm_head = linear(self.embed)
         else:
             self.lm_head = linear(take("lm_head.weight"))
+
+    def take_weights(self, other: LlamaForCausalLM) -> None:
+        """Serve `other`'s weights from the next forward on; `other` has this model's config and was loaded from
+        another checkpoint. Call between two forwards.
+
+        Tensors and `Linear`s are taken whole rather than copied into: a Linear's packed oneDNN weight and GEMV
+        copy were made from its new weight by its own constructor, so they cannot disagree with it, and nothing
+        keeps a reference to the old ones (every forward reads them from here). What belongs to this model rather
+        than to a checkpoint stays: LoRA slots, the rotary table, the expert-routing hooks."""
+        for old, new in zip(self.layers, other.layers):
+            if isinstance(old.mlp, SparseMoE) and isinstance(new.mlp, SparseMoE):
+                new.mlp.on_route = old.mlp.on_route
+        self.embed, self.norm, self.lm_head, self.layers = other.embed, other.norm, other.lm_head, other.layers
+        self.checkpoint_shapes = other.checkpoint_shapes
 
     def set_route_hook(self, hook: RouteHook | None) -> None:
         """Hand every expert block's routing choice to `hook(layer_id, topk_ids)` (None: stop); dense models
@@ -157,7 +189,7 @@ class LlamaForCausalLM:
                 hidden = layer.mlp(x, ops)
         last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
         last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(last)  # [B, V]
+        return last if self.lm_head is None else self.lm_head(last)  # [B, V] logits (or [B, H], [B, labels])
 
     def _project(self, i: int, name: str, linear: Linear, x: torch.Tensor, batch: ForwardBatch,
                  ops: KernelOps) -> torch.Tensor:

@@ -19,6 +19,7 @@ VALUE_SETS = {
     "gpu": ["-f", str(CHART / "ci" / "gpu-values.yaml")],
     "external-redis": ["-f", str(CHART / "ci" / "external-redis-values.yaml")],
     "3-prefill-2-decode": ["-f", str(CHART / "ci" / "scaled-values.yaml")],
+    "embedding": ["-f", str(CHART / "ci" / "embedding-values.yaml")],
 }
 ROLES = ("gateway", "prefill", "decode", "jobs")
 

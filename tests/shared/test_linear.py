@@ -8,9 +8,18 @@ import torch.nn.functional as F
 from pdserve.shared.linear import Linear
 
 
+@pytest.fixture
+def wide_matmuls(monkeypatch):
+    """Choose how wide bf16 steps compute, instead of this CPU's measured choice."""
+    from pdserve.shared import linear
+
+    return lambda f32: monkeypatch.setattr(linear, "_wide_f32", f32)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_bf16_on_cpu_is_packed_and_bit_identical_to_f_linear(bias, tokens):
+def test_bf16_on_cpu_is_packed_and_bit_identical_to_f_linear(bias, tokens, wide_matmuls):
+    wide_matmuls(False)
     torch.manual_seed(tokens)
     weight = torch.randn(96, 48, dtype=torch.bfloat16)
     b = torch.randn(96, dtype=torch.bfloat16) if bias else None
@@ -77,3 +86,25 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads():
 def test_batch_invariant_layers_never_take_the_gemv():
     lin = Linear(torch.zeros(16, 32, dtype=torch.bfloat16), batch_invariant=True)
     assert lin._gemv_weight is None and lin.min_rows == 8
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_bf16_steps_may_compute_in_fp32_with_one_rounding(bias, wide_matmuls):
+    from pdserve.shared.linear import WIDE_MIN_ROWS
+
+    wide_matmuls(True)
+    torch.manual_seed(7)
+    weight = (torch.randn(192, 576) * 0.05).bfloat16()
+    b = torch.randn(192, dtype=torch.bfloat16) if bias else None
+    lin = Linear(weight, b)
+    for rows in (WIDE_MIN_ROWS - 1, WIDE_MIN_ROWS, 300):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+        if rows < WIDE_MIN_ROWS:  # narrow steps keep the bf16 kernel, bit for bit
+            assert torch.equal(got, F.linear(x, weight, b))
+            continue
+        exact = x.double() @ weight.double().T  # fp32 sums of exactly widened inputs: within one bf16 rounding
+        want = (exact.float().bfloat16().double() + (b.double() if bias else 0))
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    assert Linear(weight, b, batch_invariant=True)._packed_f32 is None  # never switches kernels by row count

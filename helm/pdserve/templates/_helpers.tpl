@@ -81,6 +81,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "pdserve.decodeAddress" -}}
 {{ include "pdserve.fullname" . }}-decode:{{ .Values.decode.port }}
 {{- end }}
+{{- define "pdserve.embeddingAddress" -}}
+{{ include "pdserve.fullname" . }}-embedding:{{ .Values.embedding.port }}
+{{- end }}
 
 {{/* /health probes on a named port; call with (dict "root" $ "port" NAME). */}}
 {{- define "pdserve.probes" -}}
@@ -158,12 +161,12 @@ livenessProbe:
 {{- end }}
 {{- end }}
 
-{{/* call with (dict "root" $ "gpu" BOOL "resources" DICT) */}}
+{{/* call with (dict "root" $ "gpu" BOOL "resources" DICT), and "model" PATH "name" NAME for a model other than model.path */}}
 {{- define "pdserve.prepareModel" -}}
-- name: prepare-model
+- name: {{ .name | default "prepare-model" }}
   image: {{ include "pdserve.image" (dict "root" .root "gpu" .gpu) }}
   imagePullPolicy: {{ .root.Values.image.pullPolicy }}
-  args: [prepare-model, --model-path, {{ .root.Values.model.path | quote }}]
+  args: [prepare-model, --model-path, {{ .model | default .root.Values.model.path | quote }}]
   env:
     - name: PDSERVE_CACHE_DIR
       value: /var/cache/pdserve

@@ -106,10 +106,10 @@ def test_unknown_model_and_route_are_404(colocated):
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                           ("POST", "/v1/completions"), ("POST", "/generate"),
-                                          ("GET", "/get_model_info"), ("GET", "/metrics"), ("POST", "/tokenize"),
+                                          ("GET", "/get_model_info"), ("POST", "/tokenize"),
                                           ("GET", "/health_generate"), ("POST", "/flush_cache"),
                                           ("GET", "/v1/files"), ("GET", "/v1/no-such-route")])
-def test_api_key_is_required_everywhere_but_health(colocated, method, path):
+def test_api_key_is_required_everywhere_but_health_and_metrics(colocated, method, path):
     url = colocated.secured.url + path
     check_error(requests.request(method, url, json={}, timeout=30), 401)
     check_error(requests.request(method, url, json={}, headers={"Authorization": "Bearer wrong"}, timeout=30), 401)
@@ -118,6 +118,7 @@ def test_api_key_is_required_everywhere_but_health(colocated, method, path):
 def test_api_key_accepted_and_health_open(colocated):
     secured = colocated.secured
     assert requests.get(secured.url + "/health", timeout=30).status_code == 200
+    assert "pdserve_gateway" in requests.get(secured.url + "/metrics", timeout=30).text  # scrapers hold no key
     assert requests.get(secured.url + "/v1/models", headers=secured.headers(), timeout=30).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=secured.base, api_key="wrong", max_retries=0).models.list()

@@ -1,0 +1,229 @@
+"""SGLang's POST /update_weights_from_disk: new weights on every worker of the deployment, or on none.
+
+Body (SGLang's): `model_path` (required), `load_format` (auto, safetensors or gguf), `abort_all_requests`, and
+`weight_version` (the label /get_model_info reports from then on). SGLang's other fields are accepted and
+ignored; the prefix caches are always flushed, as their KV belongs to the old weights. Answer: `success`,
+`message` with SGLang's texts, `num_paused_requests` (always 0: requests finish or are aborted, never paused);
+status 200, or 400 when nothing changed.
+
+One update, while new requests for the workers wait at the door (`UpdateGate`, SGLang's model-update lock):
+1. prepare: every worker reads and checks the checkpoint and builds its weights beside the running ones, while
+   serving. A refusal anywhere discards them everywhere: nothing changed, the old weights keep serving.
+2. drain: the gate closes; requests in flight finish on the old weights or, with abort_all_requests, are
+   aborted by the workers with a reason.
+3. commit: every worker swaps the new weights in, flushes its prefix cache and takes the new version number. A
+   prefill worker refuses KV for a decode worker of another version, so no request is prefilled with one
+   version and decoded with another. Only a worker failing here leaves the deployment half-switched: the
+   switched ones are put back on the weights they had.
+4. /get_model_info reports the new path; the gate opens.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from pydantic import Field
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.adapters import serving_workers
+from pdserve.services.gateway.context import GATEWAY, Gateway
+from pdserve.services.gateway.errors import read_json
+from pdserve.services.gateway.protocol import _Schema, parse
+from pdserve.services.gateway.workers import Worker
+
+log = logging.getLogger("pdserve.gateway")
+
+# Routes whose requests run on the workers: they wait while the weights change.
+WORKER_ROUTES = frozenset({"/generate", "/v1/chat/completions", "/v1/completions", "/v1/score", "/health_generate",
+                           "/v1/embeddings", "/encode", "/v1/rerank", "/classify"})
+LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
+PREPARE_TIMEOUT_S = 900.0  # a worker reads the checkpoint, then builds the weights (its own limit: 600 s)
+COMMIT_TIMEOUT_S = 120.0  # a worker waits up to 60 s for its requests, then swaps
+DRAIN_TIMEOUT_S = 600.0  # for the requests in flight to finish on the old weights
+SMALL_TIMEOUT_S = 30.0  # discarding prepared weights
+
+
+class UpdateWeightsRequest(_Schema):
+    model_path: str = Field(min_length=1, max_length=4096)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, max_length=200)
+
+
+class UpdateGate:
+    """Requests for the workers pass while no update swaps weights, and are counted; an update closes the gate
+    (newcomers wait), waits for the count to reach zero, swaps, and opens it again. Updates run one at a time."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.in_flight = 0
+        self.lock = asyncio.Lock()
+        self.weight_version = "default"  # SGLang's label of the weights served, for /get_model_info
+
+    @contextlib.asynccontextmanager
+    async def request(self):
+        while not self._open.is_set():  # woken by one update, a next one may have closed it again
+            await self._open.wait()
+        self.in_flight += 1
+        self._drained.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._drained.set()
+
+    @contextlib.asynccontextmanager
+    async def closed(self):
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    async def drained(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+GATE: web.AppKey[UpdateGate] = web.AppKey("update_gate", UpdateGate)
+
+
+def weight_version(app: web.Application) -> str:
+    """The label /get_model_info reports as `weight_version`."""
+    return app[GATE].weight_version
+
+
+@web.middleware
+async def hold_during_update(request: web.Request, handler):
+    if request.path not in WORKER_ROUTES:
+        return await handler(request)
+    async with request.app[GATE].request():
+        return await handler(request)
+
+
+@dataclass
+class Outcome:
+    """One worker's answer to one step."""
+
+    worker: Worker
+    ok: bool
+    error: str = ""
+    path_not_found: bool = False
+
+
+# ---------------------------------------------------------------- the endpoint
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    gw, gate = request.app[GATEWAY], request.app[GATE]
+    req = parse(UpdateWeightsRequest, await read_json(request))
+    if req.load_format not in LOAD_FORMATS:
+        return _answer(False, f"Failed to get model loader: load_format {req.load_format!r} is not supported "
+                              "(supported: auto, safetensors, gguf).")
+    async with gate.lock:
+        workers = serving_workers(gw.backend.pool)
+        down = [w.address for w in workers if not w.healthy or w.info is None]
+        if not workers or down:
+            return _answer(False, f"Failed to update weights: workers {', '.join(down) or '(none)'} are not serving; "
+                                  "the weights change on every worker at once, so try again when all are healthy.",
+                           status=503)
+        return await _update(gw, gate, workers, req)
+
+
+async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: UpdateWeightsRequest) -> web.Response:
+    failed = _first_failure(await _step(workers, pb.WEIGHTS_PREPARE, req.model_path, timeout=PREPARE_TIMEOUT_S))
+    if failed is not None:
+        await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+        if failed.path_not_found:
+            return _answer(False, f"Failed to get weights iterator: {_sentence(failed.error)}")
+        return _refused(failed.error)
+    # The prepare replies told what each worker serves now: the next number is new to all of them.
+    before = {w.address: (w.info.weights.number, w.info.weights.path) for w in workers}
+    number = 1 + max(n for n, _ in before.values())
+    async with gate.closed():
+        if not req.abort_all_requests and not await gate.drained(DRAIN_TIMEOUT_S):
+            await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+            return _refused(f"{gate.in_flight} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
+                            "or pass abort_all_requests)")
+        outcomes = await _step(workers, pb.WEIGHTS_COMMIT, req.model_path, timeout=COMMIT_TIMEOUT_S,
+                               abort_all_requests=req.abort_all_requests, version=number)
+        failed = _first_failure(outcomes)
+        if failed is not None:
+            await _roll_back([o.worker for o in outcomes if o.ok], before)
+            await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+            return _refused(failed.error)
+        for worker in workers:
+            gw.backend.router.forget(worker.address)  # the prefixes it held were flushed
+        gw.model_path = req.model_path
+        if "model_path" in gw.server_args:
+            gw.server_args["model_path"] = req.model_path
+        message = "Succeeded to update model weights."
+        if req.weight_version is not None:
+            gate.weight_version = req.weight_version
+            message += f" Weight version updated to {req.weight_version}."
+    log.info("weights updated to version %d from %s", number, req.model_path)
+    return _answer(True, message)
+
+
+async def _roll_back(switched: list[Worker], before: dict[str, tuple[int, str]]) -> None:
+    """Put `switched` workers back on the weights they served before (read again from their checkpoints)."""
+    async def back(worker: Worker) -> None:
+        number, path = before[worker.address]
+        (outcome,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=PREPARE_TIMEOUT_S, version=number)
+        if not outcome.ok:  # its version differs from its peers', which refuse its requests with a clear error
+            log.error("%s worker %s could not go back to %s: %s", worker.role, worker.address, path, outcome.error)
+    await asyncio.gather(*(back(w) for w in switched))
+
+
+async def _step(workers: list[Worker], step: int, model_path: str, timeout: float, abort_all_requests: bool = False,
+                version: int = 0) -> list[Outcome]:
+    """UpdateWeights `step` on every worker at once; each worker's Info is brought up to date from its reply."""
+    request = pb.UpdateWeightsRequest(step=step, model_path=model_path, abort_all_requests=abort_all_requests,
+                                      version=version)
+    replies = await asyncio.gather(*(w.stub.UpdateWeights(request, timeout=timeout) for w in workers),
+                                   return_exceptions=True)
+    return [_outcome(w, r) for w, r in zip(workers, replies)]
+
+
+def _outcome(worker: Worker, reply) -> Outcome:
+    if isinstance(reply, pb.UpdateWeightsReply):
+        worker.info.weights.CopyFrom(reply.weights)
+        worker.info.model_path = reply.weights.path
+        return Outcome(worker, reply.ok, reply.error, reply.path_not_found)
+    if isinstance(reply, grpc.aio.AioRpcError):
+        if reply.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return Outcome(worker, False, f"the {worker.role} worker {worker.address} cannot update its weights")
+        return Outcome(worker, False, f"{worker.role} worker {worker.address}: {reply.details() or reply.code().name}")
+    return Outcome(worker, False, f"{worker.role} worker {worker.address}: {reply}")
+
+
+def _first_failure(outcomes: list[Outcome]) -> Outcome | None:
+    return next((o for o in outcomes if not o.ok), None)
+
+
+def _sentence(text: str) -> str:
+    return text.rstrip(".") + "."
+
+
+def _refused(error: str) -> web.Response:
+    return _answer(False, f"Failed to update weights: {_sentence(error)}\nRolling back to original weights.")
+
+
+def _answer(success: bool, message: str, status: int | None = None) -> web.Response:
+    return web.json_response({"success": success, "message": message, "num_paused_requests": 0},
+                             status=status or (200 if success else 400))
+
+
+def add_routes(app: web.Application) -> None:
+    app[GATE] = UpdateGate()
+    app.middlewares.append(hold_during_update)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
