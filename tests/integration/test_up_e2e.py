@@ -169,3 +169,25 @@ def test_up_stops_the_real_services_when_one_fails(start_up):
     assert "  | jobs cannot start: test failure" in up.output
     assert "[up] started prefill" in up.output and "OpenAI base URL" not in up.output
     assert [p for p in up.pids() if alive(p)] == []
+
+
+def test_up_serves_a_moe_model_and_records_its_expert_distribution(start_up, tiny_models, tmp_path):
+    dumps = tmp_path / "dumps"
+    up = start_up("--model-path", str(tiny_models["qwen2-moe"]), "--expert-distribution-recorder-mode", "stat",
+                  "--expert-distribution-recorder-dir", str(dumps))
+    base_url, _ = up.wait_ready()
+    root = base_url.removesuffix("/v1")
+    import requests
+
+    assert requests.post(root + "/start_expert_distribution_record", timeout=60).status_code == 200
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120)
+    reply = client.completions.create(model="default", prompt="one two three", temperature=0, max_tokens=4)
+    assert reply.usage.completion_tokens == 4
+    assert requests.post(root + "/stop_expert_distribution_record", timeout=60).status_code == 200
+    answer = requests.post(root + "/dump_expert_distribution_record", timeout=60)
+    assert answer.status_code == 200, answer.text
+    merged = re.search(r"^file: (.+)$", answer.text, re.M).group(1)
+    assert Path(merged).is_file() and Path(merged).parent == dumps
+    info = requests.get(root + "/get_model_info", timeout=30).json()
+    assert info["architectures"] == ["Qwen2MoeForCausalLM"] and info["model_type"] == "qwen2_moe"
+    assert up.stop() == 0
