@@ -86,7 +86,7 @@ class Linear:
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         return None
     if not torch.backends.mkldnn.is_available():
         return None

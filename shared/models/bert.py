@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdserve.shared.linear import Linear
+
 from pdserve.shared.config import ENCODER_MODEL_TYPES
 from pdserve.shared.models.llama import _read_safetensors
 
@@ -53,15 +55,11 @@ class BertConfig:
 
 @dataclass
 class BertLayer:
-    qkv_w: torch.Tensor  # [3H, H]
-    qkv_b: torch.Tensor  # [3H]
-    o_w: torch.Tensor  # [H, H]
-    o_b: torch.Tensor
+    qkv: Linear  # [3H, H] with bias: query, key and value in one matmul
+    o: Linear  # [H, H]
     attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias [H]
-    up_w: torch.Tensor  # [I, H]
-    up_b: torch.Tensor
-    down_w: torch.Tensor  # [H, I]
-    down_b: torch.Tensor
+    up: Linear  # [I, H]
+    down: Linear  # [H, I]
     out_norm: tuple[torch.Tensor, torch.Tensor]
 
 
@@ -101,12 +99,12 @@ class BertModel:
             p = f"encoder.layer.{i}."
             a = p + "attention."
             self.layers.append(BertLayer(
-                qkv_w=torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
-                qkv_b=torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")]),
-                o_w=take(a + "output.dense.weight"), o_b=take(a + "output.dense.bias"),
+                qkv=Linear(torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
+                           torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")])),
+                o=Linear(take(a + "output.dense.weight"), take(a + "output.dense.bias")),
                 attn_norm=norm(a + "output.LayerNorm"),
-                up_w=take(p + "intermediate.dense.weight"), up_b=take(p + "intermediate.dense.bias"),
-                down_w=take(p + "output.dense.weight"), down_b=take(p + "output.dense.bias"),
+                up=Linear(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
+                down=Linear(take(p + "output.dense.weight"), take(p + "output.dense.bias")),
                 out_norm=norm(p + "output.LayerNorm")))
         if "pooler.dense.weight" in tensors:
             self.pooler = (take("pooler.dense.weight"), take("pooler.dense.bias"))
@@ -125,17 +123,16 @@ class BertModel:
         x = F.layer_norm(x, (cfg.hidden_size,), *self.embed_norm, cfg.layer_norm_eps)
         # Padded keys get no attention; padded query rows compute garbage that pooling ignores.
         attn_mask = mask[:, None, None, :]  # [B, 1, 1, T]
+        x = x.reshape(B * T, cfg.hidden_size)  # the matmuls see one row per token
         for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [B, T, 3H]
+            qkv = layer.qkv(x)  # [B T, 3H]
             q, k, v = qkv.view(B, T, 3, cfg.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [B, heads, T, D]
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, heads, T, D]
-            attn = attn.transpose(1, 2).reshape(B, T, cfg.hidden_size)
-            x = F.layer_norm(F.linear(attn, layer.o_w, layer.o_b) + x, (cfg.hidden_size,), *layer.attn_norm,
-                             cfg.layer_norm_eps)
-            h = self.act(F.linear(x, layer.up_w, layer.up_b))  # [B, T, I]
-            x = F.layer_norm(F.linear(h, layer.down_w, layer.down_b) + x, (cfg.hidden_size,), *layer.out_norm,
-                             cfg.layer_norm_eps)
-        return x
+            attn = attn.transpose(1, 2).reshape(B * T, cfg.hidden_size)
+            x = F.layer_norm(layer.o(attn) + x, (cfg.hidden_size,), *layer.attn_norm, cfg.layer_norm_eps)
+            h = self.act(layer.up(x))  # [B T, I]
+            x = F.layer_norm(layer.down(h) + x, (cfg.hidden_size,), *layer.out_norm, cfg.layer_norm_eps)
+        return x.view(B, T, cfg.hidden_size)
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """Classifier logits [B, num_labels] from the [CLS] row, as BERT sequence classification heads do."""
