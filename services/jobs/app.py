@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from pdserve.services.jobs import batches, files
 from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invalid_id, not_found
+from pdserve.services.jobs.metrics import JobsMetrics
 from pdserve.services.jobs.store import BATCH_ID, FILE_ID, Store, dump, is_id, new_id, now
 
 log = logging.getLogger("pdserve.jobs")
@@ -29,6 +30,8 @@ class Settings:
 
 STORE = web.AppKey("store", Store)
 SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", JobsMetrics)
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers hold no API key; neither route shows user data
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -39,7 +42,7 @@ def error_response(exc: ApiError) -> web.Response:
 async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
     settings: Settings = request.app[SETTINGS]
     try:
-        if settings.api_key and request.path != "/health":
+        if settings.api_key and request.path not in OPEN_PATHS:
             # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; compare them as sent.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
@@ -94,6 +97,10 @@ def path_batch_id(request: web.Request) -> str:
 def listing(data: list[dict], has_more: bool) -> web.Response:
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return await request.app[METRICS].render(request.app[STORE])
 
 
 async def health(request: web.Request) -> web.Response:
@@ -224,7 +231,9 @@ def build_app(store: Store, settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=4 << 20)
     app[STORE] = store
     app[SETTINGS] = settings
+    app[METRICS] = JobsMetrics()
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/files", create_file)
     app.router.add_get("/v1/files", list_files)
     app.router.add_get("/v1/files/{file_id}", get_file)
