@@ -258,7 +258,8 @@ async def stream_chat(session: aiohttp.ClientSession, target: Target, load: Load
 
 
 async def run_level(session: aiohttp.ClientSession, target: Target, load: Load, prompts: Sequence[str],
-                    concurrency: int, on_error: Callable[[str], None]) -> tuple[list[RequestResult], float]:
+                    concurrency: int, on_error: Callable[[str], None],
+                    on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send every prompt, at most `concurrency` in flight; returns the results and the wall time."""
     gate = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(prompts), load.request_rate, load.seed + concurrency)
@@ -273,6 +274,8 @@ async def run_level(session: aiohttp.ClientSession, target: Target, load: Load, 
             result = await stream_chat(session, target, load, prompt, model)
         if result.error:
             on_error(redact(result.error, target.api_key))
+        if on_done:
+            on_done(result)
         return result
 
     results = await asyncio.gather(*(one(i, p, o) for i, (p, o) in enumerate(zip(prompts, offsets))))
@@ -354,8 +357,12 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, api_key: st
 
 async def run_sweep(target: Target, load: Load, concurrencies: Sequence[int], num_requests: int | None = None,
                     warmup: int = 0, on_error: Callable[[str], None] | None = None,
-                    on_level: Callable[[LevelSummary], None] | None = None) -> list[LevelSummary]:
-    """Warm up, then one level per concurrency; each level gets prompts no earlier one has sent."""
+                    on_level: Callable[[LevelSummary], None] | None = None,
+                    progress: Callable[[int, int], Callable[[RequestResult], None]] | None = None
+                    ) -> list[LevelSummary]:
+    """`progress(concurrency, requests)`, if given, is called as each level starts and returns what is called
+    as each of its requests ends."""
+    # Warm up, then one level per concurrency; each level gets prompts no earlier one has sent.
     on_error = on_error or ErrorReporter()
     counts = [requests_for(c, num_requests) for c in concurrencies]
     prompts = make_prompts(warmup + sum(counts), load.prompt_len, load.seed)
@@ -369,7 +376,7 @@ async def run_sweep(target: Target, load: Load, concurrencies: Sequence[int], nu
         used = warmup
         for concurrency, count in zip(concurrencies, counts):
             results, duration = await run_level(session, target, load, prompts[used:used + count], concurrency,
-                                                on_error)
+                                                on_error, progress(concurrency, count) if progress else None)
             used += count
             summary = summarize(concurrency, results, duration, target.api_key)
             summaries.append(summary)
@@ -452,6 +459,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="seconds a stream may stay silent before the request counts as failed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="also draw throughput against TTFT and ITL, a point per level (needs matplotlib)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar per level on stderr (default: when stderr is a terminal)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -496,10 +507,13 @@ async def _bench(args: argparse.Namespace) -> int:
     rate = "closed loop" if math.isinf(load.request_rate) else f"{load.request_rate:g} req/s Poisson"
     print(f"[bench] {base_url} model {model}: {load.output_len} output tokens, ~{load.prompt_len}-token prompts, "
           f"{rate}, concurrency {','.join(map(str, concurrencies))}", flush=True)
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    bars = ProgressBars() if show else None
     summaries = await run_sweep(target, load, concurrencies, args.num_requests, args.warmup,
-                                on_level=lambda s: print(f"[bench] concurrency {s.concurrency}: {s.completed} "
-                                                         f"ok, {s.failed} failed in {s.duration_s:.1f} s",
-                                                         flush=True))
+                                on_level=lambda s: (bars and bars.close()) or print(
+                                    f"[bench] concurrency {s.concurrency}: {s.completed} ok, {s.failed} failed "
+                                    f"in {s.duration_s:.1f} s", flush=True),
+                                progress=bars.level if bars else None)
     print(format_table(summaries))
     print(f"(times in ms; ITL tokens counted from {', '.join(sorted({s.itl_tokens_from for s in summaries}))})")
     if errors := format_errors(summaries):
@@ -507,7 +521,38 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report(target, load, summaries), f, indent=2)
+    if args.plot:
+        from pdserve.services.bench_plot import plot
+
+        print(f"[bench] plot: {plot(summaries, args.plot, f'{model} at {base_url}')}")
     return 0 if all(s.completed for s in summaries) else 1
+
+
+class ProgressBars:
+    """One tqdm bar per level on stderr: requests done, failures in its postfix."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._failed = 0
+
+    def level(self, concurrency: int, requests: int) -> Callable[[RequestResult], None]:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar, self._failed = tqdm(total=requests, desc=f"concurrency {concurrency}", unit="req",
+                                       file=sys.stderr, leave=False), 0
+        return self._done
+
+    def _done(self, result: RequestResult) -> None:
+        self._failed += bool(result.error)
+        self._bar.update(1)
+        if result.error:
+            self._bar.set_postfix(failed=self._failed)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def main(args: argparse.Namespace, command: str) -> int:

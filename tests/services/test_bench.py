@@ -209,3 +209,16 @@ def test_models_spread_the_requests_over_several_models_in_turn(server):
     load = Load(output_len=3, prompt_len=10, models=("a", "b", "c"))
     asyncio.run(run_sweep(Target(base_url, MODEL), load, [2], num_requests=6, warmup=0))
     assert sorted(b["model"] for b in behaviour.bodies) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_cli_progress_bars_and_a_throughput_latency_plot(server, capsys, tmp_path):
+    base_url, _ = server
+    png = tmp_path / "bench.png"
+    code = cli.main(["bench", "--base-url", base_url, "--concurrency", "1,4", "--num-requests", "4",
+                     "--output-len", "6", "--warmup", "0", "--progress", "--plot", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "concurrency 1" in err and "concurrency 4" in err and "4/4" in err  # a bar per level, to the end
+    assert f"plot: {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # a drawn figure, not an empty canvas
