@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -58,8 +59,30 @@ def resolve_model_path(model_path: str | os.PathLike | None, quiet: bool = False
         digest = hashlib.sha1(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:10]
         return _converted_dir(path, f"{path.stem}-{digest}", quiet)
     if not path.exists():
-        raise ModelNotFound(f"model path {str(path)!r} does not exist (expected an HF directory or a .gguf file)")
+        cached = hf_cache_snapshot(str(model_path))
+        if cached is not None:
+            check_hf_dir(cached)
+            return cached
+        raise ModelNotFound(f"model path {str(path)!r} does not exist (expected an HF directory, a .gguf file, or a "
+                            "model id such as Qwen/Qwen2.5-0.5B-Instruct already in the local Hugging Face cache)")
     raise ModelNotFound(f"model path {str(path)!r} is neither an HF directory nor a .gguf file")
+
+
+HF_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
+def hf_cache_snapshot(model_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of `model_id` (e.g. "Qwen/Qwen2.5-0.5B-Instruct"), as other servers
+    resolve a model id offline; None when it is not cached. Nothing is ever downloaded."""
+    if not HF_MODEL_ID.fullmatch(model_id) or ".." in model_id:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
 
 
 def check_hf_dir(path: Path) -> None:
