@@ -14,12 +14,13 @@ import logging
 from aiohttp import web
 
 from pdserve.services.gateway import (expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi, pooling_api,
-                                      weights_api)
+                                      status_page, weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, error_middleware, too_large
 
 log = logging.getLogger("pdserve.gateway")
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM)
+# No API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM); the status page's HTML holds no data.
+OPEN_PATHS = frozenset({"/health", "/metrics", *status_page.PAGE_PATHS})
 
 
 def _route_name(request: web.Request) -> str:
@@ -81,6 +82,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
     weights_api.add_routes(app)
     pooling_api.add_routes(app, list(extra_models))
     jobs_proxy.add_routes(app)
+    status_page.add_routes(app)
     openapi.add_routes(app, OPEN_PATHS)
 
     async def pool_lifecycle(app: web.Application):
