@@ -123,13 +123,14 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         services.append(service)
     gateway_url = f"http://{loopback(args.host)}:{args.port}"
     jobs_url = f"http://{local}:{args.jobs_port}"
-    key = ["--api-key", args.api_key] if args.api_key else []
     quiet = {"OMP_NUM_THREADS": "1"}  # keep HTTP services off the cores the workers compute on
+    # The key reaches the children through their environment, never their command lines (`ps` shows those).
+    secret = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     services.append(Service(
         "jobs", pdserve,
         ["jobs", "--host", local, "--port", str(args.jobs_port), "--redis-url", redis_url,
-         "--gateway-url", gateway_url, *key],
-        1, f"{jobs_url}/health", [PortUse(args.jobs_port, local, "jobs port", "--jobs-port")], quiet))
+         "--gateway-url", gateway_url],
+        1, f"{jobs_url}/health", [PortUse(args.jobs_port, local, "jobs port", "--jobs-port")], {**quiet, **secret}))
 
     model_name = args.served_model_name or model_dir.name
     targets: list[str] = []
@@ -140,8 +141,8 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
-         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *key, *gateway_options(args)],
-        3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], quiet))
+         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *gateway_options(args)],
+        3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], {**quiet, **secret}))
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
 
 
@@ -241,7 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="also start a dedicated embedding worker on this model (e.g. all-MiniLM-L6-v2); "
                              "requests pick it by their 'model'")
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                        help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY)")
+                        help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY; prefer "
+                             "the variable: a flag shows in `ps`). Services get it through their environment")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the gateway's --tool-call-parser: read tool calls in this model family's format")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

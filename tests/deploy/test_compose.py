@@ -149,8 +149,9 @@ def test_settings_come_from_the_environment(compose_binary):
     s = project["services"]
     for name in ("model-init", "prefill", "decode", "gateway"):
         assert flag(s[name]["command"], "--model-path") == ["/var/cache/pdserve/my-model"], name
-    for name in ("gateway", "jobs"):
-        assert "--api-key=sk-compose" in s[name]["command"]
+    for name in ("gateway", "jobs"):  # the key in the environment, never on a command line
+        assert s[name]["environment"]["PDSERVE_API_KEY"] == "sk-compose"
+    assert not any("sk-compose" in " ".join(service.get("command") or []) for service in s.values())
     assert flag(s["decode"]["command"], "--transfer-backend") == ["tcp"]
 
 

@@ -278,8 +278,10 @@ def test_plan_with_external_redis_and_api_key(tmp_path):
     s = by_name(plan)
     assert "redis" not in s
     assert flag_values(s["jobs"].args, "--redis-url") == ["redis://cache:6380/2"]
-    assert flag_values(s["gateway"].args, "--api-key") == ["sk-secret-1"]
-    assert flag_values(s["jobs"].args, "--api-key") == ["sk-secret-1"]
+    for name in ("gateway", "jobs"):  # through the environment: a command line shows in `ps`
+        assert s[name].env["PDSERVE_API_KEY"] == "sk-secret-1"
+        assert not any("sk-secret-1" in a for a in s[name].args)
+    assert all("PDSERVE_API_KEY" not in s[name].env for name in ("prefill", "decode"))
     assert flag_values(s["prefill"].args, "--transfer-backend") == ["tcp"]
     text = up.banner(plan, tmp_path)
     assert "Authorization: Bearer" in text and "sk-secret-1" not in text

@@ -67,13 +67,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{- define "pdserve.apiKeyArgs" -}}
-{{- if .Values.apiKey.enabled -}}
-- --api-key
-- $(PDSERVE_API_KEY)
-{{- end }}
-{{- end }}
-
 {{/* Host names the gateway and decode resolve: one headless Service per worker role. */}}
 {{- define "pdserve.prefillAddress" -}}
 {{ include "pdserve.fullname" . }}-prefill:{{ .Values.prefill.port }}
