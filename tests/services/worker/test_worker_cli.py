@@ -14,7 +14,8 @@ def test_missing_model_path_is_one_clear_line(tmp_path):
     r = run_worker("--model-path", str(tmp_path / "nope"))
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"error: model path {str(tmp_path / 'nope')!r} does not exist "
-                                             "(expected an HF directory or a .gguf file)"]
+                                             "(expected an HF directory, a .gguf file, or a model id such as "
+                                             "Qwen/Qwen2.5-0.5B-Instruct already in the local Hugging Face cache)"]
 
 
 def test_directory_without_config_is_refused(tmp_path):
