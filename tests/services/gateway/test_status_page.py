@@ -36,7 +36,10 @@ def status_with_throughput(gw, timeout: float = 12.0) -> dict:
         r = requests.get(gw.url + "/status.json", headers=gw.headers(), timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         body = r.json()
-        if any(p["tokens_per_s"] > 0 for p in body["samples"]["points"]) or time.monotonic() > deadline:
+        counted = any(p["tokens_per_s"] > 0 for p in body["samples"]["points"])
+        # the pool refreshes each worker's load every half second: wait until it has seen the worker idle too
+        idle = all(w["running"] == 0 and w["queued"] == 0 for ws in body["workers"].values() for w in ws)
+        if (counted and idle) or time.monotonic() > deadline:
             return body
         time.sleep(0.5)
 
