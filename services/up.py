@@ -11,10 +11,15 @@ does not turn healthy in time, is reported with its last log lines, everything e
 exits non-zero. Once serving, a child that dies is restarted with backoff (supervisor.RestartPolicy: 1 s,
 doubling to 30 s) while the others keep serving; only a crash loop (a 6th exit in a row, none after
 staying healthy for 60 s) is reported that way and stops everything.
+
+Flags: besides its own, `up` takes every flag of the workers, the gateway and the jobs service (built from
+their parsers, so a new one needs nothing here) and passes each one given to the services that take it; one
+not given is not passed, so each service keeps its own default.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shlex
 import shutil
@@ -23,13 +28,17 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pdserve.services.gateway.reasoning import PARSERS as REASONING_PARSERS
-from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
-from pdserve.services.worker.cli import add_expert_arguments, add_lora_arguments, expert_flags, lora_flags
 
 CHAT_EXAMPLE = "What is the capital of France?"
+CHILDREN = ("colocated", "prefill", "decode", "gateway", "jobs")  # the commands whose flags `up` passes through
+# The children's flags that `up` sets for each child itself (its addresses and peers), never taken from the user.
+PLANNED = frozenset({"--http-port", "--transfer-port", "--worker", "--jobs-url", "--embedding-worker",
+                     "--gateway-url"})
+# Of the workers' flags, those the --embedding-model worker (an encoder) takes too; the rest are about generation.
+EMBEDDING_FLAGS = frozenset({"--device", "--dtype", "--log-level", "--log-format"})
 
 
 @dataclass
@@ -85,12 +94,9 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     decoders = sum(count for role, count in roles if role != "prefill")
     threads_of = {role: args.threads or max(1, cpus // (decoders if role != "prefill" else runtimes))
                   for role, _ in roles}
-    common = ["--model-path", str(model_dir), "--host", local]
-    if args.device:
-        common += ["--device", args.device]
-    if args.enable_deterministic_inference:
-        common += ["--enable-deterministic-inference"]
-    common += lora_flags(args) + expert_flags(args)
+    model_name = args.served_model_name or model_dir.name
+    given = passed_flags(args)
+    common = ["--model-path", str(model_dir), "--served-model-name", model_name, "--host", local]
     workers: dict[str, list[str]] = {}  # role -> host:port of each worker
     index = 0
     for role, count in roles:
@@ -101,9 +107,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
             workers.setdefault(role, []).append(f"{local}:{port}")
             ports = [PortUse(port, local, f"{name} gRPC port", "--worker-port"),
                      PortUse(port + 1000, local, f"{name} HTTP port (gRPC port + 1000)", "--worker-port")]
-            extra: list[str] = []
-            if role != "colocated" and args.transfer_backend:
-                extra += ["--transfer-backend", args.transfer_backend]
+            extra = list(given[role])
             if role == "decode":
                 ports.append(PortUse(port + 2000, local, f"{name} KV transfer port (gRPC port + 2000)",
                                      "--worker-port"))
@@ -119,20 +123,23 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
 
     embedding_targets: list[str] = []
     if args.embedding_model:
-        service, embedding_targets = embedding_worker(args, args.worker_port + index, pdserve, cpus)
+        service, embedding_targets = embedding_worker(args, args.worker_port + index, pdserve, cpus,
+                                                      given["embedding"])
         services.append(service)
     gateway_url = f"http://{loopback(args.host)}:{args.port}"
     jobs_url = f"http://{local}:{args.jobs_port}"
     quiet = {"OMP_NUM_THREADS": "1"}  # keep HTTP services off the cores the workers compute on
-    # The key reaches the children through their environment, never their command lines (`ps` shows those).
+    # Secrets reach the children through their environment, never their command lines (`ps` and the lines `up`
+    # prints show those): the API key, and a Redis URL that holds a password.
     secret = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
+    redis_secret = {"PDSERVE_REDIS_URL": redis_url} if urlsplit(redis_url).password else {}
     services.append(Service(
         "jobs", pdserve,
-        ["jobs", "--host", local, "--port", str(args.jobs_port), "--redis-url", redis_url,
-         "--gateway-url", gateway_url],
-        1, f"{jobs_url}/health", [PortUse(args.jobs_port, local, "jobs port", "--jobs-port")], {**quiet, **secret}))
+        ["jobs", "--host", local, "--port", str(args.jobs_port), *([] if redis_secret else ["--redis-url", redis_url]),
+         "--gateway-url", gateway_url, *given["jobs"]],
+        1, f"{jobs_url}/health", [PortUse(args.jobs_port, local, "jobs port", "--jobs-port")],
+        {**quiet, **secret, **redis_secret}))
 
-    model_name = args.served_model_name or model_dir.name
     targets: list[str] = []
     for role, flag in (("colocated", "--worker"), ("prefill", "--prefill"), ("decode", "--decode")):
         for address in workers.get(role, []):
@@ -141,13 +148,13 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
-         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *gateway_options(args)],
+         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *given["gateway"]],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], {**quiet, **secret}))
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
 
 
-def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str],
-                     cpus: int) -> tuple[Service, list[str]]:
+def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str], cpus: int,
+                     flags: list[str]) -> tuple[Service, list[str]]:
     """The dedicated worker of --embedding-model (an encoder: no KV, no PD) and the gateway flags routing to it."""
     local = "127.0.0.1"
     threads = args.threads or max(1, cpus // 2)  # it computes only while embedding requests come in
@@ -156,20 +163,97 @@ def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str],
     service = Service(
         "embedding", pdserve,
         ["colocated", "--is-embedding", "--model-path", args.embedding_model, "--host", local, "--threads",
-         str(threads), "--port", str(port), "--http-port", str(port + 1000),
-         *(["--device", args.device] if args.device else [])],
+         str(threads), "--port", str(port), "--http-port", str(port + 1000), *flags],
         1, f"http://{local}:{port + 1000}/health", ports, {"OMP_NUM_THREADS": str(threads)})
     return service, ["--embedding-model", args.embedding_model, "--embedding-worker", f"{local}:{port}"]
 
 
-def gateway_options(args: argparse.Namespace) -> list[str]:
-    """The gateway's own flags that `up` passes through as given."""
-    options = []
-    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser),
-                        ("--chat-template", args.chat_template and str(Path(args.chat_template).resolve()))):
-        if value:
-            options += [flag, value]
-    return options + (["--enable-cache-report"] if args.enable_cache_report else [])
+# ---------------------------------------------------------------- flags passed through
+
+
+def child_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parser of each child command, as `pdserve COMMAND` builds it."""
+    from pdserve.services.gateway import cli as gateway_cli
+    from pdserve.services.jobs import cli as jobs_cli
+    from pdserve.services.worker import cli as worker_cli
+
+    modules = {"colocated": worker_cli, "prefill": worker_cli, "decode": worker_cli, "gateway": gateway_cli,
+               "jobs": jobs_cli}
+    parsers = {}
+    for command in CHILDREN:
+        parsers[command] = argparse.ArgumentParser(add_help=False)
+        modules[command].add_arguments(parsers[command], command)
+    return parsers
+
+
+def passed_actions() -> dict[str, list[tuple[str, argparse.Action]]]:
+    """option -> (child command, the child's action) for each child flag that `up` passes through: all but
+    those `up` has (or sets) itself. argparse shows a parser's flags only as `_actions`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_own_arguments(parser)
+    own = {option for action in parser._actions for option in action.option_strings} | PLANNED
+    own_dests = {action.dest for action in parser._actions}
+    passed: dict[str, list[tuple[str, argparse.Action]]] = {}
+    for command, child in child_parsers().items():
+        for action in child._actions:
+            if action.option_strings and not own & set(action.option_strings) and action.dest not in own_dests:
+                passed.setdefault(action.option_strings[0], []).append((command, action))
+    return passed
+
+
+def add_passed_arguments(parser: argparse.ArgumentParser) -> None:
+    """The children's flags, each in a group named after the services it goes to, with no default of its own:
+    `up` passes only those given."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for uses in passed_actions().values():
+        commands = [command for command, _ in uses]
+        label = services_label(commands)
+        if label not in groups:
+            groups[label] = parser.add_argument_group(f"passed to {label}")
+        action = copy.copy(uses[0][1])
+        default = action.default
+        if default not in (None, False, [], "") and action.help != argparse.SUPPRESS \
+                and "default" not in (action.help or ""):
+            action.help = f"{action.help or ''} (default: {str(default).replace('%', '%%')})".lstrip()
+        action.default, action.required = argparse.SUPPRESS, False
+        groups[label]._add_action(action)
+
+
+def services_label(commands: list[str]) -> str:
+    if set(commands) == set(CHILDREN):
+        return "every service"
+    workers = [c for c in commands if c in ("colocated", "prefill", "decode")]
+    names = ["every worker"] if len(workers) == 3 else [f"{c} workers" for c in workers]
+    names += [{"gateway": "the gateway", "jobs": "the jobs service"}[c] for c in commands if c in ("gateway", "jobs")]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+def passed_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Child command ("embedding": the --embedding-model worker) -> the flags given to `up` that it takes."""
+    given = vars(args)
+    flags: dict[str, list[str]] = {command: [] for command in (*CHILDREN, "embedding")}
+    for option, uses in passed_actions().items():
+        dest = uses[0][1].dest
+        if dest not in given:
+            continue
+        for command, action in uses:
+            tokens = command_line(action, given[dest])
+            flags[command] += tokens
+            if command == "colocated" and option in EMBEDDING_FLAGS:
+                flags["embedding"] += tokens
+    return flags
+
+
+def command_line(action: argparse.Action, value: object) -> list[str]:
+    """The flag of `action` with the value it parsed to, as a command line."""
+    option = action.option_strings[0]
+    if action.nargs == 0:  # a switch
+        return [option] if value == action.const else []
+    if isinstance(action, argparse._AppendAction):  # repeatable: once per value
+        return [token for item in value for token in (option, str(item))]
+    if isinstance(value, list):
+        return [option, *map(str, value)]
+    return [option, str(value)]
 
 
 def substitute(plan: Plan, specs: list[str]) -> None:
@@ -229,6 +313,11 @@ def check_executables(services: list[Service]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    add_own_arguments(parser)
+    add_passed_arguments(parser)
+
+
+def add_own_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", action="store_true",
                         help="run one colocated worker instead of separate prefill and decode workers")
     parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers (default 1)")
@@ -244,37 +333,24 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY; prefer "
                              "the variable: a flag shows in `ps`). Services get it through their environment")
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="the gateway's --tool-call-parser: read tool calls in this model family's format")
-    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="the gateway's --reasoning-parser: split reasoning_content from the answer")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="the gateway's --chat-template: a Jinja chat template file instead of the model's")
-    parser.add_argument("--enable-cache-report", action="store_true",
-                        help="the gateway's --enable-cache-report: report cached prompt tokens in usage")
-    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
+    parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,
+                        help="use this Redis instead of starting redis-server (default: $PDSERVE_REDIS_URL; give a "
+                             "URL with a password in the variable: a flag shows in `ps`)")
     parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
     parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")
     parser.add_argument("--worker-port", type=int, default=50051,
                         help="gRPC port of the first worker; the next workers count up from it; each worker's "
                              "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000")
-    parser.add_argument("--transfer-backend", default=None, choices=["auto", "nixl", "tcp"],
-                        help="KV transfer between prefill and decode (default: the workers' own, auto)")
-    parser.add_argument("--device", default=None, help="device for the workers: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: decode and colocated workers share all cores, "
                              "prefill workers get an equal share of them)")
-    parser.add_argument("--enable-deterministic-inference", action="store_true",
-                        help="workers give a prompt the same greedy output, bit for bit, whatever it is batched, "
-                             "cached or chunked with")
-    add_lora_arguments(parser)
-    add_expert_arguments(parser)
     parser.add_argument("--state-dir", default=str(default_state_dir()),
                         help="Redis data and service logs (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds each stage may take to become healthy")
-    parser.add_argument("--stop-timeout", type=float, default=10.0,
-                        help="seconds a service may take to stop after SIGTERM before it is killed")
+    parser.add_argument("--stop-timeout", type=float, default=45.0,
+                        help="seconds a service may take to stop after SIGTERM before it is killed (longer than "
+                             "the services' --drain-timeout, 30 s by default, for requests in progress to finish)")
     # Runs another executable in place of one service (same flags, ports and health check); for testing.
     parser.add_argument("--substitute", action="append", default=[], metavar="NAME=COMMAND", help=argparse.SUPPRESS)
 
@@ -315,7 +391,9 @@ def prepare(args: argparse.Namespace) -> Plan:
     check_executables(draft.services)
     check_ports(draft.services)
     if args.redis_url and not probe(args.redis_url):
-        raise UpError(f"cannot reach Redis at {args.redis_url} (--redis-url): is it running?")
+        from pdserve.services.jobs.cli import without_password
+
+        raise UpError(f"cannot reach Redis at {without_password(args.redis_url)} (--redis-url): is it running?")
     model_dir = resolve_model_path(args.model_path)  # converts on first use, with a progress bar
     plan = build_plan(args, model_dir, available_cpus())
     substitute(plan, args.substitute)

@@ -1,32 +1,85 @@
 """The gateway's aiohttp application: routes, middlewares, and the worker pool's lifecycle.
 
-Middlewares, outermost first: request counting (sees every final status), error mapping (every exception
-becomes an OpenAI-shaped error), body size limit, API key check. The worker pool starts with the app and
-stops with it. Handlers are cancelled when their client disconnects (see `run`), which cancels the gRPC
-calls they hold and so aborts the requests on the workers.
+Middlewares, outermost first: access log (a line per request under its request id, which the response
+carries in X-Request-Id), request counting (sees every final status), error mapping (every exception
+becomes an OpenAI-shaped error), body size limit, API key check, and with --log-requests the body log.
+The worker pool starts with the app and stops with it. Handlers are cancelled when their client
+disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
+After request counting, the drain check answers 503 once the gateway is stopping (see `Drain`).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import time
 
 from aiohttp import web
 
 from pdserve.services.gateway import (expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi, pooling_api,
                                       status_page, weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
-from pdserve.services.gateway.errors import ApiError, error_middleware, too_large
+from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
+from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")
 # No API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM); the status page's HTML holds no data.
 OPEN_PATHS = frozenset({"/health", "/metrics", *status_page.PAGE_PATHS})
+access_log = logging.getLogger("pdserve.access")
+body_log = logging.getLogger("pdserve.requests")
+PROBE_PATHS = frozenset({"/health", "/metrics"})  # asked every few seconds: their access lines are at debug level
+MAX_LOGGED_BODY = 16 << 10  # characters of a request body --log-requests writes
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
 
 def _route_name(request: web.Request) -> str:
     route = request.match_info.route
     resource = route.resource if route is not None else None
     return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def log_access(request: web.Request, handler):
+    """Serves the request under its id (the client's X-Request-Id when it is a safe short token, else a new
+    one), so that every line logged for it carries the id, then logs method, path, status and duration."""
+    rid = request[REQUEST_ID_KEY] = request_id(request.headers.get(HEADER))
+    token = REQUEST_ID.set(rid)
+    start = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        status = 499  # the client went away before the answer was complete
+        raise
+    finally:
+        ms = (time.perf_counter() - start) * 1000
+        access_log.log(logging.DEBUG if request.path in PROBE_PATHS else logging.INFO, "%s %s %d %.1f ms",
+                       request.method, request.path, status, ms,
+                       extra={"method": request.method, "path": request.path, "status": status,
+                              "duration_ms": round(ms, 1), "client": request.remote})
+        REQUEST_ID.reset(token)
+
+
+async def send_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """X-Request-Id on every response, streamed ones included (their headers leave with the first event)."""
+    if REQUEST_ID_KEY in request:
+        response.headers[HEADER] = request[REQUEST_ID_KEY]
+
+
+@web.middleware
+async def log_body(request: web.Request, handler):
+    """--log-requests: the body of each authorised request at debug level; never a header (the API key is
+    one). Uploads that the jobs proxy streams through are not read."""
+    if request.body_exists and request.match_info.handler is not jobs_proxy.forward:
+        body = (await request.read()).decode("utf-8", "replace")
+        cut = f"... ({len(body)} characters)" if len(body) > MAX_LOGGED_BODY else ""
+        body_log.debug("%s %s body: %s%s", request.method, request.path, body[:MAX_LOGGED_BODY], cut)
+    return await handler(request)
 
 
 @web.middleware
@@ -70,11 +123,59 @@ async def check_api_key(request: web.Request, handler):
     return await handler(request)
 
 
+class Drain:
+    """Requests in progress, and whether the gateway still takes new ones.
+
+    Lifecycle on SIGTERM (`serve`): closing -> every new request, /health included, is answered 503 with
+    Retry-After while those in progress go on -> all done, or the drain timeout passed and the generations
+    still running were ended with an error -> the server closes.
+    """
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+DRAIN = web.AppKey("drain", Drain)
+END_GRACE_S = 0.5  # after ending what is left: for handlers to write their error event, then to be cancelled
+
+
+@web.middleware
+async def drain_requests(request: web.Request, handler):
+    drain = request.app[DRAIN]
+    if drain.closing:
+        response = Busy(503, "The gateway is shutting down: send the request again (another instance will take "
+                             "it).", 1).response()
+        response.force_close()
+        return response
+    drain.active += 1
+    drain.idle.clear()
+    try:
+        return await handler(request)
+    finally:
+        drain.active -= 1
+        if drain.active == 0:
+            drain.idle.set()
+
+
 def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
-    app = web.Application(middlewares=[count_requests, error_middleware, limit_body, check_api_key],
-                          client_max_size=gateway.max_body_bytes)
+    middlewares = [log_access, count_requests, drain_requests, error_middleware, limit_body, check_api_key]
+    if gateway.server_args.get("log_requests"):
+        middlewares.append(log_body)
+    app = web.Application(middlewares=middlewares, client_max_size=gateway.max_body_bytes)
+    app.on_response_prepare.append(send_request_id)
     app[GATEWAY] = gateway
+    app[DRAIN] = Drain()
     openai_api.add_routes(app)
     native_api.add_routes(app)
     lora_api.add_routes(app)
@@ -94,14 +195,29 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
     return app
 
 
-async def serve(app: web.Application, host: str, port: int, stop) -> None:
-    """Serve until `stop` (an asyncio.Event) is set."""
+async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_s: float = 30.0) -> None:
+    """Serve until `stop` (an asyncio.Event) is set, then drain for up to `drain_timeout_s` and close."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the worker request.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=END_GRACE_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
         log.info("gateway listening on http://%s:%d", host, port)
         await stop.wait()
+        await drain(app, drain_timeout_s)
     finally:
         await runner.cleanup()
+
+
+async def drain(app: web.Application, timeout_s: float) -> None:
+    """Refuse new requests and let those in progress finish; past `timeout_s`, end the generations left."""
+    state = app[DRAIN]
+    state.closing = True
+    if state.active:
+        log.info("stopping: %d request(s) in progress may finish within %g s", state.active, timeout_s)
+    if await state.wait_idle(timeout_s):
+        return
+    ended = app[GATEWAY].backend.end_all(f"the gateway stopped after its drain timeout ({timeout_s:g} s)")
+    log.warning("drain timeout: %d request(s) still in progress, %d generation(s) ended with an error",
+                state.active, ended)
+    await state.wait_idle(END_GRACE_S)

@@ -1,7 +1,11 @@
 """Backend: what the HTTP handlers use to reach the workers, in one object.
 
-It owns admission (how many generations may be in flight), routing, the generations in flight (by
+It owns admission (how many sequences may be in flight), routing, the generations in flight (by
 request id, for /abort_request) and the worker-wide operations (abort, flush, one-token health probe).
+
+Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends.
+Beyond what the healthy workers run at once plus `max_queued_requests`, a request is refused at once with
+429 and Retry-After rather than left to queue for minutes.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Iterator
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.generation import Generation, Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import NoWorker, Pair, Router
@@ -24,12 +28,17 @@ from pdserve.services.gateway.workers import WorkerPool
 log = logging.getLogger("pdserve.gateway")
 
 
+DEFAULT_MAX_QUEUED = 256  # sequences waiting beyond what the workers run at once
+
+
 @dataclass(frozen=True)
 class BackendSettings:
-    max_queued_requests: int | None = None  # generations waiting beyond what the workers run at once
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED  # sequences waiting beyond the workers' (None: no limit)
+    retry_after_s: int = 2  # what a refused client is told to wait (Retry-After)
     first_output_timeout_s: float = 300.0  # queueing + prefill on the workers
     stall_timeout_s: float = 150.0  # between two outputs (the workers give up after 120 s themselves)
-    max_attempts: int = 3  # pairs tried for one generation
+    max_attempts: int = 3  # pairs tried for one generation before its first output (retries, restarts)
+    max_migrations: int = 3  # moves of one generation to another pair mid-stream (generation.py, migration.py)
     rpc_timeout_s: float = 10.0  # Abort, FlushCache and other small calls
 
 
@@ -52,20 +61,19 @@ class Backend:
 
     @contextmanager
     def admit(self, count: int = 1) -> Iterator[None]:
-        """Hold `count` places for the generations of one request; 503 when none may start."""
+        """Let a request of `count` prompts in, or refuse it now: 503 when no worker pair is healthy, 429 when
+        even one sequence per prompt would not fit. Its generations then hold their places (`generation`)."""
         if not self.pool.has_healthy_pair():
-            raise ApiError(503, "No healthy worker is available to serve the request.")
+            raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
+        self._check_room(count)
+        yield
+
+    def _check_room(self, sequences: int) -> None:
         limit = self.settings.max_queued_requests
-        if limit is not None and max(0, self.in_flight + count - self.pool.capacity()) > limit:
-            raise ApiError(503, f"The server is busy: more than {limit} requests would be queued "
-                                f"(--max-queued-requests). Retry later.")
-        self.in_flight += count
-        self._gauges()
-        try:
-            yield
-        finally:
-            self.in_flight -= count
-            self._gauges()
+        if limit is not None and self.in_flight + sequences - self.pool.capacity() > limit:
+            raise Busy(429, f"The server is busy: {sequences} more sequence(s) would queue beyond the limit of "
+                            f"{limit} (--max-queued-requests). Retry after {self.settings.retry_after_s} s.",
+                       self.settings.retry_after_s)
 
     def _gauges(self) -> None:
         self.metrics.running.set(self.in_flight)
@@ -79,21 +87,36 @@ class Backend:
         try:
             return self.router.choose(input_ids, exclude)
         except NoWorker as exc:
-            raise ApiError(503, f"No healthy worker is available to serve the request ({exc}).") from None
+            raise Busy(503, f"No healthy worker is available to serve the request ({exc}).",
+                       self.settings.retry_after_s) from None
 
     @contextmanager
     def generation(self, job: Job) -> Iterator[Generation]:
+        """Register a generation; it holds `n` places (429 when they would queue beyond the limit)."""
         if job.rid in self.generations:
             raise ApiError(400, f"A request with id {job.rid!r} is already running.", "rid")
+        places = job.params.n
+        self._check_room(places)
         gen = Generation(self, job)
         self.generations[job.rid] = gen
+        self.in_flight += places
+        self._gauges()
         self.metrics.prompt_tokens.inc(len(job.input_ids))
         try:
             yield gen
         finally:
             self.generations.pop(job.rid, None)
+            self.in_flight -= places
+            self._gauges()
             self.metrics.cached_tokens.inc(gen.cached_tokens)
             self.metrics.e2e.observe(gen.e2e_latency)
+
+    def end_all(self, reason: str) -> int:
+        """End every generation in flight with an error (the gateway is stopping); how many there were."""
+        gens = list(self.generations.values())
+        for gen in gens:
+            gen._fail(reason)
+        return len(gens)
 
     async def probe_pair(self, pair: Pair) -> set[str]:
         """Check the workers of a pair that just failed a request; the addresses of those that are down."""

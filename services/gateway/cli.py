@@ -11,6 +11,7 @@ import sys
 from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
+from pdserve.shared.logs import add_log_arguments, setup_logging
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -32,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $PDSERVE_API_KEY)")
-    parser.add_argument("--max-queued-requests", type=int, default=None,
-                        help="refuse requests (503) beyond this many waiting for a place on the workers")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="sequences (a request counts n) that may wait for a place on the workers beyond what "
+                             "they run at once; more are refused at once with 429 and Retry-After")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, refuse new requests (503) and let those in progress finish for up to "
+                             "this long; streams still running then end with an error")
     parser.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead "
                         "of the model's")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS),
@@ -60,20 +65,31 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--is-embedding", action="store_true",
                         help="the model is served for embeddings (/v1/embeddings, /encode), as its workers are "
                              "(`colocated --is-embedding`); encoders and sequence classifiers are recognised alone")
-    parser.add_argument("--log-level", default="info")
+    add_log_arguments(parser)
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log each request's body (at debug level, under pdserve.requests, whatever "
+                             "--log-level says); headers, and so the API key, never")
 
 
 def main(args: argparse.Namespace, command: str) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        print("error: --max-queued-requests must be >= 0", file=sys.stderr)
+    setup_logging(args.log_level, args.log_format == "json")
+    if args.log_requests:
+        logging.getLogger("pdserve.requests").setLevel(logging.DEBUG)
+    if args.max_queued_requests < 0 or args.drain_timeout < 0:
+        print("error: --max-queued-requests and --drain-timeout must be >= 0", file=sys.stderr)
         return 2
     try:
         app = build(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(app, args))
+    code = asyncio.run(_serve(app, args))
+    # Everything is closed by now: skip the interpreter's teardown of the modules loaded (torch among them),
+    # 1-2 s that would hold up a drained gateway's exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build(args: argparse.Namespace):
@@ -123,7 +139,7 @@ async def _serve(app, args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await serve(app, args.host, args.port, stop)
+        await serve(app, args.host, args.port, stop, args.drain_timeout)
     except OSError as exc:
         log.error("cannot listen on %s:%d (%s); pass --port", args.host, args.port, exc)
         return 1

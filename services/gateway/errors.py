@@ -25,6 +25,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -44,6 +45,19 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
+
+
+class Busy(ApiError):
+    """A refusal that tells the client when to come back: 429 (over the limits) or 503 (no worker, stopping)."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
+        super().__init__(status, message)
+        self.retry_after_s = retry_after_s
+
+    def response(self):
+        response = super().response()
+        response.headers["Retry-After"] = str(self.retry_after_s)
+        return response
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -3,8 +3,14 @@
 Lifecycle: route -> Generate stream -> for each token of each choice: detokenize, match stop strings ->
 `Update`s -> every choice finished. The gRPC call is cancelled, which aborts the request on the worker,
 when every choice has ended on the gateway's side (a stop string), when the consumer stops reading (the
-client went away), or when a worker of the pair is taken out. A failure before anything was handed out
-is retried on another pair; after that it ends the generation with a 503.
+client went away), or when a worker of the pair is taken out (the prefill worker only until the first
+output: after that the decode worker needs it no more).
+
+When a worker of the pair turns out to be down, the generation goes on elsewhere: a failure before any
+output is retried from scratch on another pair; one after output migrates (migration.py: the prompt plus
+the tokens already out go to another pair, and its output continues the same choices), or, for what
+cannot migrate, starts over when nothing reached the client yet. Otherwise, or once the attempts are used
+up, or when no healthy pair is left, the generation ends with a 503.
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.metrics import TokenTimer
+from pdserve.services.gateway.migration import continuation, why_not_movable
 from pdserve.services.gateway.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer
 from pdserve.proto.codec import params_to_proto
@@ -28,6 +35,7 @@ from pdserve.shared.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pdserve.services.gateway.backend import Backend
     from pdserve.services.gateway.router import Pair
+    from pdserve.services.gateway.workers import Worker
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -99,7 +107,17 @@ class WorkerFailure(Exception):
 
 
 class Restart:
-    """Handed out by `Generation.run(restartable=True)` before a retry: forget what came before."""
+    """Handed out by `Generation.run(restartable=True)` before it starts over: forget what came before."""
+
+
+@dataclass
+class _Tries:
+    """What the failed attempts of one generation have used up so far."""
+
+    down: set[str] = field(default_factory=set)  # addresses of workers found down: not tried again
+    fresh: int = 0  # retries and restarts: with the first attempt, at most max_attempts from scratch
+    migrations: int = 0  # moves to another pair mid-stream (at most max_migrations)
+    failure: str = ""  # why the last attempt failed
 
 
 class _Choice:
@@ -108,7 +126,13 @@ class _Choice:
         self.detok = Detokenizer(gen.backend.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
         self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
         self.finished = False
-        self.tokens = 0  # completion tokens, counted up to the one that ended the choice
+        # Every token the workers produced, up to the one that ended the choice; a migration resends them.
+        self.output_ids: list[int] = []
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens, counted up to the one that ended the choice."""
+        return len(self.output_ids)
 
 
 class Generation:
@@ -152,81 +176,155 @@ class Generation:
         return results
 
     async def run(self, restartable: bool) -> AsyncIterator[Update | Restart]:
-        settings = self.backend.settings
-        excluded: set[str] = set()
-        handed_out = False
-        for attempt in range(1, settings.max_attempts + 1):
-            pair = self.backend.route(self.job.input_ids, frozenset(excluded))
+        """Attempts on pairs until every choice has finished (see the module docstring for what follows a
+        failure). `restartable`: the consumer can take a `Restart` (nothing has reached the client yet)."""
+        tries = _Tries()
+        timer = TokenTimer(self.backend.metrics, self.start)
+        self.choices = self._new_choices()
+        while True:
+            pair = self._route(tries)
             try:
-                async with contextlib.aclosing(self._attempt(pair)) as updates:
+                async with contextlib.aclosing(self._attempt(pair, timer)) as updates:
                     async for u in updates:
-                        handed_out = handed_out or bool(u.token_ids)
                         yield u
                 return
             except WorkerFailure as exc:
-                reason = str(exc)
-                down = await self.backend.probe_pair(pair)
-                retry = attempt < settings.max_attempts and bool(down) and (restartable or not handed_out)
-                log.warning("request %s failed on %s: %s%s", self.job.rid, _names(pair), reason,
-                            "; retrying on another worker" if retry else "")
-                if not retry:
-                    raise ApiError(503, f"The request failed on the workers: {reason}") from None
-                excluded |= down
-                self.backend.metrics.retries.inc()
-                if handed_out:
+                tries.failure = str(exc)
+                if await self._recover(pair, tries, restartable) == "restart":
                     yield Restart()
-                    handed_out = False
+
+    @property
+    def produced(self) -> bool:
+        """Whether any choice has output yet: what decides between a retry and a migration."""
+        return any(c.tokens for c in self.choices)
+
+    def _new_choices(self) -> list[_Choice]:
+        return [_Choice(self) for _ in range(self.job.params.n)]
+
+    def _route(self, tries: _Tries) -> Pair:
+        try:
+            return self.backend.route(self._input_ids(), frozenset(tries.down))
+        except ApiError as exc:
+            if not self.produced:
+                raise
+            raise ApiError(503, f"The request failed on the workers ({tries.failure}) after {self.completion_tokens} "
+                                f"tokens and no other worker pair can continue it: {exc.message}") from None
+
+    async def _recover(self, pair: Pair, tries: _Tries, restartable: bool) -> str:
+        """After `pair` failed: "retry", "migrate" or "restart" (then the next attempt may start), or the 503."""
+        down = await self.backend.probe_pair(pair)
+        step, why_not = self._next_step(bool(down), tries, restartable)
+        log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, _names(pair),
+                    self.completion_tokens, tries.failure, f"; next: {step}" if step else "")
+        if step is None:
+            raise ApiError(503, f"The request failed on the workers: {tries.failure}{why_not}")
+        tries.down |= down
+        if step == "migrate":
+            tries.migrations += 1
+            self.backend.metrics.migrations.inc()
+            return step
+        tries.fresh += 1
+        self.backend.metrics.retries.inc()
+        if step == "restart":
+            self.choices = self._new_choices()
+        return step
+
+    def _next_step(self, worker_down: bool, tries: _Tries, restartable: bool) -> tuple[str | None, str]:
+        """What may follow a failed attempt, and else why nothing may (a suffix for the error message).
+
+        Only a worker found down makes another attempt worth it: a pair that is alive but failed or stalled
+        would most likely fail the same way again."""
+        settings = self.backend.settings
+        if not worker_down:
+            return None, ""
+        can_start_over = tries.fresh + 1 < settings.max_attempts
+        if not self.produced:
+            return ("retry", "") if can_start_over else (None, "")
+        why_not = why_not_movable(self.job.params)
+        if why_not is None:
+            if tries.migrations < settings.max_migrations:
+                return "migrate", ""
+            why_not = f"it was already moved to another worker {tries.migrations} times"
+        if restartable and can_start_over:
+            return "restart", ""
+        return None, f" ({why_not})"
+
+    def _input_ids(self) -> list[int]:
+        """The prompt of the next attempt: the job's, then the output so far when it continues one."""
+        if not self.produced:
+            return self.job.input_ids
+        return self.job.input_ids + self.choices[0].output_ids
+
+    def _request(self, pair: Pair) -> pb.GenerateRequest:
+        job, input_ids, params = self.job, self.job.input_ids, self.job.params
+        if self.produced:
+            resumed = continuation(job.input_ids, self.choices[0].output_ids, params)
+            input_ids, params = resumed.input_ids, resumed.params
+        return pb.GenerateRequest(rid=job.rid, input_ids=input_ids, sampling=params_to_proto(params),
+                                  prefill_addr=pair.prefill.address if pair.prefill is not None else "",
+                                  lora=job.lora or "")
 
     # ------------------------------------------------------------ one attempt on one pair
-    async def _attempt(self, pair: Pair) -> AsyncIterator[Update]:
-        job, settings = self.job, self.backend.settings
+    async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:
+        resumed = self.produced
         self.pair, self._failure = pair, None
-        self.choices = [_Choice(self) for _ in range(job.params.n)]
-        timer = TokenTimer(self.backend.metrics, self.start)
-        request = pb.GenerateRequest(rid=job.rid, input_ids=job.input_ids, sampling=params_to_proto(job.params),
-                                     prefill_addr=pair.prefill.address if pair.prefill is not None else "",
-                                     lora=job.lora or "")
-        call = self._call = pair.generate.stub.Generate(request)
-        for w in pair.workers:
+        call = self._call = pair.generate.stub.Generate(self._request(pair))
+        held = list(pair.workers)
+        for w in held:
             w.in_flight += 1
             w.on_out.add(self._fail)
         first = True
         try:
             while not all(c.finished for c in self.choices):
-                try:
-                    async with asyncio.timeout(settings.first_output_timeout_s if first
-                                               else settings.stall_timeout_s):
-                        msg = await call.read()
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if self._failure is not None and task is not None and not task.cancelling():
-                        raise WorkerFailure(self._failure) from None
-                    raise
-                except TimeoutError:
-                    raise WorkerFailure("no output from the worker in time") from None
-                except grpc.aio.AioRpcError as exc:
-                    raise self._map_rpc_error(exc) from None
-                if msg is grpc.aio.EOF:
-                    raise WorkerFailure("the worker closed the stream before every choice finished")
+                msg = await self._read(call, first)
                 if first:
-                    self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, \
-                        msg.cached_tokens
-                    self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)))
-                                           for t, lp in zip(job.input_ids[max(job.params.logprob_start_len, 1):],
-                                                            msg.input_logprobs)]
                     first = False
+                    if pair.prefill is not None:  # its part is done: its death no longer concerns this request
+                        self._release(pair.prefill, held)
+                    if not resumed:  # usage and prompt logprobs describe the client's prompt
+                        self._on_first(msg)
                 for delta in msg.choices:
                     timer.tokens(len(delta.token_ids))
                     update = self._on_delta(delta)
                     if update is not None:
                         yield update
         finally:
-            for w in pair.workers:
-                w.in_flight -= 1
-                w.on_out.discard(self._fail)
+            for w in list(held):
+                self._release(w, held)
             if not call.done():
                 call.cancel()  # aborts the request on the worker, freeing its pages
             self._call = None
+
+    async def _read(self, call, first: bool) -> pb.GenerateResponse:
+        """The next message of the stream; a WorkerFailure when the pair fails, stalls or is taken out."""
+        settings = self.backend.settings
+        try:
+            async with asyncio.timeout(settings.first_output_timeout_s if first else settings.stall_timeout_s):
+                msg = await call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._failure is not None and task is not None and not task.cancelling():
+                raise WorkerFailure(self._failure) from None
+            raise
+        except TimeoutError:
+            raise WorkerFailure("no output from the worker in time") from None
+        except grpc.aio.AioRpcError as exc:
+            raise self._map_rpc_error(exc) from None
+        if msg is grpc.aio.EOF:
+            raise WorkerFailure("the worker closed the stream before every choice finished")
+        return msg
+
+    def _release(self, worker: Worker, held: list[Worker]) -> None:
+        held.remove(worker)
+        worker.in_flight -= 1
+        worker.on_out.discard(self._fail)
+
+    def _on_first(self, msg: pb.GenerateResponse) -> None:
+        job = self.job
+        self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, msg.cached_tokens
+        self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)))
+                               for t, lp in zip(job.input_ids[max(job.params.logprob_start_len, 1):],
+                                                msg.input_logprobs)]
 
     def _fail(self, reason: str) -> None:
         """A worker of the pair was taken out: end this attempt now."""
@@ -239,7 +337,7 @@ class Generation:
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return ApiError(400, details)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return ApiError(503, f"The workers are out of capacity: {details}")
+            return Busy(429, f"The server is busy: {details}", self.backend.settings.retry_after_s)
         if code == grpc.StatusCode.CANCELLED and self._failure is not None:
             return WorkerFailure(self._failure)
         return WorkerFailure(details)
@@ -255,7 +353,7 @@ class Generation:
         ids = list(delta.token_ids)
         stop_token = delta.matched_stop_token if delta.finish_reason == "stop" else -1
         for i, token in enumerate(ids):
-            choice.tokens += 1
+            choice.output_ids.append(token)
             update.token_ids.append(token)
             if i < len(delta.logprobs):
                 top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else None

@@ -1,7 +1,8 @@
 """Prometheus metrics of the gateway, on a registry of its own (served at /metrics, without the API key).
 
 The workers export SGLang's names (services/worker/metrics.py); these are the gateway's own view: routing
-(requests by route and status, retries on another worker), worker health, and latencies as clients see them.
+(requests by route and status, retries and migrations to another worker), worker health, and latencies as
+clients see them.
 
 Request counts by route and status come from a middleware; latencies and token counts from each
 generation as it streams. Gauges of queue length and worker health are refreshed when scraped.
@@ -38,6 +39,8 @@ class GatewayMetrics:
         self.workers_healthy = Gauge("pdserve_gateway_worker_healthy", "1 if the worker is in rotation",
                                      ["role", "address"], registry=r)
         self.retries = Counter("pdserve_gateway_retries", "generations retried on another worker", registry=r)
+        self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
+                                  "mid-stream, continuing from the tokens already out", registry=r)
 
     def render(self) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -21,13 +21,14 @@ from pydantic import BaseModel, ConfigDict
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.gateway.context import Gateway, new_id
-from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.errors import ApiError, Busy, read_json
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.router import load_of
 from pdserve.services.gateway.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.workers import Worker
 
 ENCODE_TIMEOUT_S = 300.0
+RETRY_AFTER_S = 2  # what a client refused because the encoder workers are full is told to wait
 ENCODING_FORMATS = ("float", "base64")
 
 
@@ -91,7 +92,7 @@ async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] 
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ApiError(400, f"The worker refused the input: {details}.") from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise ApiError(503, f"The server is busy: {details}.") from None
+                raise Busy(429, f"The server is busy: {details}.", RETRY_AFTER_S) from None
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise ApiError(503, f"{worker.role} worker {worker.address} failed: {details}.") from None
             await pool.probe(worker)

@@ -3,7 +3,8 @@
 `WorkerPool` owns one `Worker` per address. A background loop asks every worker for Health and Load about
 once a second with a short deadline; a worker whose address refuses the call (its process is gone) is taken
 out at the first failed check, one that fails otherwise (no answer in time, not ready) after two in a row.
-Taking a worker out fails the requests in flight on it at once, through their `on_out` callbacks; it is
+Taking a worker out fails the requests in flight on it at once, through their `on_out` callbacks. A worker
+that says it is draining (shutting down) only stops getting new requests: those in flight finish. Either is
 back in rotation as soon as it answers again (a restarted worker included). Worker lists may name DNS
 hosts that resolve to several addresses (compose/Kubernetes services); they are resolved again every few
 seconds, so workers that come and go are picked up.
@@ -20,6 +21,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.shared.addresses import expand_hostports
+from pdserve.shared.logs import client_interceptors
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -51,6 +53,7 @@ class Worker:
     load: pb.LoadReply | None = None
     in_flight: int = 0  # requests this gateway has on the worker now
     last_error: str = ""
+    draining: bool = False  # it said it is shutting down: no new requests, its own finish
     # Requests in flight on this worker: each callback fails its request when the worker is taken out.
     on_out: set[Callable[[str], None]] = field(default_factory=set)
 
@@ -122,7 +125,8 @@ class WorkerPool:
                 for address in addresses:
                     seen.add(address)
                     if address not in self.workers:
-                        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS,
+                                                           interceptors=client_interceptors())
                         self.workers[address] = Worker(address, role, channel, pb_grpc.WorkerStub(channel))
                         log.info("%s worker %s added", role, address)
         for address in [a for a, w in self.workers.items() if a not in seen and w.in_flight == 0]:
@@ -138,6 +142,10 @@ class WorkerPool:
         deadline = self.settings.deadline_s
         try:
             health = await worker.stub.Health(pb.Empty(), timeout=deadline)
+            if health.draining:
+                self._drain(worker)
+                return False
+            worker.draining = False
             if not health.ok:
                 raise RuntimeError("worker reports it is not ready")
             if worker.info is None or not worker.healthy:  # (re)joining: it may have restarted differently
@@ -165,6 +173,11 @@ class WorkerPool:
         if worker.healthy and (gone or worker.failures >= self.settings.failures_to_remove):
             self.take_out(worker, reason)
 
+    def _drain(self, worker: Worker) -> None:
+        if worker.healthy or not worker.draining:
+            log.info("%s worker %s is shutting down: no new requests go to it", worker.role, worker.address)
+        worker.healthy, worker.draining, worker.last_error = False, True, "shutting down"
+
     def take_out(self, worker: Worker, reason: str) -> None:
         """Stop routing to `worker` until it answers a health check again; fail its requests now."""
         if worker.healthy:
@@ -178,7 +191,8 @@ class WorkerPool:
         """One immediate check after a request failed on `worker`: takes it out at once if it is down."""
         if await self.check(worker):
             return True
-        self.take_out(worker, worker.last_error)
+        if not worker.draining:  # a draining worker's other requests go on
+            self.take_out(worker, worker.last_error)
         return False
 
     # ------------------------------------------------------------ views

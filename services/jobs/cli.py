@@ -10,13 +10,19 @@ import asyncio
 import logging
 import os
 import signal
+from urllib.parse import urlsplit
+
+from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_MAX_FILE_SIZE = 100 << 20
 log = logging.getLogger("pdserve.jobs")
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis holding all jobs state")
+    parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or "redis://127.0.0.1:6379/0",
+                        help="Redis holding all jobs state (default: $PDSERVE_REDIS_URL, else "
+                             "redis://127.0.0.1:6379/0); give a URL with a password in the variable: a flag shows "
+                             "in `ps`")
     parser.add_argument("--gateway-url", default="http://127.0.0.1:30000",
                         help="gateway that batch items are sent to ({gateway-url}{endpoint})")
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -28,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per batch item request")
     parser.add_argument("--retries", type=int, default=3,
                         help="retries of a batch item on connection errors and 5xx replies, with backoff")
-    parser.add_argument("--log-level", default="info")
+    add_log_arguments(parser)
     if command == "jobs":
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=30010)
@@ -43,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(args: argparse.Namespace, command: str) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format == "json")
     for name, value, low in (("--concurrency", args.concurrency, 1), ("--lease-seconds", args.lease_seconds, 0.5),
                              ("--request-timeout", args.request_timeout, 0.1)):
         if value < low:
@@ -64,10 +70,23 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    return ["--redis-url", args.redis_url, "--gateway-url", args.gateway_url, "--concurrency", str(args.concurrency),
+    """The batch workers' flags; the secrets (API key, Redis URL) go in their environment (`worker_env`)."""
+    return ["--gateway-url", args.gateway_url, "--concurrency", str(args.concurrency),
             "--lease-seconds", str(args.lease_seconds), "--request-timeout", str(args.request_timeout),
             "--retries", str(args.retries),
-            "--log-level", args.log_level]
+            "--log-level", args.log_level, "--log-format", args.log_format]
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    return {"PDSERVE_REDIS_URL": args.redis_url, **({"PDSERVE_API_KEY": args.api_key} if args.api_key else {})}
+
+
+def without_password(url: str) -> str:
+    """`url` as it may be logged: a password in it is replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 async def serve_jobs(args: argparse.Namespace) -> int:
@@ -87,13 +106,11 @@ async def serve_jobs(args: argparse.Namespace) -> int:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", flush=True)
         await runner.cleanup()
         return 1
-    log.info("jobs service on http://%s:%d (redis %s, gateway %s)", args.host, args.port, args.redis_url,
-             args.gateway_url)
+    log.info("jobs service on http://%s:%d (redis %s, gateway %s)", args.host, args.port,
+             without_password(args.redis_url), args.gateway_url)
     stop = asyncio.Event()
     install_signal_handlers(stop)
-    # The key travels in the environment, not on the command line where `ps` would show it.
-    children = WorkerChildren(args.batch_workers, worker_flags(args),
-                              {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}).start()
+    children = WorkerChildren(args.batch_workers, worker_flags(args), worker_env(args)).start()
     try:
         await children.supervise(stop)
     finally:

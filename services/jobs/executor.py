@@ -1,14 +1,18 @@
 """Runs one batch item against the gateway and turns the outcome into an output line.
 
-Connection errors and 5xx replies are retried a few times with backoff; then (or on a timeout, or a 4xx)
-the item ends as an error line. A 2xx reply is a success; anything else goes to the batch's error file.
+A busy gateway is waited for: a 429, or a 503 that says when to come back (Retry-After: no worker ready, a
+gateway shutting down), is tried again after that long (or a growing backoff), for up to `busy_patience_s`.
+Other 5xx replies and connection errors are retried `retries` times with backoff; then (or on a timeout, or a
+4xx) the item ends as an error line. A 2xx reply is a success; anything else goes to the batch's error file.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import random
 import secrets
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -43,6 +47,8 @@ class ExecutorSettings:
     request_timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 0.5
+    busy_patience_s: float = 3600.0  # how long one item keeps trying again while the gateway is busy
+    max_busy_wait_s: float = 30.0  # the longest wait between two such tries, whatever Retry-After says
 
 
 class Executor:
@@ -61,28 +67,55 @@ class Executor:
             await self.session.close()
 
     async def run(self, url_path: str, body: str) -> Outcome:
-        url = self.settings.gateway_url.rstrip("/") + url_path
-        attempts = self.settings.retries + 1
-        for attempt in range(1, attempts + 1):
-            last = attempt == attempts
+        s = self.settings
+        url = s.gateway_url.rstrip("/") + url_path
+        attempts = s.retries + 1
+        failures = busy = 0  # failed tries (at most `attempts`), and busy replies waited out so far
+        start = time.monotonic()
+        while True:
             try:
                 async with self.session.post(url, data=body, headers={"Content-Type": "application/json"}) as reply:
-                    text = await reply.text()
-                    if reply.status >= 500 and not last:
-                        log.info("gateway replied %d to %s (attempt %d/%d); retrying", reply.status, url_path,
-                                 attempt, attempts)
-                    else:
-                        return Outcome(reply.status, parse_body(text))
+                    status, text, retry_after = reply.status, await reply.text(), retry_after_s(reply.headers)
             except asyncio.TimeoutError:
                 return Outcome(None, None, {"code": "request_timeout", "message": f"The gateway did not answer "
-                                            f"within {self.settings.request_timeout_s:g} s."})
+                                            f"within {s.request_timeout_s:g} s."})
             except aiohttp.ClientError as exc:
-                if last:
+                failures += 1
+                if failures == attempts:
                     return Outcome(None, None, {"code": "gateway_unreachable", "message": f"Could not reach the "
                                                 f"gateway after {attempts} attempts: {exc}"})
-                log.info("gateway unreachable for %s (attempt %d/%d): %s", url_path, attempt, attempts, exc)
-            await asyncio.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+                log.info("gateway unreachable for %s (attempt %d/%d): %s", url_path, failures, attempts, exc)
+                await asyncio.sleep(self.backoff(failures))
+                continue
+            if is_busy(status, retry_after) and time.monotonic() - start < s.busy_patience_s:
+                busy += 1
+                wait = min(retry_after if retry_after is not None else self.backoff(busy), s.max_busy_wait_s)
+                wait *= random.uniform(1.0, 1.25)  # items refused together do not all come back together
+                log.info("gateway busy (%d) for %s; trying again in %.1f s", status, url_path, wait)
+                await asyncio.sleep(wait)
+                continue
+            if status >= 500 and failures + 1 < attempts:
+                failures += 1
+                log.info("gateway replied %d to %s (attempt %d/%d); retrying", status, url_path, failures, attempts)
+                await asyncio.sleep(self.backoff(failures))
+                continue
+            return Outcome(status, parse_body(text))
+
+    def backoff(self, tries: int) -> float:
+        return min(self.settings.backoff_s * 2 ** (tries - 1), self.settings.max_busy_wait_s)
+
+
+def is_busy(status: int, retry_after: float | None) -> bool:
+    """A reply that asks to come back later rather than reporting a failure."""
+    return status == 429 or (status == 503 and retry_after is not None)
+
+
+def retry_after_s(headers) -> float | None:
+    """Retry-After in seconds (the delay form; an HTTP date counts as absent)."""
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except ValueError:
+        return None
 
 
 def parse_body(text: str) -> object:

@@ -1,13 +1,16 @@
 """WorkerApp: wires one Engine to its gRPC services, its KV transfer and its HTTP probes.
 
 Lifecycle: load the model, start the engine thread, (decode) register with the
-listed prefill workers, serve until SIGTERM/SIGINT, then stop everything.
+listed prefill workers, serve until SIGTERM/SIGINT, drain (not ready, no new Generate,
+those in progress finish: `_drain`), then stop everything. The periodic stats line
+(`StatsLine`) runs with the HTTP side, beside /metrics, which reads the same numbers.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import time
 
 import grpc
 from aiohttp import web
@@ -19,11 +22,12 @@ from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
-from pdserve.services.worker.server import PrefillService, WorkerService
+from pdserve.services.worker.server import Calls, PrefillService, WorkerService
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.engine import Engine
+from pdserve.shared.logs import RequestIdServerInterceptor
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.scoring import DecoderPooling
@@ -105,8 +109,10 @@ class WorkerApp:
         stop = asyncio.Event()
         install_signal_handlers(stop)
         self.engine.start(self.compute)
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        prefill = PrefillService(self.engine, self.compat, self.transfer) if self.role == Role.PREFILL else None
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestIdServerInterceptor()])
+        calls = Calls()
+        prefill = PrefillService(self.engine, self.compat, self.transfer, calls=calls) \
+            if self.role == Role.PREFILL else None
 
         def weights_changed(compat: Compat) -> None:  # what registration exchanges names the new weights
             self.compat = compat
@@ -116,7 +122,7 @@ class WorkerApp:
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
                           is_ready=lambda: self.ready and self.engine.is_alive(), experts=self.experts,
-                          on_weights=weights_changed), server)
+                          on_weights=weights_changed, calls=calls), server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine, pooled=self.pooled),
                                               server)
         if prefill is not None:
@@ -141,6 +147,7 @@ class WorkerApp:
             log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s", self.role.value, self.args.host,
                      self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend)
             await stop.wait()
+            await self._drain(calls)
         except PeerError as exc:
             log.error("%s", exc)
             code = 1
@@ -153,6 +160,17 @@ class WorkerApp:
                 self.transfer.close()
         return code
 
+    async def _drain(self, calls: Calls) -> None:
+        """Report not ready (gRPC Health and HTTP /health) and refuse new Generate calls; let those in progress
+        finish for up to --drain-timeout seconds. What is left then is cancelled when the server stops."""
+        self.ready = False
+        calls.draining = True
+        if calls.count:
+            log.info("stopping: %d sequence(s) in progress may finish within %g s", calls.count,
+                     self.args.drain_timeout)
+        if not await calls.wait_idle(self.args.drain_timeout):
+            log.warning("drain timeout: cancelling %d sequence(s) still in progress", calls.count)
+
     async def _start_http(self) -> web.AppRunner | None:
         async def health(request: web.Request) -> web.Response:
             ok = self.ready and self.engine.is_alive()
@@ -161,9 +179,16 @@ class WorkerApp:
         async def metrics(request: web.Request) -> web.Response:
             return await self.metrics.scrape(self.engine)
 
+        async def stats_line(app: web.Application):
+            task = asyncio.create_task(StatsLine(self.engine, self.args.log_stats_interval).run())
+            yield
+            task.cancel()
+
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
+        if self.args.log_stats_interval > 0:
+            app.cleanup_ctx.append(stats_line)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:
@@ -173,3 +198,43 @@ class WorkerApp:
             await runner.cleanup()
             return None
         return runner
+
+
+class StatsLine:
+    """A worker's load, logged every `interval_s` while it has requests or made tokens since the last line (as
+    SGLang's batch lines): running and queued requests, KV use, prefill and generation throughput."""
+
+    def __init__(self, engine: Engine, interval_s: float) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self._tokens = (0, 0)  # prefill and decode tokens made by the previous line (engine.stats: running totals)
+        self._at = time.monotonic()
+
+    def _sample(self) -> tuple[dict[str, int], int, int]:  # on the engine thread
+        return self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.tick()
+
+    async def tick(self) -> None:
+        try:
+            load, prefill, decode = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(self._sample)),
+                                                           self.interval_s)
+        except asyncio.TimeoutError:  # a long step, or the engine stopped: no line this time
+            return
+        now = time.monotonic()
+        seconds, made = now - self._at, (prefill - self._tokens[0], decode - self._tokens[1])
+        self._tokens, self._at = (prefill, decode), now
+        if load["running"] or load["waiting"] or any(made):
+            self.log(load, made[0] / seconds, made[1] / seconds)
+
+    @staticmethod
+    def log(load: dict[str, int], prefill_per_s: float, gen_per_s: float) -> None:
+        total = load["total_pages"]
+        usage = (total - load["free_pages"]) / total if total else 0.0
+        log.info("#running-req: %d, #queue-req: %d, token usage: %.2f, prefill throughput (token/s): %.1f, "
+                 "gen throughput (token/s): %.1f", load["running"], load["waiting"], usage, prefill_per_s, gen_per_s,
+                 extra={"running": load["running"], "queued": load["waiting"], "token_usage": round(usage, 4),
+                        "prefill_throughput": round(prefill_per_s, 1), "gen_throughput": round(gen_per_s, 1)})

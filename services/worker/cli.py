@@ -16,6 +16,7 @@ from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig,
                                    SchedulerConfig)
 from pdserve.shared.expert_recorder import MODES as EXPERT_RECORD_MODES
 from pdserve.shared.expert_recorder import RecordSettings
+from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--context-length", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--page-size", type=int, default=cache.page_size, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=cache.max_total_tokens, help="KV pool capacity in tokens")
-    parser.add_argument("--mem-fraction", type=float, default=None,
+    parser.add_argument("--mem-fraction", "--mem-fraction-static", type=float, default=None,
                         help="size the KV pool to this fraction of the memory free after loading the weights "
                              "(overrides --max-total-tokens)")
     parser.add_argument("--max-running-requests", type=int, default=sched.max_running_requests)
@@ -52,7 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_lora_arguments(parser)
     add_expert_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--random-seed", type=int, default=None,
+                        help="seed of the generator that requests without a seed of their own sample from "
+                             "(default: random)")
+    add_log_arguments(parser)
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long the requests in progress may take to finish before they are "
+                             "cancelled (new ones are refused at once)")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="log running and queued requests, KV use and throughput this often while busy "
+                             "(0: never)")
     if command in ("prefill", "decode"):
         parser.add_argument("--transfer-backend", default="auto", choices=["auto", "nixl", "tcp"],
                             help="how KV pages move between workers (auto: nixl when installed, else tcp)")
@@ -85,24 +95,6 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         help="modules adapters may change, or 'all' (default: those of --lora-paths, else all)")
 
 
-def lora_flags(args: argparse.Namespace) -> list[str]:
-    """The LoRA flags of `args` for a worker's command line (what `pdserve up` passes through), paths absolute."""
-    if not (args.enable_lora or args.lora_paths):
-        return []
-    flags = ["--enable-lora", "--max-loras-per-batch", str(args.max_loras_per_batch)]
-    if args.lora_paths:
-        specs = []
-        for spec in args.lora_paths:
-            name, sep, path = spec.partition("=")
-            specs.append(f"{name}={Path(path).resolve()}" if sep else str(Path(spec).resolve()))
-        flags += ["--lora-paths", *specs]
-    if args.max_lora_rank is not None:
-        flags += ["--max-lora-rank", str(args.max_lora_rank)]
-    if args.lora_target_modules:
-        flags += ["--lora-target-modules", *args.lora_target_modules]
-    return flags
-
-
 def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-distribution-recorder-mode", default=None, choices=EXPERT_RECORD_MODES,
                         help="MoE models: let /start_expert_distribution_record count how often each layer picks "
@@ -111,14 +103,6 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR") or "/tmp",
                         help="where /dump_expert_distribution_record writes its .pt files "
                              "(default: $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp)")
-
-
-def expert_flags(args: argparse.Namespace) -> list[str]:
-    """The expert-recording flags of `args` for a worker's command line (what `pdserve up` passes through)."""
-    if args.expert_distribution_recorder_mode is None:
-        return []
-    return ["--expert-distribution-recorder-mode", args.expert_distribution_recorder_mode,
-            "--expert-distribution-recorder-dir", str(Path(args.expert_distribution_recorder_dir).resolve())]
 
 
 def expert_settings(args: argparse.Namespace, tag: str) -> RecordSettings:
@@ -159,7 +143,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
 
 
 def main(args: argparse.Namespace, command: str) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format == "json")
     from pdserve.shared.model_files import ModelNotFound, resolve_model_path
 
     try:
@@ -188,6 +172,8 @@ def main(args: argparse.Namespace, command: str) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.random_seed is not None:  # once the model is built: the random init before its weights load took draws
+        torch.manual_seed(args.random_seed)
     return asyncio.run(app.serve())
 
 

@@ -22,6 +22,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto
 from pdserve.shared.compat import Compat
+from pdserve.shared.logs import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class PrefillPeers:
     def _channel(self, addr: str) -> grpc.aio.Channel:
         # One channel per address for the worker's life: registering again must not open a connection each time.
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS,
+                                                                interceptors=client_interceptors())
             self._answered_at[addr] = asyncio.get_running_loop().time()
         return self._channels[addr]
 

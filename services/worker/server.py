@@ -33,6 +33,7 @@ from pdserve.shared.weights import CheckpointNotFound, WeightsError, WeightsVers
 
 log = logging.getLogger(__name__)
 
+MAX_QUEUED_SEQUENCES = 1024  # Generate sequences a worker holds beyond its --max-running-requests
 WEIGHTS_BUILD_TIMEOUT_S = 600.0  # for the engine thread to build new weights (a step's worth per layer or so)
 WEIGHTS_DRAIN_S = 60.0  # for the requests running here to finish before new weights are swapped in
 UPDATE_ABORT_REASON = "aborted: the model weights are being updated (update_weights_from_disk, abort_all_requests)"
@@ -45,6 +46,35 @@ class Timeouts:
     engine_call: float = 30.0  # for the engine thread to take a command
     stall: float = 120.0  # between two outputs of a running request
     prefill: float = 120.0  # decode waiting for prefill to fill its pages (incl. queueing)
+
+
+class Calls:
+    """What a worker has in progress (sequences of Generate calls, Prefill calls) and whether it takes new
+    Generate calls: once `draining`, they are refused (UNAVAILABLE) while those in progress go on."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def hold(self, count: int):
+        self.count += count
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= count
+            if self.count == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 async def grammar_of(engine: Engine, params, context, timeout: float) -> Constraint | None:
@@ -64,9 +94,13 @@ class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
                  peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
                  is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings(),
-                 on_weights: Callable[[Compat], None] | None = None) -> None:
-        """`on_weights`: told this worker's new compatibility info after its weights changed."""
+                 on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
+                 max_queued: int = MAX_QUEUED_SEQUENCES) -> None:
+        """`on_weights`: told this worker's new compatibility info after its weights changed. `calls`: what is in
+        progress, shared with the Prefill service; at most max_running_requests + `max_queued` sequences."""
         self.engine = engine
+        self.calls = calls or Calls()
+        self.max_sequences = info.max_running_requests + max_queued
         self.is_ready = is_ready or engine.is_alive
         self.role = role
         self.compat = compat
@@ -92,6 +126,22 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Admission, then `_generate`: a bounded number of sequences in progress (RESOURCE_EXHAUSTED beyond it),
+        and none new while the worker drains (UNAVAILABLE)."""
+        n = max(1, request.sampling.n)
+        if self.calls.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to "
+                                                             "another")
+        if self.calls.count + n > self.max_sequences:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this worker holds {self.calls.count} sequences, {n} more would pass its limit of "
+                                f"{self.max_sequences}: retry later")
+        with self.calls.hold(n):
+            async with contextlib.aclosing(self._generate(request, context)) as messages:
+                async for msg in messages:
+                    yield msg
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.role == Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is a prefill worker: send Generate to a decode or colocated worker")
@@ -217,7 +267,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.AbortReply(found=found)
 
     async def Health(self, request, context):
-        return pb.HealthReply(ok=self.is_ready(), role=self.role.value)
+        return pb.HealthReply(ok=self.is_ready(), role=self.role.value, draining=self.calls.draining)
 
     async def Info(self, request, context):
         reply = pb.InfoReply()
@@ -370,11 +420,13 @@ def adapter_info(adapter: LoraAdapter) -> pb.LoraAdapterInfo:
 class PrefillService(pb_grpc.PrefillServicer):
     """Served by prefill workers: decode workers register, then ask for prompts to be filled."""
 
-    def __init__(self, engine: Engine, compat: Compat, transfer, timeouts: Timeouts = Timeouts()) -> None:
+    def __init__(self, engine: Engine, compat: Compat, transfer, timeouts: Timeouts = Timeouts(),
+                 calls: Calls | None = None) -> None:
         self.engine = engine
         self.compat = compat
         self.transfer = transfer
         self.timeouts = timeouts
+        self.calls = calls or Calls()  # a draining worker still fills prompts decode workers already took
 
     async def Register(self, request: pb.RegisterRequest, context):
         theirs = compat_from_proto(request.compat)
@@ -393,6 +445,10 @@ class PrefillService(pb_grpc.PrefillServicer):
         return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
 
     async def Prefill(self, request: pb.PrefillRequest, context):
+        with self.calls.hold(1):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context):
         if not self.transfer.has_peer(request.peer_name):  # we restarted since it registered
             # FAILED_PRECONDITION makes the decode side register again and resend (peers.PrefillClient).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -51,7 +51,7 @@ def test_the_binary_rejects_an_invalid_file(compose_binary, tmp_path):
 
 
 def test_default_services(project):
-    assert sorted(project["services"]) == sorted(["redis", *PDSERVE_SERVICES])
+    assert sorted(project["services"]) == sorted(["redis", "secrets-init", *PDSERVE_SERVICES])
 
 
 def test_only_the_gateway_publishes_a_port(project, gpu_project, compose_binary):
@@ -65,14 +65,14 @@ def test_only_the_gateway_publishes_a_port(project, gpu_project, compose_binary)
 
 def test_every_long_running_service_has_a_healthcheck_on_its_own_port(gpu_project):
     for name, service in gpu_project["services"].items():
-        if name == "model-init":
+        if name in ("model-init", "secrets-init"):
             assert "healthcheck" not in service and service["restart"] == "no"
             continue
         test = service["healthcheck"]["test"]
-        assert test[0] == "CMD", (name, test)
-        if name == "redis":
-            assert test[1:] == ["redis-cli", "ping"]
+        if name == "redis":  # authenticated with the generated password, which is on no command line
+            assert test[0] == "CMD-SHELL" and "REDISCLI_AUTH=" in test[1] and "redis-cli ping" in test[1]
             continue
+        assert test[0] == "CMD", (name, test)
         command = service["command"]
         port = (flag(command, "--http-port") or flag(command, "--port"))[0]
         assert test[1:3] == ["python", "-c"] and f"http://127.0.0.1:{port}/health" in test[3], (name, test)
@@ -100,7 +100,7 @@ def test_services_reach_each_other_by_name(project):
     assert flag(s["gateway"], "--prefill") == ["prefill:" + flag(s["prefill"], "--port")[0]]
     assert flag(s["gateway"], "--decode") == ["decode:" + flag(s["decode"], "--port")[0]]
     assert flag(s["gateway"], "--jobs-url") == ["http://jobs:" + flag(s["jobs"], "--port")[0]]
-    assert flag(s["jobs"], "--redis-url") == ["redis://redis:6379/0"]
+    assert flag(s["jobs"], "--redis-url") == []  # with its password, from the secrets volume (environment)
     assert flag(s["jobs"], "--gateway-url") == ["http://gateway:" + flag(s["gateway"], "--port")[0]]
     for name in ("prefill", "decode", "jobs", "gateway"):
         assert flag(s[name], "--host") == ["0.0.0.0"], name
@@ -111,7 +111,8 @@ def test_volumes_hold_the_models_and_redis_data(project):
     assert {"models", "redis-data"} <= set(project["volumes"])
     redis = services["redis"]
     assert "--appendonly" in redis["command"] and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
-    assert [(v["type"], v["source"], v["target"]) for v in redis["volumes"]] == [("volume", "redis-data", "/data")]
+    assert [(v["type"], v["source"], v["target"]) for v in redis["volumes"]] == [
+        ("volume", "redis-data", "/data"), ("volume", "secrets", "/run/pdserve-secrets")]
     for name in ("model-init", "prefill", "decode", "gateway"):
         mounts = [(v["type"], v["source"], v["target"]) for v in services[name]["volumes"]]
         assert ("volume", "models", services[name]["environment"]["PDSERVE_CACHE_DIR"]) in mounts, name
@@ -149,9 +150,12 @@ def test_settings_come_from_the_environment(compose_binary):
     s = project["services"]
     for name in ("model-init", "prefill", "decode", "gateway"):
         assert flag(s[name]["command"], "--model-path") == ["/var/cache/pdserve/my-model"], name
-    for name in ("gateway", "jobs"):  # the key in the environment, never on a command line
-        assert s[name]["environment"]["PDSERVE_API_KEY"] == "sk-compose"
-    assert not any("sk-compose" in " ".join(service.get("command") or []) for service in s.values())
+    # the key goes to the one-shot secrets-init, which writes it into the secrets volume; the services read
+    # it from there into their environment: it is on no command line and in no other service's settings
+    assert s["secrets-init"]["environment"]["PDSERVE_API_KEY"] == "sk-compose"
+    for name, service in s.items():
+        if name != "secrets-init":
+            assert "sk-compose" not in json.dumps(service), name
     assert flag(s["decode"]["command"], "--transfer-backend") == ["tcp"]
 
 

@@ -160,7 +160,8 @@ def test_generated_api_key_and_existing_secret(render):
         ref = env_of(existing.container(role))["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "pdserve-api", "key": "key"}
     disabled = render("--set", "apiKey.enabled=false")
-    assert disabled.kinds("Secret") == [] and "--api-key" not in disabled.text
+    assert [d["metadata"]["name"] for d in disabled.kinds("Secret")] == [f"{FULL}-redis-auth"]  # Redis's only
+    assert "--api-key" not in disabled.text and "PDSERVE_API_KEY" not in disabled.text
 
 
 def test_redis_statefulset_with_a_claim_by_default(render):
@@ -170,11 +171,13 @@ def test_redis_statefulset_with_a_claim_by_default(render):
     r.get("Service", f"{FULL}-redis")
     container = redis["spec"]["template"]["spec"]["containers"][0]
     assert flag(container["args"], "--appendonly") == ["yes"]
-    assert container["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    assert container["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
     claim = redis["spec"]["volumeClaimTemplates"][0]
     assert claim["metadata"]["name"] == "data" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
-    assert env_of(r.container("jobs"))["PDSERVE_REDIS_URL"]["value"] == f"redis://{FULL}-redis:6379/0"
-    assert flag(r.container("jobs")["args"], "--redis-url") == ["$(PDSERVE_REDIS_URL)"]
+    # the URL, with the generated password, from the chart's Secret into the environment, never into args
+    assert env_of(r.container("jobs"))["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{FULL}-redis-auth", "key": "url"}
+    assert flag(r.container("jobs")["args"], "--redis-url") == []
 
 
 def test_external_redis_replaces_the_statefulset(render):

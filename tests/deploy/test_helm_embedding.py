@@ -1,5 +1,6 @@
 """helm/pdserve's dedicated embedding workers: off by default; with embedding.enabled a Deployment, a headless
-Service and a PodDisruptionBudget, and the gateway routes requests for embedding.model to them."""
+Service, a PodDisruptionBudget and a NetworkPolicy (only the gateway reaches them), and the gateway routes
+requests for embedding.model to them."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,8 @@ def test_nothing_embedding_by_default(render):
 
 
 def test_enabled_renders_a_deployment_a_headless_service_and_a_budget(enabled):
-    assert sorted(named(enabled)) == [f"Deployment/{NAME}", f"PodDisruptionBudget/{NAME}", f"Service/{NAME}"]
+    assert sorted(named(enabled)) == [f"Deployment/{NAME}", f"NetworkPolicy/{NAME}", f"PodDisruptionBudget/{NAME}",
+                                      f"Service/{NAME}"]
     deployment = enabled.get("Deployment", NAME)
     assert deployment["spec"]["replicas"] == 2
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]

@@ -144,8 +144,29 @@ def test_up_serves_chat_streaming_and_files_over_prefill_decode(start_up):
     assert [p for p in pids if alive(p)] == []
 
 
-def test_up_colocated_with_api_key(start_up):
-    up = start_up("--colocated", "--api-key", "sk-up-test")
+# Not the defaults: each must reach its service and be read back from the running system.
+PASSED_FLAGS = ("--context-length", "1024", "--max-running-requests", "6", "--page-size", "32",
+                "--chunked-prefill-size", "256", "--schedule-policy", "lpm", "--max-total-tokens", "12288",
+                "--random-seed", "3", "--max-queued-requests", "50", "--log-level", "debug", "--log-format", "json",
+                "--log-requests", "--log-stats-interval", "1")
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.startswith("{")]
+
+
+def wait_for_line(path: Path, test, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in json_lines(path) if test(e)]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no such line in {path}:\n{path.read_text()[-4000:]}")
+
+
+def test_up_colocated_with_api_key(start_up, tmp_path):
+    up = start_up("--colocated", "--api-key", "sk-up-test", *PASSED_FLAGS)
     base_url, model = up.wait_ready()
     assert "[up] started colocated" in up.output and "[up] started prefill" not in up.output
     with pytest.raises(openai.AuthenticationError):
@@ -154,9 +175,52 @@ def test_up_colocated_with_api_key(start_up):
     client = openai.OpenAI(base_url=base_url, api_key="sk-up-test", timeout=120)
     reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
     assert "Paris" in reply.choices[0].message.content
+
+    # The flags given to `up`, read back from the gateway and the worker.
+    import requests
+
+    root, auth = base_url.removesuffix("/v1"), {"Authorization": "Bearer sk-up-test"}
+    info = requests.get(root + "/get_server_info", headers=auth, timeout=30).json()
+    assert (info["max_queued_requests"], info["log_requests"], info["log_format"], info["log_level"]) == \
+        (50, True, "json", "debug")
+    worker, = info["workers"]
+    assert (worker["context_length"], worker["max_running_requests"], worker["max_total_tokens"]) == (1024, 6, 12288)
+    host, port = worker["address"].rsplit(":", 1)
+    worker_metrics = requests.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=30).text
+    assert re.search(r'^sglang:cache_config_info\{[^}]*page_size="32"', worker_metrics, re.M)
+
+    # The request id: the client's kept, returned, and on the gateway's JSON access and body lines.
+    answer = requests.post(base_url + "/chat/completions", headers={**auth, "X-Request-Id": "e2e-trace-1"},
+                           json={"model": model, "messages": QUESTION, "max_tokens": 4}, timeout=120)
+    assert answer.status_code == 200 and answer.headers["X-Request-Id"] == "e2e-trace-1"
+    logs = tmp_path / "state" / "logs"
+    access = wait_for_line(logs / "gateway.log", lambda e: e["logger"] == "pdserve.access"
+                           and e.get("request_id") == "e2e-trace-1")
+    assert (access["method"], access["path"], access["status"]) == ("POST", "/v1/chat/completions", 200)
+    body = wait_for_line(logs / "gateway.log", lambda e: e["logger"] == "pdserve.requests"
+                         and e.get("request_id") == "e2e-trace-1")
+    assert "What is the capital of France?" in body["message"]
+    # The worker's periodic line counts the tokens it made.
+    stats = wait_for_line(logs / "colocated.log", lambda e: e.get("gen_throughput", 0) > 0)
+    assert "#running-req" in stats["message"] and 0 <= stats["token_usage"] <= 1
+    # A call that carries a request id in its gRPC metadata and fails: the worker's line names the id.
+    import grpc
+
+    from pdserve.proto import worker_pb2 as pb
+    from pdserve.proto import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(worker["address"]) as channel:
+        with pytest.raises(grpc.RpcError):
+            list(pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(rid="e2e-x", input_ids=[1] * 1100),
+                                                      metadata=[("x-request-id", "e2e-trace-2")], timeout=60))
+    failed = wait_for_line(logs / "colocated.log", lambda e: e.get("request_id") == "e2e-trace-2")
+    assert failed["level"] == "WARNING" and "Generate failed: INVALID_ARGUMENT" in failed["message"]
+
     pids = up.pids()
     assert up.stop(signal.SIGINT) == 0
     assert [p for p in pids if alive(p)] == []
+    for log in logs.iterdir():  # --log-requests at debug level, and the key in no log
+        assert "sk-up-test" not in log.read_text(errors="replace"), log.name
 
 
 def test_up_stops_the_real_services_when_one_fails(start_up):

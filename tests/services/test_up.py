@@ -499,6 +499,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(run_up):
 
 def test_lora_flags_reach_every_generating_worker(tmp_path):
     from pdserve import cli
+    from pdserve.services.worker.cli import lora_config
 
     adapter = tmp_path / "sql"
     plan = up.build_plan(parse("--lora-paths", f"sql={adapter}", "--max-lora-rank", "32", "--max-loras-per-batch", "4",
@@ -508,7 +509,94 @@ def test_lora_flags_reach_every_generating_worker(tmp_path):
     for service in workers:
         parser, _ = cli.build_parser(service.args)
         parsed = parser.parse_args(service.args)
-        assert parsed.enable_lora and parsed.lora_paths == [f"sql={adapter.resolve()}"]
-        assert (parsed.max_lora_rank, parsed.max_loras_per_batch, parsed.lora_target_modules) == (32, 4, ["all"])
+        lora = lora_config(parsed)  # what the worker serves
+        assert lora.paths == (("sql", str(adapter)),)
+        assert (lora.max_rank, lora.max_loras_per_batch, parsed.lora_target_modules) == (32, 4, ["all"])
     plain = up.build_plan(parse("--colocated"), tmp_path, cpus=2)
-    assert not any("--enable-lora" in s.args for s in plain.services)
+    assert not any("--lora" in " ".join(s.args) for s in plain.services)
+
+
+# ---------------------------------------------------------------- flags passed through
+
+
+def parsed_args(args: list[str]) -> argparse.Namespace:
+    """A child's command line as its own command parses it."""
+    from pdserve import cli
+
+    return cli.build_parser(args)[0].parse_args(args)
+
+
+def test_every_flag_of_the_workers_gateway_and_jobs_is_taken_by_up():
+    """A flag added to a service reaches `up` with no change to up: each is passed through, or `up` sets it."""
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser, "up")
+    accepted = {option for action in parser._actions for option in action.option_strings}
+    for command, child in up.child_parsers().items():
+        for action in child._actions:
+            missing = set(action.option_strings) - accepted - up.PLANNED
+            assert not missing, f"`pdserve {command}` flag {missing} is not taken by `pdserve up`"
+
+
+def test_flags_reach_the_services_that_take_them_under_sglang_names(tmp_path):
+    plan = up.build_plan(parse(
+        "--mem-fraction-static", "0.6", "--context-length", "1024", "--max-running-requests", "7",
+        "--chunked-prefill-size", "256", "--page-size", "32", "--schedule-policy", "lpm", "--dtype", "float32",
+        "--log-level", "DEBUG", "--random-seed", "11", "--transfer-backend", "tcp", "--log-format", "json",
+        "--max-queued-requests", "5", "--log-requests", "--retries", "1", "--served-model-name", "smol"),
+        tmp_path / "m", cpus=2)
+    s = by_name(plan)
+    for name in ("prefill", "decode"):
+        w = parsed_args(s[name].args)
+        assert (w.mem_fraction, w.context_length, w.max_running_requests, w.chunked_prefill_size, w.page_size,
+                w.schedule_policy, w.dtype, w.log_level, w.random_seed, w.transfer_backend, w.log_format,
+                w.served_model_name) == (0.6, 1024, 7, 256, 32, "lpm", "float32", "debug", 11, "tcp", "json", "smol")
+    g = parsed_args(s["gateway"].args)
+    assert (g.max_queued_requests, g.log_requests, g.log_level, g.log_format) == (5, True, "debug", "json")
+    j = parsed_args(s["jobs"].args)
+    assert (j.retries, j.log_level, j.log_format) == (1, "debug", "json")
+    # Each goes only where it is a flag, and a flag not given is not passed: the service keeps its default.
+    assert "--page-size" not in s["gateway"].args and "--max-queued-requests" not in s["prefill"].args
+    default = by_name(up.build_plan(parse(), tmp_path / "m", cpus=2))
+    assert "--page-size" not in default["prefill"].args and "--log-level" not in default["gateway"].args
+
+
+def test_the_embedding_worker_takes_only_the_flags_that_concern_it(tmp_path):
+    s = by_name(up.build_plan(parse("--colocated", "--embedding-model", "minilm", "--device", "cpu", "--page-size",
+                                    "32", "--log-format", "json"), tmp_path, cpus=2))
+    embedding, colocated = parsed_args(s["embedding"].args), parsed_args(s["colocated"].args)
+    assert (embedding.device, embedding.log_format, embedding.page_size) == ("cpu", "json", 16)
+    assert (colocated.device, colocated.log_format, colocated.page_size) == ("cpu", "json", 32)
+
+
+UP_CONFIG = """
+colocated = true
+context-length = 1024
+max_running_requests = 7
+page-size = 32
+schedule-policy = "lpm"
+random-seed = 5
+log-format = "json"
+reasoning-parser = "qwen3"
+max-queued-requests = 9
+"""
+
+
+def test_up_started_with_flags_and_a_config_file_passes_them_to_its_services(run_up, tmp_path):
+    config = tmp_path / "up.toml"
+    config.write_text(UP_CONFIG)
+    run = run_up("--config", str(config), "--page-size", "64", "--mem-fraction-static", "0.7", "--log-requests",
+                 substitute={"colocated": "", "jobs": "", "gateway": ""}, workers=1)
+    run.wait_for(r"OpenAI base URL")
+    argv = {m.group(1): m.group(2).split() for m in (re.search(r"^\[(\w+)\] argv: (.*)$", line)
+                                                     for line in run.lines) if m}
+    assert set(argv) == {"colocated", "jobs", "gateway"}
+    worker = parsed_args(argv["colocated"])
+    assert (worker.context_length, worker.max_running_requests, worker.schedule_policy, worker.random_seed,
+            worker.log_format, worker.mem_fraction) == (1024, 7, "lpm", 5, "json", 0.7)
+    assert worker.page_size == 64  # the command line wins over the file
+    gateway = parsed_args(argv["gateway"])
+    assert (gateway.reasoning_parser, gateway.max_queued_requests, gateway.log_requests, gateway.log_format) == \
+        ("qwen3", 9, True, "json")
+    assert parsed_args(argv["jobs"]).log_format == "json"
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait_exit(30) == 0

@@ -67,6 +67,43 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{- define "pdserve.redisAuthSecretName" -}}
+{{ include "pdserve.fullname" . }}-redis-auth
+{{- end }}
+
+{{/* PDSERVE_REDIS_URL of the jobs service: an existing Secret, a plain redis.url, or the chart's Redis (its URL,
+with the generated password, from the chart's Secret). Never in args: those show in `ps`. */}}
+{{- define "pdserve.redisUrlEnv" -}}
+- name: PDSERVE_REDIS_URL
+{{- if .Values.redis.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret }}
+      key: {{ .Values.redis.existingSecretKey }}
+{{- else if .Values.redis.url }}
+  value: {{ .Values.redis.url | quote }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisAuthSecretName" . }}
+      key: url
+{{- end }}
+{{- end }}
+
+{{/* Graceful stop: a stopping pod keeps serving for the preStop sleep (its Service endpoints go first), then
+drains on SIGTERM for up to `drain` seconds. terminationGracePeriodSeconds covers both with 10 s to spare; call
+with (dict "root" $ "drain" SECONDS). */}}
+{{- define "pdserve.gracePeriod" -}}
+{{- $stop := .root.Values.gracefulStop }}
+{{- add $stop.preStopSleepSeconds .drain 10 }}
+{{- end }}
+
+{{- define "pdserve.preStop" -}}
+lifecycle:
+  preStop:
+    exec: {command: [sleep, {{ .Values.gracefulStop.preStopSleepSeconds | quote }}]}
+{{- end }}
+
 {{/* Host names the gateway and decode resolve: one headless Service per worker role. */}}
 {{- define "pdserve.prefillAddress" -}}
 {{ include "pdserve.fullname" . }}-prefill:{{ .Values.prefill.port }}

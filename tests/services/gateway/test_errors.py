@@ -157,13 +157,14 @@ def open_stream(gw, body: dict) -> socket.socket:
 LONG = {"prompt": "Write a very long story about a dragon.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
 
-def test_queue_limit_is_503_and_disconnects_free_every_page(colocated):
+def test_queue_limit_is_429_with_retry_after_and_disconnects_free_every_page(colocated):
     secured = colocated.secured
     socks = [open_stream(secured, LONG) for _ in range(MAX_RUNNING)]
     try:
         r = requests.post(secured.url + "/v1/completions", json={**LONG, "stream": False}, headers=secured.headers(),
                           timeout=30)
-        assert "busy" in check_error(r, 503)["message"]
+        assert "busy" in check_error(r, 429)["message"]
+        assert int(r.headers["Retry-After"]) > 0
     finally:
         for s in socks:
             s.close()
@@ -175,6 +176,10 @@ def test_queue_limit_is_503_and_disconnects_free_every_page(colocated):
 
 def test_disconnect_of_a_non_streaming_request_aborts_it(colocated):
     with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(colocated.open.url + "/v1/completions", json={**LONG, "stream": False}, timeout=2)
+        requests.post(colocated.open.url + "/v1/completions", json={**LONG, "stream": False}, timeout=2,
+                      headers={"X-Request-Id": "trace-disconnect-7"})
     load, stats = wait_idle(colocated.worker, timeout=20)
     assert (load.running, stats.used_pages, stats.integrity_ok) == (0, 0, True)
+    # The gateway's request id travelled to the worker with the call: its line about the cancel names it.
+    worker_log = colocated.system.workers[colocated.worker].log_path.read_text(errors="replace")
+    assert any("trace-disconnect-7" in line and "cancelled" in line for line in worker_log.splitlines())

@@ -1,0 +1,76 @@
+"""compose.yaml's secrets, from the config the real compose binary prints, and its scripts run for real: the
+one-shot secrets-init generates the API key and the Redis password into a volume (or takes the given ones),
+Redis requires that password, and the gateway and jobs read them into their environment before they become
+`pdserve`, so no secret is ever on a command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_compose import config, flag
+
+FOLDER = "/run/pdserve-secrets"
+
+
+@pytest.fixture(scope="module")
+def services(compose_binary) -> dict:
+    return config(compose_binary)["services"]
+
+
+def unescape(text: str) -> str:
+    return text.replace("$$", "$")  # `compose config` escapes $ for re-reading; containers get one $
+
+
+def run_init(services: dict, folder: Path, **env: str) -> None:
+    """The secrets-init script itself, on a temporary folder (its chown, which needs root, left out)."""
+    script = unescape(services["secrets-init"]["entrypoint"][2]).replace(FOLDER, str(folder))
+    result = subprocess.run([sys.executable, "-c", "import os; os.chown = lambda *a: None\n" + script],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"docker compose exec gateway cat {folder}/api-key" in result.stdout  # where to find the key
+
+
+def test_secrets_are_generated_once_and_given_ones_win(services, tmp_path):
+    run_init(services, tmp_path)
+    key, password = (tmp_path / "api-key").read_text(), (tmp_path / "redis-password").read_text()
+    assert len(key) >= 32 and len(password) >= 32 and key != password
+    assert (tmp_path / "redis.conf").read_text() == f'requirepass "{password}"\n'
+    assert (tmp_path / "redis-url").read_text() == f"redis://:{password}@redis:6379/0"
+    assert all(oct(p.stat().st_mode)[-3:] == "400" for p in tmp_path.iterdir())
+    run_init(services, tmp_path)  # a restart keeps them
+    assert (tmp_path / "api-key").read_text() == key
+    run_init(services, tmp_path, PDSERVE_API_KEY="sk-mine", PDSERVE_REDIS_PASSWORD="p/w d")
+    assert (tmp_path / "api-key").read_text() == "sk-mine"
+    assert (tmp_path / "redis-url").read_text() == "redis://:p%2Fw%20d@redis:6379/0"
+
+
+def test_gateway_and_jobs_get_their_secrets_in_the_environment_only(services, tmp_path):
+    run_init(services, tmp_path)
+    fake = tmp_path / "bin" / "pdserve"  # stands in for the image's pdserve: shows what it was given
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho \"argv: $*\"\necho \"key: $PDSERVE_API_KEY\"\necho \"redis: $PDSERVE_REDIS_URL\"\n")
+    fake.chmod(0o755)
+    key, url = (tmp_path / "api-key").read_text(), (tmp_path / "redis-url").read_text()
+    for name in ("gateway", "jobs"):
+        service = services[name]
+        entrypoint = [unescape(part).replace(FOLDER, str(tmp_path)) for part in service["entrypoint"]]
+        out = subprocess.run([*entrypoint, *service["command"]], capture_output=True, text=True, timeout=30,
+                             env={"PATH": f"{fake.parent}:/usr/bin:/bin"}).stdout
+        assert f"argv: {' '.join(service['command'])}\n" in out and f"key: {key}\n" in out
+        assert (f"redis: {url}\n" in out) == (name == "jobs")  # the gateway does not get the Redis URL
+        assert not any(key in part or "PDSERVE_API_KEY" in part for part in service["command"])
+        assert {v["target"]: v.get("read_only") for v in service["volumes"]}[FOLDER] is True
+        assert service["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    assert flag(services["gateway"]["command"], "--drain-timeout") == ["30"]
+
+
+def test_redis_requires_the_password(services):
+    redis = services["redis"]
+    assert redis["command"][:2] == ["redis-server", f"{FOLDER}/redis.conf"]
+    assert redis["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    assert "REDISCLI_AUTH" in redis["healthcheck"]["test"][1]
+    for name, service in services.items():  # nothing holds a password or key in its settings
+        assert "requirepass" not in " ".join(service.get("command") or []), name

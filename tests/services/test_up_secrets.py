@@ -1,0 +1,55 @@
+"""`pdserve up` keeps its secrets off command lines: what `ps` shows of every process it starts, and what it
+prints, never holds the API key or a Redis password. The services get them in their environment."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.services import up
+from test_up import ALL_STAND_INS, UpRun, by_name, flag_values, free_ports, parse
+
+KEY = "sk-up-secret-3f9a1c"
+PASSWORD = "redis-pw-51c7e2"
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def test_the_api_key_is_in_no_command_line_of_the_running_system(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)  # `up`'s own command line holds no key either
+    run = UpRun(tmp_path, substitute=ALL_STAND_INS)
+    try:
+        run.wait_for(r"OpenAI base URL: http://127\.0\.0\.1:\d+/v1")
+        pids = run.child_pids()
+        assert sorted(pids) == ["decode", "gateway", "jobs", "prefill", "redis"]
+        for name, pid in [("up", run.proc.pid), *pids.items()]:
+            assert KEY not in cmdline(pid), name
+        for name in ("gateway", "jobs"):
+            assert environ(pids[name])["PDSERVE_API_KEY"] == KEY
+        assert KEY not in run.output  # the lines `up` printed, each child's command line among them
+    finally:
+        run.close()
+
+
+def test_a_redis_url_with_a_password_reaches_jobs_only_in_its_environment(tmp_path):
+    url = f"redis://:{PASSWORD}@cache:6380/2"
+    jobs = by_name(up.build_plan(parse("--redis-url", url), tmp_path, 2))["jobs"]
+    assert jobs.env["PDSERVE_REDIS_URL"] == url
+    assert not any(PASSWORD in a for a in jobs.argv) and flag_values(jobs.args, "--redis-url") == []
+
+
+def test_an_unreachable_redis_is_reported_without_its_password(tmp_path):
+    ports = free_ports(2)
+    args = parse("--redis-url", f"redis://:{PASSWORD}@127.0.0.1:1/0", "--model-path", str(tmp_path),
+                 *(a for k, v in ports.items() for a in (f"--{k.replace('_', '-')}", str(v))),
+                 state_dir=str(tmp_path / "state"))
+    with pytest.raises(up.UpError, match=r"redis://:\*\*\*@127\.0\.0\.1:1/0") as info:
+        up.prepare(args)
+    assert PASSWORD not in str(info.value)

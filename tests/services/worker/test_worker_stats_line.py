@@ -1,0 +1,59 @@
+"""A worker's periodic stats line: logged only while it works, with its load, KV use and throughput."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+
+from pdserve.services.worker.app import StatsLine
+from pdserve.shared.engine import StepStats
+
+
+class Engine:
+    """What StatsLine reads of an Engine: load() and stats, through call()."""
+
+    def __init__(self) -> None:
+        self.stats = StepStats()
+        self.running = self.waiting = 0
+
+    def load(self) -> dict[str, int]:
+        return {"running": self.running, "waiting": self.waiting, "free_pages": 75, "total_pages": 100,
+                "cached_pages": 0}
+
+    def call(self, fn) -> Future:
+        future: Future = Future()
+        future.set_result(fn())
+        return future
+
+
+async def test_the_stats_line_comes_while_the_worker_works_and_not_when_idle(caplog):
+    caplog.set_level(logging.INFO, "pdserve.worker")
+    engine = Engine()
+    line = StatsLine(engine, 10.0)
+    await line.tick()
+    assert not caplog.records  # idle: nothing to say
+    engine.running, engine.waiting = 2, 1
+    engine.stats.prefill_tokens, engine.stats.decode_tokens = 40, 10
+    await asyncio.sleep(0.1)
+    await line.tick()
+    busy = caplog.records[-1]
+    assert busy.getMessage().startswith("#running-req: 2, #queue-req: 1, token usage: 0.25, prefill throughput")
+    assert (busy.running, busy.queued, busy.token_usage) == (2, 1, 0.25)
+    assert 0 < busy.gen_throughput <= 100 and 0 < busy.prefill_throughput <= 400  # tokens over >= 0.1 s
+    engine.running = engine.waiting = 0
+    engine.stats.decode_tokens = 20  # finished since: one more line counts its last tokens
+    await line.tick()
+    assert caplog.records[-1].gen_throughput > 0 and caplog.records[-1].prefill_throughput == 0
+    count = len(caplog.records)
+    await line.tick()
+    assert len(caplog.records) == count == 2  # idle again: silent
+
+
+async def test_a_busy_engine_that_does_not_answer_in_time_skips_a_line(caplog):
+    class Stuck(Engine):
+        def call(self, fn) -> Future:
+            return Future()  # the step is long: the sample never comes
+
+    line = StatsLine(Stuck(), 0.05)
+    await line.tick()
+    assert not caplog.records
