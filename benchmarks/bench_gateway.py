@@ -25,13 +25,13 @@ import uuid
 from pathlib import Path
 
 import aiohttp
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from procs import Proc, free_port, start_worker  # noqa: E402
 
 from pdserve.proto import worker_pb2 as pb  # noqa: E402
 from pdserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
+from pdserve.shared.cluster_auth import worker_channel  # noqa: E402
 from pdserve.shared.sampling_params import SamplingParams, to_proto  # noqa: E402
 
 
@@ -48,7 +48,7 @@ class Direct:
     """Requests straight to the worker, as the gateway sends them."""
 
     def __init__(self, addr: str, prefill: str) -> None:
-        self.channel = grpc.aio.insecure_channel(addr)
+        self.channel = worker_channel(addr)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.prefill = prefill
 

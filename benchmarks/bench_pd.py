@@ -22,13 +22,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from procs import free_port  # noqa: E402
 
 from pdserve.proto import worker_pb2 as pb  # noqa: E402
 from pdserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
+from pdserve.shared.cluster_auth import worker_channel  # noqa: E402
 from pdserve.shared.sampling_params import SamplingParams, to_proto  # noqa: E402
 
 
@@ -63,7 +62,7 @@ async def stream(addr: str, ids: list[int], prefill: str, max_new: int):
     """Yield (arrival time, message) for one request."""
     req = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, prefill_addr=prefill,
                              sampling=to_proto(SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)))
-    async with grpc.aio.insecure_channel(addr) as ch:
+    async with worker_channel(addr) as ch:
         async for msg in pb_grpc.WorkerStub(ch).Generate(req, timeout=600):
             yield time.perf_counter(), msg
 

@@ -59,7 +59,9 @@ async def _run(args: argparse.Namespace) -> int:
     from pdserve.proto import worker_pb2_grpc as pb_grpc
 
     addr = args.decode if args.action == "generate" else args.addr
-    async with grpc.aio.insecure_channel(addr) as channel:
+    from pdserve.shared.cluster_auth import worker_channel
+
+    async with worker_channel(addr) as channel:
         stub = pb_grpc.WorkerStub(channel)
         try:
             if args.action == "ping":

@@ -221,7 +221,7 @@ class Supervisor:
         deadline = time.monotonic() + self.startup_timeout
         while pending:
             if self._stop.is_set():
-                self.console.print(f"[up] {self.reason} during start-up: stopping every service")
+                self.console.print(f"[up] {self.reason} during start-up: stopping every service", err=True)
                 return 0
             dead = next((c for c in self.children if c.exited()), None)
             if dead is not None:
@@ -254,7 +254,7 @@ class Supervisor:
                         return 1
                 elif child.healthy_since is None:
                     self._check_restarted(child)
-        self.console.print(f"[up] {self.reason}: stopping every service")
+        self.console.print(f"[up] {self.reason}: stopping every service", err=True)
         return 0
 
     def _schedule_restart(self, child: Child) -> bool:
@@ -310,7 +310,7 @@ class Supervisor:
                 time.sleep(0.05)
             for child in group:
                 if not child.exited():
-                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it")
+                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it", err=True)
                 # Also reaches what the child started itself and left behind.
                 child.signal_group(signal.SIGKILL)
                 child.proc.wait()

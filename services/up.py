@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -31,6 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
+from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token
 
 CHAT_EXAMPLE = "What is the capital of France?"
 CHILDREN = ("colocated", "prefill", "decode", "gateway", "jobs")  # the commands whose flags `up` passes through
@@ -97,6 +99,9 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     model_name = args.served_model_name or model_dir.name
     given = passed_flags(args)
     common = ["--model-path", str(model_dir), "--served-model-name", model_name, "--host", local]
+    # Workers take calls and KV only from holders of this run's cluster token (cluster_auth.py): another local
+    # user's process cannot drive them or write into their pools.
+    cluster = {TOKEN_ENV: cluster_token() or secrets.token_urlsafe(32)}
     workers: dict[str, list[str]] = {}  # role -> host:port of each worker
     index = 0
     for role, count in roles:
@@ -119,12 +124,13 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
                 name, pdserve, [role, *common, "--threads", str(threads), "--port", str(port),
                                 "--http-port", str(port + 1000), *extra],
                 2 if role == "decode" else 1, f"http://{local}:{port + 1000}/health", ports,
-                {"OMP_NUM_THREADS": str(threads)}))
+                {"OMP_NUM_THREADS": str(threads), **cluster}))
 
     embedding_targets: list[str] = []
     if args.embedding_model:
         service, embedding_targets = embedding_worker(args, args.worker_port + index, pdserve, cpus,
                                                       given["embedding"])
+        service.env.update(cluster)
         services.append(service)
     gateway_url = f"http://{loopback(args.host)}:{args.port}"
     jobs_url = f"http://{local}:{args.jobs_port}"
@@ -149,7 +155,8 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
          *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *given["gateway"]],
-        3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")], {**quiet, **secret}))
+        3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")],
+        {**quiet, **secret, **cluster}))
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
 
 

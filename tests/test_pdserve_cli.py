@@ -95,3 +95,11 @@ def test_a_config_value_the_flag_refuses_is_refused_as_on_the_command_line(tmp_p
         parse("colocated", "--config", str(path))
     assert exit_info.value.code == 2
     assert "argument --schedule-policy: invalid choice: 'random'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["jobs", "--batch-workers", "-1"], ["jobs", "--lease-seconds", "0"],
+                                  ["gateway", "--max-queued-requests", "-1"]])
+def test_services_print_their_errors_to_stderr(argv):
+    result = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert result.stdout == "" and result.stderr.startswith("error:"), (result.stdout, result.stderr)

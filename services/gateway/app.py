@@ -24,10 +24,10 @@ from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")
 # No API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM); the status page's HTML holds no data.
-OPEN_PATHS = frozenset({"/health", "/metrics", *status_page.PAGE_PATHS})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS})
 access_log = logging.getLogger("pdserve.access")
 body_log = logging.getLogger("pdserve.requests")
-PROBE_PATHS = frozenset({"/health", "/metrics"})  # asked every few seconds: their access lines are at debug level
+PROBE_PATHS = frozenset({"/health", "/live", "/metrics"})  # asked every few seconds: their access lines are at debug level
 MAX_LOGGED_BODY = 16 << 10  # characters of a request body --log-requests writes
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
@@ -152,7 +152,7 @@ END_GRACE_S = 0.5  # after ending what is left: for handlers to write their erro
 @web.middleware
 async def drain_requests(request: web.Request, handler):
     drain = request.app[DRAIN]
-    if drain.closing:
+    if drain.closing and request.path != "/live":  # alive while draining: a liveness failure would kill it
         response = Busy(503, "The gateway is shutting down: send the request again (another instance will take "
                              "it).", 1).response()
         response.force_close()

@@ -202,6 +202,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+async def live(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP. Unlike /health it does not ask for a healthy worker pair, so an
+    orchestrator restarts a gateway that hangs, not one whose workers are down (or that is draining)."""
+    return web.Response(text="ok")
+
+
 async def health_generate(request: web.Request) -> web.Response:
     """Generate one token through a real worker pair."""
     gw = request.app[GATEWAY]
@@ -295,6 +301,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/flush_cache", flush_cache)

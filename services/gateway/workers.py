@@ -21,7 +21,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.shared.addresses import expand_hostports
-from pdserve.shared.logs import client_interceptors
+from pdserve.shared.cluster_auth import worker_channel
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -125,8 +125,7 @@ class WorkerPool:
                 for address in addresses:
                     seen.add(address)
                     if address not in self.workers:
-                        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS,
-                                                           interceptors=client_interceptors())
+                        channel = worker_channel(address, options=GRPC_OPTIONS)
                         self.workers[address] = Worker(address, role, channel, pb_grpc.WorkerStub(channel))
                         log.info("%s worker %s added", role, address)
         for address in [a for a, w in self.workers.items() if a not in seen and w.in_flight == 0]:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from urllib.parse import urlsplit
 
 from pdserve.shared.logs import add_log_arguments, setup_logging
@@ -53,11 +54,11 @@ def main(args: argparse.Namespace, command: str) -> int:
     for name, value, low in (("--concurrency", args.concurrency, 1), ("--lease-seconds", args.lease_seconds, 0.5),
                              ("--request-timeout", args.request_timeout, 0.1)):
         if value < low:
-            print(f"error: {name} must be at least {low}", flush=True)
+            print(f"error: {name} must be at least {low}", file=sys.stderr, flush=True)
             return 2
     if command == "jobs":
         if args.batch_workers < 0 or args.max_file_size < 1:
-            print("error: --batch-workers must be >= 0 and --max-file-size >= 1", flush=True)
+            print("error: --batch-workers must be >= 0 and --max-file-size >= 1", file=sys.stderr, flush=True)
             return 2
         return asyncio.run(serve_jobs(args))
     return asyncio.run(serve_worker(args))
@@ -103,7 +104,7 @@ async def serve_jobs(args: argparse.Namespace) -> int:
     try:
         await web.TCPSite(runner, args.host, args.port).start()
     except OSError as exc:
-        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", flush=True)
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
         await runner.cleanup()
         return 1
     log.info("jobs service on http://%s:%d (redis %s, gateway %s)", args.host, args.port,

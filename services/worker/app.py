@@ -24,6 +24,7 @@ from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
 from pdserve.services.worker.server import Calls, PrefillService, WorkerService
 from pdserve.shared.addresses import expand_hostports
+from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.engine import Engine
@@ -109,7 +110,8 @@ class WorkerApp:
         stop = asyncio.Event()
         install_signal_handlers(stop)
         self.engine.start(self.compute)
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[RequestIdServerInterceptor()])
+        server = grpc.aio.server(options=GRPC_OPTIONS,
+                                 interceptors=[*server_interceptors(self.args.host), RequestIdServerInterceptor()])
         calls = Calls()
         prefill = PrefillService(self.engine, self.compat, self.transfer, calls=calls) \
             if self.role == Role.PREFILL else None

@@ -18,6 +18,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.cli import install_signal_handlers
 from pdserve.services.worker.peers import GRPC_OPTIONS
 from pdserve.services.worker.pooling import PoolingService
+from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.encoder import Encoder
 
@@ -81,7 +82,7 @@ class EncoderWorkerApp:
         install_signal_handlers(stop)
         self.encoder.start()
         is_ready = lambda: self.ready and self.encoder.is_alive()  # noqa: E731
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(self.args.host))
         pb_grpc.add_WorkerServicer_to_server(EncoderWorkerService(self.encoder, self.info, is_ready), server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(Role.COLOCATED, encoder=self.encoder), server)
         if server.add_insecure_port(f"{self.args.host}:{self.args.port}") == 0:

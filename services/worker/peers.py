@@ -22,7 +22,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto
 from pdserve.shared.compat import Compat
-from pdserve.shared.logs import client_interceptors
+from pdserve.shared.cluster_auth import worker_channel
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class PrefillPeers:
             except grpc.aio.AioRpcError as exc:
                 error = f"cannot register with prefill worker {addr}: {exc.details() or exc.code().name}"
                 self._lose(addr, error)
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # another cluster's token, or none: final
+                    raise PeerRefused(error) from None
                 raise PeerError(error) from None
             if not reply.ok:
                 error = f"prefill worker {addr} refused registration: {reply.error}"
@@ -133,8 +135,7 @@ class PrefillPeers:
     def _channel(self, addr: str) -> grpc.aio.Channel:
         # One channel per address for the worker's life: registering again must not open a connection each time.
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS,
-                                                                interceptors=client_interceptors())
+            self._channels[addr] = worker_channel(addr, options=CHANNEL_OPTIONS)
             self._answered_at[addr] = asyncio.get_running_loop().time()
         return self._channels[addr]
 

@@ -21,6 +21,7 @@ from pdserve.proto.codec import (compat_from_proto, compat_to_proto, first_token
                                  output_to_proto, params_from_proto, prompt_logprobs_to_proto, weights_to_proto)
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
+from pdserve.shared.cluster_auth import worker_channel
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
@@ -216,7 +217,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _abort_at(self, addr: str, rid: str) -> None:
         stub = self._prefill_workers.get(addr)
         if stub is None:
-            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(grpc.aio.insecure_channel(addr))
+            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(worker_channel(addr))
         try:
             await stub.Abort(pb.AbortRequest(rid=rid), timeout=self.timeouts.engine_call)
         except grpc.aio.AioRpcError as exc:  # the Prefill call still ends, by its own deadline at worst
@@ -228,6 +229,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages, lora_version or ""))
 
     async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
+        transfer = self.peers.transfer
+        transfer.open_window(pages)
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
@@ -253,8 +256,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.prefill_calls.pop(rid, None)
             self.prefill_addrs.pop(rid, None)
             # The call has ended: the prefill worker answers only after its transfer for `rid` is over and
-            # the request is gone there (or it died, or the deadline beyond its own limits passed).
-            self.engine.call(lambda: self.engine.kv_settled(rid))
+            # the request is gone there (or it died, or the deadline beyond its own limits passed). Once no
+            # write can land in the pages any more (closing the window waits out one already under way, on a
+            # thread of its own), they may go back to the pool.
+            def settle() -> None:
+                transfer.close_window(pages)
+                self.engine.call(lambda: self.engine.kv_settled(rid))
+            asyncio.get_running_loop().run_in_executor(None, settle)
 
     def _prefill_deadline(self) -> float:
         """Longer than the prefill worker's own limits, so that it is the one that answers."""

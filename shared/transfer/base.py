@@ -93,6 +93,17 @@ class KVTransfer(ABC):
     def poll(self) -> None:
         """Target-side progress; the owner calls it periodically (cheap when idle)."""
 
+    # Receiving side: the pages a peer may write now. A decode worker opens a window over a request's reserved
+    # pages before it asks for them to be filled, and closes it when that call ended, before the pages can go
+    # to another request: a late or stray write is refused instead of landing in someone else's KV. Backends
+    # whose writes are one-sided (NIXL: the sender's NIC writes, the receiver's CPU never sees them) cannot
+    # refuse and leave these as they are; their senders write only pages named in an authenticated call.
+    def open_window(self, pages: list[int]) -> None:
+        """Let peers write into `pages` until `close_window`."""
+
+    def close_window(self, pages: list[int]) -> None:
+        """No write into `pages` lands from now on (one in progress finishes first)."""
+
     @abstractmethod
     def close(self) -> None:
         """Drop every connection and release the pool registration; idempotent."""

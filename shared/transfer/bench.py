@@ -62,6 +62,7 @@ def _target(backend: str, num_pages: int, device: str, conn) -> None:
     from pdserve.shared.transfer import create_transfer
 
     transfer = create_transfer(backend, "bench-target", make_pool(num_pages, device))
+    transfer.open_window(list(range(transfer.num_pages)))  # a stand-in receiver: any page may be written
     listener = socket.create_server(("127.0.0.1", 0))
     sink = memoryview(torch.empty(num_pages * transfer.page_bytes, dtype=torch.uint8).numpy())
     threading.Thread(target=_raw_tcp_server, args=(listener, sink), daemon=True).start()

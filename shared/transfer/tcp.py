@@ -6,10 +6,16 @@ each incoming connection gets a receiver thread that writes arriving pages strai
 into the pool and acknowledges each message. The sending side keeps one persistent
 connection per peer (reconnected lazily after a failure), used under a per-peer lock.
 
+Each connection opens with a handshake: the receiver sends CHALLENGE (magic, random nonce), the
+sender answers with HMAC-SHA256(cluster token, nonce), and the receiver ACKs it or refuses and closes
+(cluster_auth.py: the token itself never crosses the wire).
+
 Wire format, per message: HEADER (magic, page_bytes, number of runs), the runs as
 (dst_start, pages) pairs, then the runs' bytes back to back; the receiver answers ACK
 (status 0 = stored; else an error message follows and it closes the connection).
-An empty message (no runs) is the liveness check `add_peer` uses.
+An empty message (no runs) is the liveness check `add_peer` uses. A message is refused unless
+every destination page is in an open window (`open_window`: pages reserved for a request whose
+KV is on its way); `close_window` waits for a write into those pages that already started.
 
 CPU pools are sent from and received into a byte view of the pool itself (no copies);
 CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time.
@@ -25,9 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.shared import cluster_auth
 from pdserve.shared.transfer.base import KVTransfer, Run, TransferError
 
 MAGIC = b"PDKV"
+CHALLENGE = struct.Struct(f"!4s{cluster_auth.CHALLENGE_BYTES}s")  # magic, nonce
 HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
 RUN = struct.Struct("!QQ")  # dst_start page, number of pages
 ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
@@ -60,6 +68,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _refuse(conn: socket.socket, error: str) -> None:
+    conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
+
+
 def _advertised(host: str) -> str:
     if host not in ("", "0.0.0.0", "::"):
         return host
@@ -73,8 +85,14 @@ class TcpTransfer(KVTransfer):
     name = "tcp"
 
     def __init__(self, agent_name: str, pool: torch.Tensor, host: str | None = None, port: int = 0,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, token: str | None = None) -> None:
+        """`token`: the cluster token (default: from the environment; none: any sender is let in)."""
         super().__init__(agent_name, pool)
+        self._token = token if token is not None else cluster_auth.cluster_token()
+        # Receiving side: pages peers may write (1), and pages a message is being written into (1).
+        self._open = bytearray(self.num_pages)
+        self._busy = bytearray(self.num_pages)
+        self._windows = threading.Condition()
         self._bytes = pool.reshape(-1).view(torch.uint8)  # the pool's memory as flat bytes
         self._host_view = None if pool.is_cuda else memoryview(self._bytes.numpy())
         host = host or os.environ.get("PDSERVE_TRANSFER_HOST", "127.0.0.1")
@@ -137,6 +155,7 @@ class TcpTransfer(KVTransfer):
             if peer.sock is None:
                 peer.sock = socket.create_connection((peer.host, peer.port), timeout=left())
                 peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._prove(peer.sock, what)
             sock = peer.sock
             sock.settimeout(left())
             sock.sendall(HEADER.pack(MAGIC, self.page_bytes, len(runs))
@@ -160,6 +179,16 @@ class TcpTransfer(KVTransfer):
             raise TransferError(f"{what}: {exc}") from None
         finally:
             peer.lock.release()
+
+    def _prove(self, sock: socket.socket, what: str) -> None:
+        """Answer the receiver's challenge on a new connection."""
+        magic, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
+        if magic != MAGIC:
+            raise TransferError(f"{what}: the peer does not speak the KV transfer protocol")
+        sock.sendall(cluster_auth.proof(self._token, nonce))
+        status, length = ACK.unpack(_recv_exact(sock, ACK.size))
+        if status != 0:
+            raise TransferError(f"{what}: the peer refused: {_recv_exact(sock, length).decode()}")
 
     def _chunks(self, first: int, pages: int, peer: _Peer):
         """The bytes of pages [first, first + pages): one view of the pool, or staged host chunks."""
@@ -198,6 +227,8 @@ class TcpTransfer(KVTransfer):
     def _serve(self, conn: socket.socket) -> None:
         staging = None
         try:
+            if not self._admit(conn):
+                return
             while True:
                 conn.settimeout(None)  # idle between messages is normal
                 head = conn.recv(HEADER.size, socket.MSG_WAITALL)
@@ -208,20 +239,66 @@ class TcpTransfer(KVTransfer):
                 if magic != MAGIC or count > self.num_pages:
                     return  # not our protocol: drop it
                 runs = list(RUN.iter_unpack(_recv_exact(conn, count * RUN.size)))
-                error = self._check(page_bytes, runs)
+                error = self._check(page_bytes, runs) or self._claim(runs)
                 if error:
-                    conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
+                    _refuse(conn, error)
                     return
-                if self._host_view is None and staging is None:
-                    staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-                for dst, pages in runs:
-                    self._receive(conn, dst, pages, staging)
+                try:
+                    if self._host_view is None and staging is None:
+                        staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                    for dst, pages in runs:
+                        self._receive(conn, dst, pages, staging)
+                finally:
+                    self._unclaim(runs)
                 conn.sendall(ACK.pack(0, 0))
         except OSError:
             return  # sender died or stalled; it reports its own error
         finally:
             self._conns.discard(conn)
             conn.close()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """The handshake: whether the sender proved it holds the cluster token."""
+        nonce = cluster_auth.challenge()
+        conn.settimeout(RECV_TIMEOUT)
+        conn.sendall(CHALLENGE.pack(MAGIC, nonce))
+        if not cluster_auth.proves(self._token, nonce, _recv_exact(conn, cluster_auth.PROOF_BYTES)):
+            _refuse(conn, f"the sender does not hold this cluster's token ({cluster_auth.TOKEN_ENV})")
+            return False
+        conn.sendall(ACK.pack(0, 0))
+        return True
+
+    # The windows: pages peers may write now (see KVTransfer.open_window).
+    def open_window(self, pages: list[int]) -> None:
+        with self._windows:
+            for p in pages:
+                self._open[p] = 1
+
+    def close_window(self, pages: list[int]) -> None:
+        with self._windows:
+            for p in pages:
+                self._open[p] = 0
+            # A message already being written into these pages: wait for its end (a stalled sender is dropped
+            # after RECV_TIMEOUT), so that no byte of it lands once the pages belong to someone else.
+            self._windows.wait_for(lambda: not any(self._busy[p] for p in pages), RECV_TIMEOUT + 1)
+
+    def _claim(self, runs: list[tuple[int, int]]) -> str:
+        """Mark the message's pages busy, or say why it may not write them."""
+        with self._windows:
+            for dst, pages in runs:
+                span = range(dst, dst + pages)
+                if not all(self._open[p] and not self._busy[p] for p in span):
+                    return (f"destination pages {dst}..{dst + pages - 1} are not reserved for a transfer now "
+                            f"(the request was aborted, or they were never asked for)")
+            for dst, pages in runs:
+                self._busy[dst:dst + pages] = b"\1" * pages
+        return ""
+
+    def _unclaim(self, runs: list[tuple[int, int]]) -> None:
+        with self._windows:
+            for dst, pages in runs:
+                self._busy[dst:dst + pages] = bytes(pages)
+            self._windows.notify_all()
 
     def _check(self, page_bytes: int, runs: list[tuple[int, int]]) -> str:
         if page_bytes != self.page_bytes:

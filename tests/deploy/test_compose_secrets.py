@@ -74,3 +74,19 @@ def test_redis_requires_the_password(services):
     assert "REDISCLI_AUTH" in redis["healthcheck"]["test"][1]
     for name, service in services.items():  # nothing holds a password or key in its settings
         assert "requirepass" not in " ".join(service.get("command") or []), name
+
+
+def test_workers_and_the_gateway_share_the_generated_cluster_token(services, compose_binary, tmp_path):
+    run_init(services, tmp_path)
+    token = (tmp_path / "cluster-token").read_text()
+    assert len(token) >= 32 and token != (tmp_path / "api-key").read_text()
+    run_init(services, tmp_path, PDSERVE_CLUSTER_TOKEN="fleet-token")
+    assert (tmp_path / "cluster-token").read_text() == "fleet-token"
+    every_profile = config(compose_binary, "gpu", "embedding")["services"]
+    for name in ("prefill", "decode", "gateway", "prefill-gpu", "decode-gpu", "embedding"):
+        service = every_profile[name]
+        assert service["environment"]["PDSERVE_CLUSTER_TOKEN_FILE"] == f"{FOLDER}/cluster-token", name
+        assert any(v["source"] == "secrets" and v["target"] == FOLDER and v.get("read_only")
+                   for v in service["volumes"]), name
+        assert service["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully", name
+        assert "fleet-token" not in " ".join(service["command"])

@@ -79,7 +79,9 @@ def test_every_role_has_probes_on_its_http_port(render, value_set):
         http_flag = "--http-port" if role in ("prefill", "decode") else "--port"
         assert str(ports["http"]) == flag(c["args"], http_flag)[0], role
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, (role, probe)
+            # The gateway's liveness asks only whether it answers: /health also needs a healthy worker pair.
+            path = "/live" if (role, probe) == ("gateway", "livenessProbe") else "/health"
+            assert c[probe]["httpGet"] == {"path": path, "port": "http"}, (role, probe)
         if role in ("prefill", "decode"):
             assert str(ports["grpc"]) == flag(c["args"], "--port")[0]
 
@@ -155,12 +157,14 @@ def test_generated_api_key_and_existing_secret(render):
     key = base64.b64decode(generated.get("Secret", f"{FULL}-api-key")["data"]["api-key"]).decode()
     assert len(key) >= 32 and key not in generated.text
     existing = render(*VALUE_SETS["external-redis"])
-    assert existing.kinds("Secret") == []  # the chart creates none when one is named
+    # The chart creates no API key or Redis Secret when one is named (the cluster token's is its own setting).
+    assert [d["metadata"]["name"] for d in existing.kinds("Secret")] == [f"{FULL}-cluster-token"]
     for role in ("gateway", "jobs"):
         ref = env_of(existing.container(role))["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "pdserve-api", "key": "key"}
     disabled = render("--set", "apiKey.enabled=false")
-    assert [d["metadata"]["name"] for d in disabled.kinds("Secret")] == [f"{FULL}-redis-auth"]  # Redis's only
+    assert sorted(d["metadata"]["name"] for d in disabled.kinds("Secret")) == [f"{FULL}-cluster-token",
+                                                                                f"{FULL}-redis-auth"]
     assert "--api-key" not in disabled.text and "PDSERVE_API_KEY" not in disabled.text
 
 

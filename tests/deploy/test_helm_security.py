@@ -67,7 +67,8 @@ def test_the_charts_redis_requires_the_generated_password_and_runs_restricted(re
     assert redis["securityContext"]["readOnlyRootFilesystem"] is True
     assert redis["securityContext"]["allowPrivilegeEscalation"] is False
     assert redis["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert render(*VALUE_SETS["external-redis"]).kinds("Secret") == []  # no Redis of its own, no password
+    leftover = [d["metadata"]["name"] for d in render(*VALUE_SETS["external-redis"]).kinds("Secret")]
+    assert leftover == [f"{FULL}-cluster-token"]  # no Redis of its own, no password
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -133,3 +134,18 @@ def test_graceful_stop_covers_the_prestop_sleep_and_the_drain(render, drain, sle
         spec = r.get("Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
         assert spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(sleep)]
         assert spec["terminationGracePeriodSeconds"] >= sleep + drains + 5, role
+
+
+def test_workers_and_the_gateway_get_the_generated_cluster_token_from_its_secret(render):
+    r = render("--set", "embedding.enabled=true")
+    token = secret_data(r, f"{FULL}-cluster-token")["token"]
+    assert len(token) >= 32 and token != render().get("Secret", f"{FULL}-cluster-token")["data"]["token"]
+    ref = {"name": f"{FULL}-cluster-token", "key": "token"}
+    for name in ("gateway", "prefill", "decode", "embedding"):
+        env = env_of(r.container(name))
+        assert env["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == ref, name
+    assert "PDSERVE_CLUSTER_TOKEN" not in env_of(r.container("jobs"))  # jobs talks to the gateway only
+    mine = render("--set", "clusterToken.existingSecret=fleet-token", "--set", "clusterToken.existingSecretKey=t")
+    assert not any(d["kind"] == "Secret" and d["metadata"]["name"] == f"{FULL}-cluster-token" for d in mine.docs)
+    assert env_of(mine.container("decode"))["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == \
+        {"name": "fleet-token", "key": "t"}

@@ -119,6 +119,15 @@ def start_up(tmp_path):
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
 def test_up_serves_chat_streaming_and_files_over_prefill_decode(start_up):
     up = start_up()
     base_url, model = up.wait_ready()
@@ -209,10 +218,17 @@ def test_up_colocated_with_api_key(start_up, tmp_path):
     from pdserve.proto import worker_pb2 as pb
     from pdserve.proto import worker_pb2_grpc as pb_grpc
 
+    # The worker takes calls only with the cluster token `up` made for this run (in its environment).
+    [token] = {environ(pid).get("PDSERVE_CLUSTER_TOKEN") for pid in up.pids() if "colocated" in cmdline(pid)}
+    assert token and len(token) >= 32
     with grpc.insecure_channel(worker["address"]) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.WorkerStub(channel).Health(pb.Empty(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError):
-            list(pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(rid="e2e-x", input_ids=[1] * 1100),
-                                                      metadata=[("x-request-id", "e2e-trace-2")], timeout=60))
+            list(pb_grpc.WorkerStub(channel).Generate(
+                pb.GenerateRequest(rid="e2e-x", input_ids=[1] * 1100), timeout=60,
+                metadata=[("x-request-id", "e2e-trace-2"), ("x-pdserve-cluster-token", token)]))
     failed = wait_for_line(logs / "colocated.log", lambda e: e.get("request_id") == "e2e-trace-2")
     assert failed["level"] == "WARNING" and "Generate failed: INVALID_ARGUMENT" in failed["message"]
 

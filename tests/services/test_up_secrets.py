@@ -53,3 +53,21 @@ def test_an_unreachable_redis_is_reported_without_its_password(tmp_path):
     with pytest.raises(up.UpError, match=r"redis://:\*\*\*@127\.0\.0\.1:1/0") as info:
         up.prepare(args)
     assert PASSWORD not in str(info.value)
+
+
+def test_every_worker_and_the_gateway_share_one_new_cluster_token_per_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
+    plans = [by_name(up.build_plan(parse("--prefill", "1", "--decode", "2"), tmp_path, 2)) for _ in range(2)]
+    tokens = []
+    for services in plans:
+        holders = {name: s.env.get("PDSERVE_CLUSTER_TOKEN") for name, s in services.items()}
+        assert set(holders) >= {"prefill", "decode-0", "decode-1", "gateway"}
+        shared = {holders[n] for n in ("prefill", "decode-0", "decode-1", "gateway")}
+        assert len(shared) == 1 and len(next(iter(shared))) >= 32
+        assert holders["jobs"] is None  # jobs talks to the gateway only
+        tokens.append(shared.pop())
+        assert not any(tokens[-1] in a for s in services.values() for a in s.argv)
+    assert tokens[0] != tokens[1]
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "given-token-for-a-fleet")
+    gateway = by_name(up.build_plan(parse(), tmp_path, 2))["gateway"]
+    assert gateway.env["PDSERVE_CLUSTER_TOKEN"] == "given-token-for-a-fleet"

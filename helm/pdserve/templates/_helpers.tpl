@@ -67,6 +67,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{- define "pdserve.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "pdserve.fullname" .)) .Values.clusterToken.existingSecret }}
+{{- end }}
+
+{{/* Env of the workers and the gateway: the cluster token, from its Secret only. */}}
+{{- define "pdserve.clusterTokenEnv" -}}
+- name: PDSERVE_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.clusterTokenSecretName" . }}
+      key: {{ if .Values.clusterToken.existingSecret }}{{ .Values.clusterToken.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
 {{- define "pdserve.redisAuthSecretName" -}}
 {{ include "pdserve.fullname" . }}-redis-auth
 {{- end }}
@@ -126,7 +139,7 @@ readinessProbe:
   periodSeconds: {{ .root.Values.probes.readiness.periodSeconds }}
   failureThreshold: {{ .root.Values.probes.readiness.failureThreshold }}
 livenessProbe:
-  httpGet: {path: /health, port: {{ .port }}}
+  httpGet: {path: {{ .live | default "/health" }}, port: {{ .port }}}
   periodSeconds: {{ .root.Values.probes.liveness.periodSeconds }}
   failureThreshold: {{ .root.Values.probes.liveness.failureThreshold }}
 {{- end }}

@@ -130,6 +130,10 @@ def test_model_and_server_info(colocated, default_model_dir):
 def test_health_endpoints(colocated):
     assert requests.get(colocated.open.url + "/health").status_code == 200
     assert requests.get(colocated.open.url + "/health_generate", timeout=TIMEOUT).status_code == 200
+    # A gateway whose worker is down is not ready, but alive: an orchestrator must not restart it for that.
+    assert requests.get(colocated.dead.url + "/health", timeout=TIMEOUT).status_code == 503
+    assert requests.get(colocated.dead.url + "/live", timeout=TIMEOUT).status_code == 200
+    assert requests.get(colocated.secured.url + "/live", timeout=TIMEOUT).status_code == 200  # no key needed
 
 
 def test_flush_cache_empties_the_worker_cache(colocated):

@@ -148,6 +148,8 @@ async def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_in_tim
                 await asyncio.sleep(0.05)
             async with session.post(gw.url + "/v1/completions", json=body(4, stream=False)) as r:
                 assert r.status == 503 and "shutting down" in (await r.json())["message"]
+            async with session.get(gw.url + "/live") as r:  # draining, not dead: liveness holds
+                assert r.status == 200
 
             *finished, cut = await asyncio.gather(*rest)
             for evs in finished:  # complete: every token, the finish reason, [DONE], no error

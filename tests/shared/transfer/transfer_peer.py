@@ -25,6 +25,7 @@ def _serve(backend: str, name: str, num_pages: int, seed: int, device: str, page
     from pdserve.shared.transfer import create_transfer
 
     transfer = create_transfer(backend, name, make_pool(num_pages, seed, page_shape).to(device))
+    transfer.open_window(list(range(transfer.num_pages)))  # a stand-in receiver: any page may be written
     conn.send(transfer.metadata())
     while True:
         if conn.poll(0.001):
