@@ -84,7 +84,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         services.append(Service(
             "redis", ["redis-server"],
             ["--bind", local, "--port", str(args.redis_port), "--daemonize", "no",
-             "--dir", str(state / "redis"), "--appendonly", "yes"],
+             "--dir", str(state / "redis"), "--appendonly", "yes", "--appendfsync", "always"],
             0, redis_url, [PortUse(args.redis_port, local, "redis port", "--redis-port")]))
 
     roles = [("colocated", 1)] if args.colocated else [("prefill", args.prefill or 1), ("decode", args.decode or 1)]

@@ -145,6 +145,11 @@ class Generation:
         self.input_logprobs: list[TokenLogprob] = []  # prompt tokens from max(logprob_start_len, 1) on
         self.choices: list[_Choice] = []
         self.pair: Pair | None = None
+        # The id the workers know the current attempt by: the job's, then "{rid}.{n}" for the n-th attempt after
+        # a failure, so that what the workers still hold of an earlier attempt (an abort sent to a prefill worker
+        # before the request reached it, remembered to refuse it when it does) never meets the new one.
+        self.worker_rid = job.rid
+        self._attempts = 0
         self._call = None
         self._failure: str | None = None
 
@@ -183,6 +188,8 @@ class Generation:
         self.choices = self._new_choices()
         while True:
             pair = self._route(tries)
+            self.worker_rid = self.job.rid if not self._attempts else f"{self.job.rid}.{self._attempts}"
+            self._attempts += 1
             try:
                 async with contextlib.aclosing(self._attempt(pair, timer)) as updates:
                     async for u in updates:
@@ -260,7 +267,7 @@ class Generation:
         if self.produced:
             resumed = continuation(job.input_ids, self.choices[0].output_ids, params)
             input_ids, params = resumed.input_ids, resumed.params
-        return pb.GenerateRequest(rid=job.rid, input_ids=input_ids, sampling=params_to_proto(params),
+        return pb.GenerateRequest(rid=self.worker_rid, input_ids=input_ids, sampling=params_to_proto(params),
                                   prefill_addr=pair.prefill.address if pair.prefill is not None else "",
                                   lora=job.lora or "")
 

@@ -284,7 +284,7 @@ async def abort_request(request: web.Request) -> web.Response:
         targets = [g for g in running if g.job.public_id == req.rid]
     else:
         raise ApiError(400, "Give 'rid' (or 'abort_all': true).", "rid")
-    found = await asyncio.gather(*(gw.backend.abort(g.job.rid) for g in targets))
+    found = await asyncio.gather(*(gw.backend.abort(g.worker_rid) for g in targets))
     return web.json_response({"rid": req.rid, "aborted": [g.job.public_id for g, f in zip(targets, found) if f]})
 
 

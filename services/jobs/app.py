@@ -5,6 +5,7 @@ own. Authentication and the mapping of every error to an HTTP status happen here
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -115,8 +116,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def create_file(request: web.Request) -> web.Response:
-    upload = await files.read_upload(request, request.app[SETTINGS].max_file_size)
-    meta = await request.app[STORE].put_file(new_id(FILE_ID), upload.filename, upload.purpose, upload.content)
+    writer = request.app[STORE].writer(new_id(FILE_ID))
+    try:
+        upload = await files.read_upload(request, request.app[SETTINGS].max_file_size, writer)
+        meta = await writer.commit(upload.filename, upload.purpose)
+    except BaseException:  # refused, the client went away, Redis failed: nothing of it stays
+        await asyncio.shield(writer.discard())
+        raise
     return web.json_response(files.render(meta))
 
 
@@ -148,12 +154,20 @@ async def get_file(request: web.Request) -> web.Response:
     return web.json_response(files.render(meta))
 
 
-async def file_content(request: web.Request) -> web.Response:
+async def file_content(request: web.Request) -> web.StreamResponse:
+    """The content, streamed a chunk at a time from Redis to the client."""
     file_id = path_file_id(request)
-    content = await request.app[STORE].file_content(file_id)
-    if content is None:
+    store: Store = request.app[STORE]
+    meta = await store.get_file(file_id)
+    if meta is None:
         raise not_found("file", file_id, "file_id")
-    return web.Response(body=content, content_type="application/octet-stream")
+    reply = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    reply.content_length = int(meta["bytes"])
+    await reply.prepare(request)
+    async for chunk in store.iter_content(file_id):
+        await reply.write(chunk)
+    await reply.write_eof()
+    return reply
 
 
 async def delete_file(request: web.Request) -> web.Response:

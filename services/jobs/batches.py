@@ -7,8 +7,10 @@ naming each bad line (1-based), and no items are queued.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.services.jobs.errors import bad_request, invalid_id
@@ -105,34 +107,102 @@ class LineErrors:
         return {"object": "list", "data": data}
 
 
-def parse_input(content: bytes, endpoint: str) -> tuple[list[Item], LineErrors]:
-    """Every request of a JSONL input file for a batch on `endpoint` (a full path), or the errors that make
-    the batch fail (then no items)."""
-    errors = LineErrors([])
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        errors.add(None, "invalid_encoding", f"The input file is not UTF-8 text ({exc.reason} at byte {exc.start}).")
-        return [], errors
-    items: list[Item] = []
-    first_line: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+class NotText(ValueError):
+    """The input file is not UTF-8 text."""
+
+
+class LineSplitter:
+    """The lines of a file that arrives in chunks, decoded as UTF-8 on the way: no step needs the whole file.
+
+    Lines end at "\n" (a "\r" before it goes too); a chunk may end in the middle of a line or of a character."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._partial = ""
+        self._offset = 0  # bytes decoded before the current chunk
+        self.number = 0  # lines handed out so far
+
+    def feed(self, chunk: bytes, final: bool = False) -> list[tuple[int, str]]:
+        """The lines `chunk` completes, numbered from 1; `final`: the file ends here."""
+        try:
+            text = self._partial + self._decoder.decode(chunk, final)
+        except UnicodeDecodeError as exc:
+            raise NotText(f"The input file is not UTF-8 text ({exc.reason} at byte {self._offset + exc.start}).") \
+                from None
+        self._offset += len(chunk)
+        pieces = text.split("\n")
+        self._partial = "" if final else pieces.pop()
+        if final and pieces and pieces[-1] == "":
+            pieces.pop()  # the newline that ends the last line starts no line of its own
+        out = []
+        for piece in pieces:
+            self.number += 1
+            out.append((self.number, piece.removesuffix("\r")))
+        return out
+
+
+async def numbered_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, str]]:
+    """Every (1-based number, line) of a file read as `chunks`; raises NotText."""
+    splitter = LineSplitter()
+    async for chunk in chunks:
+        for numbered in splitter.feed(chunk):
+            yield numbered
+    for numbered in splitter.feed(b"", final=True):
+        yield numbered
+
+
+class InputChecker:
+    """Checks an input file's requests line by line (`feed`), keeping only what the checks need: each custom_id
+    and its line (for duplicates), and the errors. A batch reads its file once to check it, then again to queue
+    the items it found and, at the end, to write its output in input order."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.errors = LineErrors([])
+        self.count = 0  # requests found: the index of the next one
+        self._first_line: dict[str, int] = {}
+
+    def feed(self, number: int, line: str) -> Item | None:
         if not line.strip():
-            continue
-        item = parse_line(line, number, endpoint, len(items), errors)
+            return None
+        item = parse_line(line, number, self.endpoint, self.count, self.errors)
         if item is None:
-            continue
-        if item.custom_id in first_line:
-            errors.add(number, "duplicate_custom_id", f"Line {number}: custom_id {item.custom_id!r} is already "
-                       f"used on line {first_line[item.custom_id]}; each request needs its own.", "custom_id")
-            continue
-        first_line[item.custom_id] = number
-        items.append(item)
-    if not items and not errors.errors:
-        errors.add(None, "empty_file", "The input file contains no requests.")
-    if len(items) > MAX_REQUESTS:
-        errors.add(None, "too_many_requests", f"The input file has {len(items)} requests; a batch holds at most "
-                   f"{MAX_REQUESTS}.")
+            return None
+        if item.custom_id in self._first_line:
+            self.errors.add(number, "duplicate_custom_id", f"Line {number}: custom_id {item.custom_id!r} is "
+                            f"already used on line {self._first_line[item.custom_id]}; each request needs its own.",
+                            "custom_id")
+            return None
+        self._first_line[item.custom_id] = number
+        self.count += 1
+        return item
+
+    def not_text(self, exc: NotText) -> None:
+        self.errors.add(None, "invalid_encoding", str(exc))
+
+    def finish(self) -> LineErrors:
+        """The errors that fail the batch (none: it may run its `count` requests)."""
+        if not self.count and not self.errors.errors:
+            self.errors.add(None, "empty_file", "The input file contains no requests.")
+        if self.count > MAX_REQUESTS:
+            self.errors.add(None, "too_many_requests", f"The input file has {self.count} requests; a batch holds "
+                            f"at most {MAX_REQUESTS}.")
+        return self.errors
+
+
+def parse_input(content: bytes, endpoint: str) -> tuple[list[Item], LineErrors]:
+    """Every request of a JSONL input file held in memory (a small one: see InputChecker for the streaming
+    form), or the errors that make the batch fail (then no items)."""
+    checker, items = InputChecker(endpoint), []
+    try:
+        for number, line in LineSplitter().feed(content, final=True):
+            item = checker.feed(number, line)
+            if item is not None:
+                items.append(item)
+    except NotText as exc:
+        checker.not_text(exc)
+        return [], checker.errors
+    errors = checker.finish()
     return (items, errors) if not errors.errors else ([], errors)
 
 

@@ -2,7 +2,9 @@
 
 All state lives in Redis; processes keep none that a restart would lose. Keys (prefix `pdserve:jobs:`):
   file:{id}           hash   the file object (id, bytes, created_at, filename, purpose, status)
-  file:{id}:content   string the bytes
+  file:{id}:content   list   the bytes, in chunks of at most FILE_CHUNK (never one value per file)
+  file:{id}:upload    list   chunks of a file being written (an upload, a batch's output): renamed to
+                             `content` with the file object in one MULTI/EXEC, or deleted; expires if abandoned
   file:{id}:users     set    batches that read this file and are not yet terminal (blocks deletion)
   files, batches      zset   ids, all with score 0: ids sort by creation time, so BYLEX ranges paginate
   batch:{id}          hash   the batch object; `finalize_to` (first writer wins) names its terminal status,
@@ -20,6 +22,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -31,6 +34,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pdserve.services.jobs import scripts
 
 PREFIX = "pdserve:jobs:"
+FILE_CHUNK = 1 << 20  # bytes per Redis value of a file's content
+UNFINISHED_TTL_S = 24 * 3600  # a file whose writer died mid-way is deleted by Redis after this long
 GROUP = "workers"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -69,6 +74,9 @@ class Keys:
 
     def content(self, file_id: str) -> str:
         return f"{self.prefix}file:{file_id}:content"
+
+    def upload(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}:upload"
 
     def users(self, file_id: str) -> str:
         return f"{self.prefix}file:{file_id}:users"
@@ -117,16 +125,16 @@ class Store:
 
     # ------------------------------------------------------------ files
 
+    def writer(self, file_id: str) -> FileWriter:
+        """Writes file `file_id` chunk by chunk; it exists for readers only once committed."""
+        return FileWriter(self, file_id)
+
     async def put_file(self, file_id: str, filename: str, purpose: str, content: bytes) -> dict:
-        """Store a file and its object atomically. Writing the same id again rewrites it (idempotent)."""
-        meta = {"id": file_id, "bytes": len(content), "created_at": now(), "filename": filename,
-                "purpose": purpose, "status": "processed"}
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.set(self.k.content(file_id), content)
-            pipe.hset(self.k.file(file_id), mapping=meta)
-            pipe.zadd(self.k.files, {file_id: 0})
-            await pipe.execute()
-        return meta
+        """Store a small file held in memory (see `writer` for any other)."""
+        writer = self.writer(file_id)
+        await writer.start()
+        await writer.write(content)
+        return await writer.commit(filename, purpose)
 
     async def get_file(self, file_id: str) -> dict | None:
         meta = await self.r.hgetall(self.k.file(file_id))
@@ -139,7 +147,22 @@ class Store:
             return [m for m in await pipe.execute() if m]
 
     async def file_content(self, file_id: str) -> bytes | None:
-        return await self.raw.get(self.k.content(file_id))
+        """The whole content of a small file (tests, tools); None when there is no such file."""
+        if not await self.r.exists(self.k.file(file_id)):
+            return None
+        return b"".join([chunk async for chunk in self.iter_content(file_id)])
+
+    async def iter_content(self, file_id: str) -> AsyncIterator[bytes]:
+        """The content of a stored file, one chunk at a time (nothing if there is none)."""
+        key = self.k.content(file_id)
+        if await self.r.type(key) == "string":  # written before files were chunked
+            yield await self.raw.get(key) or b""
+            return
+        for index in range(await self.r.llen(key)):
+            chunk = await self.raw.lindex(key, index)
+            if chunk is None:  # deleted meanwhile
+                return
+            yield chunk
 
     async def delete_file(self, file_id: str) -> str:
         """'ok', 'missing', or 'in_use:{batch_id}' (a batch still reads it)."""
@@ -195,6 +218,56 @@ class Store:
     async def cancel_batch(self, batch_id: str) -> str:
         """'cancelling'/'cancelled' (now or already), 'missing', or 'conflict:{status}'."""
         return await self._cancel(keys=[self.k.batch(batch_id), self.k.control], args=[batch_id, now()])
+
+
+class FileWriter:
+    """One file written in chunks of FILE_CHUNK bytes into a key of its own, then committed with its file object
+    in one MULTI/EXEC (or discarded). Lifecycle: start -> write... -> commit | discard. Starting again drops
+    what an earlier, interrupted attempt wrote, so a retried writer ends with the same file."""
+
+    def __init__(self, store: Store, file_id: str) -> None:
+        self.store, self.file_id = store, file_id
+        self.key = store.k.upload(file_id)
+        self.size = 0
+        self._buffer = bytearray()
+        self._pushed = False
+
+    async def start(self) -> None:
+        await self.store.r.delete(self.key)
+
+    async def write(self, data: bytes) -> None:
+        self.size += len(data)
+        self._buffer += data
+        while len(self._buffer) >= FILE_CHUNK:
+            await self._push(bytes(self._buffer[:FILE_CHUNK]))
+            del self._buffer[:FILE_CHUNK]
+
+    async def _push(self, chunk: bytes) -> None:
+        async with self.store.r.pipeline(transaction=True) as pipe:
+            pipe.rpush(self.key, chunk)
+            pipe.expire(self.key, UNFINISHED_TTL_S)
+            await pipe.execute()
+        self._pushed = True
+
+    async def commit(self, filename: str, purpose: str) -> dict:
+        """The file and its object appear together; returns the object."""
+        if self._buffer or not self._pushed:
+            await self._push(bytes(self._buffer))  # an empty file is one empty chunk
+            self._buffer.clear()
+        k = self.store.k
+        meta = {"id": self.file_id, "bytes": self.size, "created_at": now(), "filename": filename,
+                "purpose": purpose, "status": "processed"}
+        async with self.store.r.pipeline(transaction=True) as pipe:
+            pipe.rename(self.key, k.content(self.file_id))
+            pipe.persist(k.content(self.file_id))
+            pipe.hset(k.file(self.file_id), mapping=meta)
+            pipe.zadd(k.files, {self.file_id: 0})
+            await pipe.execute()
+        return meta
+
+    async def discard(self) -> None:
+        self._buffer.clear()
+        await self.store.r.delete(self.key)
 
 
 def dump(value: object) -> str:

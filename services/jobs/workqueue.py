@@ -114,18 +114,17 @@ class Queue:
         reply = await self._freeze(keys=[self.k.batch(batch_id)], args=[output_id, error_id])
         return tuple(reply) if reply else None
 
-    async def results(self, batch_id: str) -> tuple[list[str], list[str]]:
-        """Recorded output and error lines, each in input order."""
+    async def results_of(self, batch_id: str, custom_ids: list[str]) -> tuple[list[str], list[str]]:
+        """The recorded output and error lines of `custom_ids`, in that order (those without one left out)."""
+        if not custom_ids:
+            return [], []
         async with self.r.pipeline(transaction=False) as pipe:
-            pipe.hvals(self.k.out(batch_id))
-            pipe.hvals(self.k.err(batch_id))
+            pipe.hmget(self.k.out(batch_id), custom_ids)
+            pipe.hmget(self.k.err(batch_id), custom_ids)
             out, err = await pipe.execute()
-
-        def ordered(values: list[str]) -> list[str]:
-            pairs = (v.split("\t", 1) for v in values)
-            return [line for _, line in sorted(pairs, key=lambda p: int(p[0]))]
-
-        return ordered(out), ordered(err)
+        # Each value is "{input index}\t{line}" (see RECORD_RESULT).
+        return ([v.split("\t", 1)[1] for v in out if v is not None],
+                [v.split("\t", 1)[1] for v in err if v is not None])
 
     async def finish(self, batch_id: str, input_file_id: str, output_id: str | None, error_id: str | None) -> bool:
         b = batch_id

@@ -44,6 +44,7 @@ class ModelWorker(pb_grpc.WorkerServicer):
         self.die_after, self.delay = die_after, delay
         self.server: grpc.aio.Server | None = None
         self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.rids: list[str] = []
         self.stopping: asyncio.Future | None = None
         self.draining = False  # shutting down: new calls refused, those in progress go on
 
@@ -52,6 +53,7 @@ class ModelWorker(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
         params = params_from_proto(request.sampling)
         self.requests.append((list(request.input_ids), params))
+        self.rids.append(request.rid)
         seq = list(request.input_ids)
         for i in range(params.max_new_tokens):
             if self.die_after is not None and i == self.die_after:
@@ -162,6 +164,9 @@ async def test_a_stream_whose_worker_dies_goes_on_elsewhere_token_for_token(tok,
         [(sent, params)] = spare.requests
         assert sent == j.input_ids + expected[:12]
         assert (params.max_new_tokens, params.min_new_tokens, params.logprob_start_len) == (28, 8, -1)
+        # A new id for the new attempt: what a worker keeps of the old one (an abort remembered for a request
+        # that had not reached it yet) cannot refuse the continuation.
+        assert (dying.rids, spare.rids) == ([j.rid], [f"{j.rid}.1"])
         assert backend.metrics.migrations._value.get() == 1 and backend.metrics.retries._value.get() == 0
         assert all(w.in_flight == 0 and not w.on_out for w in backend.pool.workers.values())
     finally:

@@ -42,7 +42,7 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.popen = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--daemonize", "no", "--dir",
-             str(self.dir), "--appendonly", "yes", "--save", ""],
+             str(self.dir), "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
             stdout=open(self.dir / "redis.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -60,6 +60,12 @@ class RedisServer:
         """SIGTERM: Redis writes its append-only file and exits."""
         if self.popen and self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
+            self.popen.wait(20)
+
+    def kill(self) -> None:
+        """SIGKILL: only what the append-only file already holds (fsynced on every write) survives."""
+        if self.popen and self.popen.poll() is None:
+            self.popen.kill()
             self.popen.wait(20)
 
 

@@ -147,6 +147,26 @@ def test_redis_restart_mid_batch_resumes(redis_server, slow_upstream, procs):
         "items": 0, "out": 0, "err": 0, "file_users": 0, "deadline": None}
 
 
+def test_redis_sigkilled_mid_batch_loses_and_repeats_nothing(redis_server, slow_upstream, procs):
+    jobs, base = start_jobs(redis_server.url(), slow_upstream.url, "--batch-workers", "1", "--concurrency", "4",
+                            "--lease-seconds", LEASE)
+    procs.append(jobs)
+    c = client(base)
+    lines = lines_for("sigkill", 60)
+    batch = create_batch(c, lines)
+    seen, _ = wait_batch(c, batch.id, until=lambda b: b.request_counts.completed >= 10, timeout=30)
+    redis_server.kill()  # no shutdown, no final write: what it acknowledged is on disk already
+    time.sleep(1.0)
+    redis_server.start()
+    after = c.batches.retrieve(batch.id)
+    assert after.request_counts.completed >= seen.request_counts.completed  # nothing it had recorded is lost
+
+    done, _ = wait_batch(c, batch.id, timeout=40)
+    assert_exactly_once(c, done, lines)
+    assert batch_keys(redis_server.client(), batch.id) == {
+        "items": 0, "out": 0, "err": 0, "file_users": 0, "deadline": None}
+
+
 def test_batch_past_its_window_expires_with_partial_output(redis_server, slow_upstream, procs):
     jobs, base = start_jobs(redis_server.url(), slow_upstream.url, "--batch-workers", "1", "--concurrency", "2",
                             "--completion-window-seconds", "3")
