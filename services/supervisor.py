@@ -310,7 +310,8 @@ class Supervisor:
                 time.sleep(0.05)
             for child in group:
                 if not child.exited():
-                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it", err=True)
+                    self.console.print(f"[up] {child.name} did not stop within {self.stop_timeout:g} s: killing it",
+                                       err=True)
                 # Also reaches what the child started itself and left behind.
                 child.signal_group(signal.SIGKILL)
                 child.proc.wait()

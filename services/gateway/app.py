@@ -27,7 +27,8 @@ log = logging.getLogger("pdserve.gateway")
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS})
 access_log = logging.getLogger("pdserve.access")
 body_log = logging.getLogger("pdserve.requests")
-PROBE_PATHS = frozenset({"/health", "/live", "/metrics"})  # asked every few seconds: their access lines are at debug level
+# Asked every few seconds: their access lines are at debug level.
+PROBE_PATHS = frozenset({"/health", "/live", "/metrics"})
 MAX_LOGGED_BODY = 16 << 10  # characters of a request body --log-requests writes
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 

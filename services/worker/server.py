@@ -19,7 +19,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import (compat_from_proto, compat_to_proto, first_token_from_proto, first_token_to_proto,
                                  output_to_proto, params_from_proto, prompt_logprobs_to_proto, weights_to_proto)
-from pdserve.services.worker.peers import PrefillPeers
+from pdserve.services.worker.peers import CHANNEL_OPTIONS, PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.cluster_auth import worker_channel
 from pdserve.shared.compat import Compat
@@ -217,7 +217,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _abort_at(self, addr: str, rid: str) -> None:
         stub = self._prefill_workers.get(addr)
         if stub is None:
-            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(worker_channel(addr))
+            # The reconnect backoff of the Prefill channels: an abort reaches a restarted prefill worker in a second.
+            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(worker_channel(addr, options=CHANNEL_OPTIONS))
         try:
             await stub.Abort(pb.AbortRequest(rid=rid), timeout=self.timeouts.engine_call)
         except grpc.aio.AioRpcError as exc:  # the Prefill call still ends, by its own deadline at worst
