@@ -1,11 +1,11 @@
 """The gateway's aiohttp application: routes, middlewares, and the worker pool's lifecycle.
 
-Middlewares, outermost first: access log (a line per request under its request id, which the response
-carries in X-Request-Id), request counting (sees every final status), error mapping (every exception
+Middlewares, outermost first: observation (the request id, which the response carries in X-Request-Id;
+then, with every final status, the request count and the access line), error mapping (every exception
 becomes an OpenAI-shaped error), body size limit, API key check, and with --log-requests the body log.
 The worker pool starts with the app and stops with it. Handlers are cancelled when their client
 disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
-After request counting, the drain check answers 503 once the gateway is stopping (see `Drain`).
+After observation, the drain check answers 503 once the gateway is stopping (see `Drain`).
 """
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def _route_name(request: web.Request) -> str:
 
 
 @web.middleware
-async def log_access(request: web.Request, handler):
+async def observe(request: web.Request, handler):
     """Serves the request under its id (the client's X-Request-Id when it is a safe short token, else a new
-    one), so that every line logged for it carries the id, then logs method, path, status and duration."""
+    one), so that every line logged for it carries the id; then, with the final status it got, counts it in
+    the metrics and logs method, path, status and duration (the access line)."""
     rid = request[REQUEST_ID_KEY] = request_id(request.headers.get(HEADER))
     token = REQUEST_ID.set(rid)
     start = time.perf_counter()
@@ -58,6 +59,7 @@ async def log_access(request: web.Request, handler):
         status = 499  # the client went away before the answer was complete
         raise
     finally:
+        request.app[GATEWAY].backend.metrics.requests.labels(_route_name(request), str(status)).inc()
         ms = (time.perf_counter() - start) * 1000
         access_log.log(logging.DEBUG if request.path in PROBE_PATHS else logging.INFO, "%s %s %d %.1f ms",
                        request.method, request.path, status, ms,
@@ -81,23 +83,6 @@ async def log_body(request: web.Request, handler):
         cut = f"... ({len(body)} characters)" if len(body) > MAX_LOGGED_BODY else ""
         body_log.debug("%s %s body: %s%s", request.method, request.path, body[:MAX_LOGGED_BODY], cut)
     return await handler(request)
-
-
-@web.middleware
-async def count_requests(request: web.Request, handler):
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except (asyncio.CancelledError, ConnectionError):
-        status = 499  # the client went away before the answer was complete
-        raise
-    finally:
-        request.app[GATEWAY].backend.metrics.requests.labels(_route_name(request), str(status)).inc()
 
 
 @web.middleware
@@ -170,7 +155,7 @@ async def drain_requests(request: web.Request, handler):
 
 def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
-    middlewares = [log_access, count_requests, drain_requests, error_middleware, limit_body, check_api_key]
+    middlewares = [observe, drain_requests, error_middleware, limit_body, check_api_key]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
     app = web.Application(middlewares=middlewares, client_max_size=gateway.max_body_bytes)

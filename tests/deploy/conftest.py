@@ -27,6 +27,19 @@ def helm(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def render(helm):
+    """helm template of the chart with these value flags -> test_helm.Rendered (the manifests, parsed)."""
+    from test_helm import CHART, RELEASE, Rendered
+
+    def run(*values: str) -> Rendered:
+        result = helm("template", RELEASE, str(CHART), *values)
+        assert result.returncode == 0, result.stderr
+        return Rendered(result.stdout)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def compose_binary() -> Path:
     try:

@@ -41,16 +41,6 @@ class Rendered:
         return self.get("Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.fixture(scope="module")
-def render(helm):
-    def run(*values: str) -> Rendered:
-        result = helm("template", RELEASE, str(CHART), *values)
-        assert result.returncode == 0, result.stderr
-        return Rendered(result.stdout)
-
-    return run
-
-
 def flag(args: list[str], name: str) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
 

@@ -6,19 +6,10 @@ from __future__ import annotations
 import pytest
 
 from deploy_tools import pdserve_parse
-from test_helm import CHART, FULL, RELEASE, VALUE_SETS, Rendered, env_of, flag
+from test_helm import FULL, Rendered, VALUE_SETS, env_of, flag
 
 NAME = f"{FULL}-embedding"
 
-
-@pytest.fixture(scope="module")
-def render(helm):
-    def run(*values: str) -> Rendered:
-        result = helm("template", RELEASE, str(CHART), *values)
-        assert result.returncode == 0, result.stderr
-        return Rendered(result.stdout)
-
-    return run
 
 
 @pytest.fixture(scope="module")

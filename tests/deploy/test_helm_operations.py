@@ -12,15 +12,6 @@ import yaml
 from test_helm import CHART, FULL, RELEASE, Rendered
 
 
-@pytest.fixture(scope="module")
-def render(helm):
-    def run(*values: str) -> Rendered:
-        result = helm("template", RELEASE, str(CHART), *values)
-        assert result.returncode == 0, result.stderr
-        return Rendered(result.stdout)
-
-    return run
-
 
 @pytest.mark.parametrize("value, named", [
     ("worker.dtype=float8", "worker.dtype"),

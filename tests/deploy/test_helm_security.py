@@ -7,19 +7,10 @@ import base64
 
 import pytest
 
-from test_helm import CHART, FULL, RELEASE, VALUE_SETS, Rendered, env_of, flag
+from test_helm import FULL, Rendered, VALUE_SETS, env_of, flag
 
 PLAIN_KEY = "sk-helm-plain-key-never-in-args"
 
-
-@pytest.fixture(scope="module")
-def render(helm):
-    def run(*values: str) -> Rendered:
-        result = helm("template", RELEASE, str(CHART), *values)
-        assert result.returncode == 0, result.stderr
-        return Rendered(result.stdout)
-
-    return run
 
 
 def pods(r: Rendered) -> dict[str, dict]:
