@@ -150,6 +150,8 @@ def main() -> int:
               "refusals_with_retry_after": sum(1 for r in results if r.get("retry_after")),
               "when_full": {"streams": full_count, "probes_refused": len(refusal_ms),
                             "refusal_ms_median": round(statistics.median(refusal_ms), 1) if refusal_ms else None,
+                            "refusal_ms_p95": round(sorted(refusal_ms)[int(0.95 * (len(refusal_ms) - 1))], 1)
+                            if refusal_ms else None,
                             "refusal_ms_max": round(max(refusal_ms), 1) if refusal_ms else None},
               "gateway_rss_mb": {"idle": round(idle / MB, 1), "peak": round(peak[0] / MB, 1),
                                  "after": round(after / MB, 1)},
