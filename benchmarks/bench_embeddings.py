@@ -2,6 +2,7 @@
 
     python benchmarks/bench_embeddings.py                      # all-MiniLM-L6-v2, 128-token inputs, batch 64
     python benchmarks/bench_embeddings.py --threads 2 --rounds 5
+    python benchmarks/bench_embeddings.py --quantization w8a8_int8   # pdserve in int8, against fp32
 
 Both sides start from text and end with normalised fp32 vectors on the host: tokenization, the forward and
 pooling are all timed. Inputs are 64 distinct texts cut to exactly 128 tokens, so neither side gains by
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--dtype", default="auto", help="pdserve's compute dtype (auto: Encoder's choice)")
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                        help="pdserve's int8 matmuls (sentence-transformers stays in fp32)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,7 +73,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     texts = make_texts(tokenizer, args.batch, args.tokens)
     st = SentenceTransformer(str(model_dir), device="cpu")
-    encoder = Encoder(model_dir, None if args.dtype == "auto" else getattr(torch, args.dtype))
+    encoder = Encoder(model_dir, None if args.dtype == "auto" else getattr(torch, args.dtype),
+                      quantization=args.quantization)
 
     def ours() -> list[list[float]]:
         return encoder.encode(tokenizer(texts)["input_ids"])
@@ -82,7 +86,8 @@ def main() -> None:
     rates = median_rates({"st": theirs, "ours": ours}, args.batch, args.rounds)
     rate_st, rate_ours = rates["st"], rates["ours"]
     print(f"model {model_dir.name}, {args.batch} x {args.tokens} tokens, {torch.get_num_threads()} threads, "
-          f"pdserve dtype {str(encoder.dtype).replace('torch.', '')}")
+          f"pdserve dtype {str(encoder.dtype).replace('torch.', '')}"
+          + (f", {args.quantization}" if args.quantization else ""))
     print(f"sentence-transformers: {rate_st:8.1f} seq/s")
     print(f"pdserve Encoder:       {rate_ours:8.1f} seq/s")
     print(f"ratio {rate_ours / rate_st:.2f}x   min cosine {cosine:.6f}")

@@ -31,6 +31,9 @@ _EXPORTS = {
     "apply_token_mask_native": "token_mask", "apply_token_mask_triton": "token_mask",
     "store_kv_torch": "kv_store", "store_kv_triton": "kv_store",
     "fused_moe_torch": "fused_moe", "fused_moe_triton": "fused_moe", "fused_moe_native": "fused_moe",
+    "quantize_rows_torch": "int8_matmul", "quantize_rows_triton": "int8_matmul",
+    "quantize_rows_native": "int8_matmul", "dequantize_rows_torch": "int8_matmul",
+    "dequantize_rows_triton": "int8_matmul", "dequantize_rows_native": "int8_matmul", "int8_mm": "int8_matmul",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -170,7 +170,8 @@ def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str], cp
     service = Service(
         "embedding", pdserve,
         ["colocated", "--is-embedding", "--model-path", args.embedding_model, "--host", local, "--threads",
-         str(threads), "--port", str(port), "--http-port", str(port + 1000), *flags],
+         str(threads), "--port", str(port), "--http-port", str(port + 1000), *flags,
+         *(["--quantization", args.embedding_quantization] if args.embedding_quantization else [])],
         1, f"http://{local}:{port + 1000}/health", ports, {"OMP_NUM_THREADS": str(threads)})
     return service, ["--embedding-model", args.embedding_model, "--embedding-worker", f"{local}:{port}"]
 
@@ -337,6 +338,8 @@ def add_own_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding-model", default=None, metavar="PATH",
                         help="also start a dedicated embedding worker on this model (e.g. all-MiniLM-L6-v2); "
                              "requests pick it by their 'model'")
+    parser.add_argument("--embedding-quantization", default=None, choices=["w8a8_int8"],
+                        help="run the --embedding-model worker's matmuls in int8 (its --quantization)")
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY; prefer "
                              "the variable: a flag shows in `ps`). Services get it through their environment")

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import torch
 
+from pdserve.shared.host_memory import keep_freed_memory
 from pdserve.shared.models.bert import BertConfig, BertModel
 from pdserve.shared.pooling import PoolingConfig, pool
 
 log = logging.getLogger(__name__)
+
+QUANTIZATIONS = (None, "w8a8_int8")
+# On a CPU, forwards of about a thousand tokens keep each layer's activations in cache: all-MiniLM-L6-v2 over
+# 64 x 128 tokens ran 1.1-1.2x faster in fp32 and 1.2-1.7x in int8 cut into batches of 512-1,024 tokens than
+# as one batch of 8,192 (more than 2,048 measured slower, 128 too).
+CPU_BATCH_TOKENS = 1024
 
 
 @dataclass
@@ -34,16 +41,28 @@ class _Job:
 
 class Encoder:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
-                 context_length: int | None = None, max_batch_tokens: int = 8192) -> None:
+                 context_length: int | None = None, max_batch_tokens: int = 8192,
+                 quantization: str | None = None) -> None:
+        """`quantization`: None, or "w8a8_int8" to run the layers' matmuls in int8 (see quantize)."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not supported for encoder models "
+                             f"(choose {', '.join(q for q in QUANTIZATIONS if q)})")
         self.config = BertConfig.from_dir(model_dir)
         self.pooling = PoolingConfig.from_dir(model_dir)
         self.dtype = dtype or _checkpoint_dtype(self.config.torch_dtype)
         self.model = BertModel(self.config, self.dtype, device)
         self.model.load(model_dir)
+        if self.model.device.type == "cpu":
+            keep_freed_memory()  # a forward's activations are tens of MB, every batch: reuse them warm
+        self.quantization = quantization
+        if quantization == "w8a8_int8":
+            self.model.quantize_int8(calibration_batches(self.config.vocab_size))
         limit = self.config.max_position_embeddings
         if context_length is not None and context_length > limit:
             raise ValueError(f"--context-length {context_length} exceeds the model's max_position_embeddings {limit}")
         self.context_length = context_length or limit
+        if self.model.device.type == "cpu":
+            max_batch_tokens = min(max_batch_tokens, CPU_BATCH_TOKENS)
         self.max_batch_tokens = max(max_batch_tokens, self.context_length)
         self.is_classifier = self.config.num_labels > 0
         self.output_dim = self.config.num_labels if self.is_classifier else self.config.hidden_size
@@ -160,6 +179,14 @@ class Encoder:
         hidden = self.model.forward(ids, mask, None if segments is None else segments.to(device))  # [B, T, H]
         out = self.model.classify(hidden).float() if self.is_classifier else pool(hidden, mask, self.pooling)
         return out.tolist()
+
+
+def calibration_batches(vocab_size: int, count: int = 16, tokens: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    """Inputs that int8 smoothing observes activation maxima on: seeded random token ids. The outlier channels
+    smoothing exists for belong to the model, not the text: on all-MiniLM-L6-v2, embeddings smoothed from these
+    and from real sentences came out equally close to fp32's."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (count, tokens), generator=gen)]
 
 
 def _checkpoint_dtype(name: str) -> torch.dtype:

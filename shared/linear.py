@@ -56,14 +56,18 @@ class Linear:
         wide = self._packed is not None and weight.dtype == torch.bfloat16 and not batch_invariant and wide_f32_pays()
         self._packed_f32 = _pack(weight.float()) if wide else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features] -> [T, out_features]."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features], plus `residual` [T, out_features] when given."""
+        out = self._matmul(x)
+        return out if residual is None else out.add_(residual)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self._gemv_weight is not None and 0 < rows <= GEMV_MAX_ROWS:
             out = self._gemv(x.contiguous(), self._gemv_weight)
             return out if self.bias is None else out.add_(self.bias)
         if rows < self.min_rows:
-            return self(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]
+            return self._matmul(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]
         if self._packed_f32 is not None and rows >= WIDE_MIN_ROWS:
             out = torch.ops.mkldnn._linear_pointwise(x.float(), self._packed_f32, None, "none", [], "")
             out = out.to(x.dtype)

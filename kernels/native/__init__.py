@@ -1,8 +1,8 @@
 """Native CPU kernels: C++ ops compiled once per machine with `torch.utils.cpp_extension`.
 
 They implement the same contracts as the Triton kernels and torch twins beside them (rmsnorm, silu_and_mul,
-rotary_store_kv, decode and extend attention, the grammar token mask, the multi-LoRA delta) and are tested
-against the same torch reference. They are built for the CPU they run on (`-march=native`: AVX-512 and its bf16
+rotary_store_kv, decode and extend attention, the grammar token mask, the multi-LoRA delta, the int8
+quantization around an int8 matmul) and are tested against the same torch reference. They are built for the CPU they run on (`-march=native`: AVX-512 and its bf16
 conversions where present), into a cache folder keyed by the sources, torch's version and the CPU's flags, so a
 second machine or a changed source builds anew.
 `scripts/setup` builds them (`python -m pdserve.kernels.native`); a worker that finds no build compiles
@@ -22,7 +22,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "gemv.cpp", "token_mask.cpp", "lora.cpp",
-           "bindings.cpp")
+           "int8.cpp", "bindings.cpp")
 _HEADERS = ("common.h",)
 _HERE = Path(__file__).resolve().parent
 # -fopenmp: at::parallel_for is inlined into our code and runs on torch's OpenMP pool only when compiled with it

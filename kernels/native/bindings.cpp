@@ -19,6 +19,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
 void apply_token_mask(at::Tensor logits, const at::Tensor& bitmask);
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                 std::vector<int64_t> out_offsets, const at::Tensor& row_slots, const at::Tensor& ranks);
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& inv_smooth);
+at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero,
+                           const at::Tensor& col_scale, const at::Tensor& col_sum, const c10::optional<at::Tensor>& bias,
+                           const c10::optional<at::Tensor>& residual);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,4 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_attention", &pdserve::extend_attention, release());
   m.def("apply_token_mask", &pdserve::apply_token_mask, release());
   m.def("lora_apply", &pdserve::lora_apply, release());
+  m.def("quantize_rows", &pdserve::quantize_rows, release());
+  m.def("dequantize_rows", &pdserve::dequantize_rows, release());
 }

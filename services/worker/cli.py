@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                  "(BERT family; chosen by itself for those) or a decoder whose last token's hidden "
                                  "state is the embedding (gte-Qwen2 style); sequence classifiers (reward models) "
                                  "are pooling models by themselves")
+        parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                            help="encoder embedding and cross-encoder models: run the layers' matmuls in int8 "
+                                 "(weights per channel, activations per token, smoothed; fp32 models on the CPU)")
     if command == "decode":
         parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
@@ -167,6 +170,9 @@ def main(args: argparse.Namespace, command: str) -> int:
             from pdserve.services.worker.encoder_app import EncoderWorkerApp
 
             app = EncoderWorkerApp(config, args)
+        elif getattr(args, "quantization", None):
+            raise ValueError(f"--quantization {args.quantization} runs encoder models (BERT family) only; "
+                             f"{model_path} is served by the decoder runtime, which has no quantized path")
         else:
             app = WorkerApp(config, Role(command), args)
     except (ValueError, OSError, RuntimeError) as exc:

@@ -66,7 +66,8 @@ class EncoderWorkerApp:
         self.args = args
         self.http_port = args.http_port or args.port + 1000
         self.encoder = Encoder(config.model_path, dtype, config.device, config.context_length,
-                               max_batch_tokens=config.scheduler.max_prefill_tokens)
+                               max_batch_tokens=config.scheduler.max_prefill_tokens,
+                               quantization=getattr(args, "quantization", None))
         cfg = self.encoder.config
         self.info = pb.InfoReply(
             role=Role.COLOCATED.value, model_path=config.model_path,
@@ -102,8 +103,9 @@ class EncoderWorkerApp:
         try:
             await web.TCPSite(runner, self.args.host, self.http_port).start()
             self.ready = True
-            log.info("embedding worker ready: gRPC %s:%d, HTTP %d, %s %s", self.args.host, self.args.port,
-                     self.http_port, self.info.architecture, self.info.compat.dtype)
+            log.info("embedding worker ready: gRPC %s:%d, HTTP %d, %s %s%s", self.args.host, self.args.port,
+                     self.http_port, self.info.architecture, self.info.compat.dtype,
+                     f" ({self.encoder.quantization})" if self.encoder.quantization else "")
             await stop.wait()
         except OSError as exc:
             log.error("cannot listen on %s:%d for HTTP (%s); pass --http-port", self.args.host, self.http_port, exc)

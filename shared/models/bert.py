@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.shared.linear import Linear
-
 from pdserve.shared.config import ENCODER_MODEL_TYPES
+from pdserve.shared.int8_linear import AbsMaxObserver, Int8Linear
+from pdserve.shared.linear import Linear
 from pdserve.shared.models.llama import _read_safetensors
 
 
@@ -54,7 +54,7 @@ class BertConfig:
 
 
 @dataclass
-class BertLayer:
+class BertLayer:  # the four matmuls are Linear, or Int8Linear once quantized
     qkv: Linear  # [3H, H] with bias: query, key and value in one matmul
     o: Linear  # [H, H]
     attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias [H]
@@ -129,10 +129,33 @@ class BertModel:
             q, k, v = qkv.view(B, T, 3, cfg.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [B, heads, T, D]
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, heads, T, D]
             attn = attn.transpose(1, 2).reshape(B * T, cfg.hidden_size)
-            x = F.layer_norm(layer.o(attn) + x, (cfg.hidden_size,), *layer.attn_norm, cfg.layer_norm_eps)
+            x = F.layer_norm(layer.o(attn, residual=x), (cfg.hidden_size,), *layer.attn_norm, cfg.layer_norm_eps)
             h = self.act(layer.up(x))  # [B T, I]
-            x = F.layer_norm(layer.down(h) + x, (cfg.hidden_size,), *layer.out_norm, cfg.layer_norm_eps)
+            x = F.layer_norm(layer.down(h, residual=x), (cfg.hidden_size,), *layer.out_norm, cfg.layer_norm_eps)
         return x.view(B, T, cfg.hidden_size)
+
+    def quantize_int8(self, calibration: list[torch.Tensor]) -> None:
+        """Swap every layer's matmuls for w8a8 int8 ones (pdserve.shared.int8_linear), smoothed with the input
+        maxima each sees while `calibration` batches ([B, T] token ids, no padding) run through the model as it
+        is. The embeddings, the classifier head and every LayerNorm keep the model's dtype."""
+        if self.dtype != torch.float32:
+            raise ValueError(f"w8a8_int8 quantizes an fp32 model, not {str(self.dtype).replace('torch.', '')}")
+        names = ("qkv", "o", "up", "down")
+        observers = [{name: AbsMaxObserver(getattr(layer, name)) for name in names} for layer in self.layers]
+        for layer, seen in zip(self.layers, observers):
+            for name, observer in seen.items():
+                setattr(layer, name, observer)
+        try:
+            for ids in calibration:
+                self.forward(ids.to(self.device), torch.ones(ids.shape, dtype=torch.bool, device=self.device))
+        finally:
+            for layer, seen in zip(self.layers, observers):
+                for name, observer in seen.items():
+                    setattr(layer, name, observer.linear)
+        for layer, seen in zip(self.layers, observers):
+            for name, observer in seen.items():
+                linear = observer.linear
+                setattr(layer, name, Int8Linear(linear.dense_weight(), linear.bias, observer.absmax))
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """Classifier logits [B, num_labels] from the [CLS] row, as BERT sequence classification heads do."""

@@ -33,3 +33,12 @@ def test_embedding_worker_is_planned_and_routed_to(tmp_path):
 def test_no_embedding_worker_unless_asked(tmp_path):
     services = plan(tmp_path, "--colocated")
     assert "embedding" not in services and "--embedding-model" not in services["gateway"].args
+
+
+def test_embedding_quantization_reaches_only_the_embedding_worker(tmp_path):
+    services = plan(tmp_path, "--colocated", "--embedding-model", "all-MiniLM-L6-v2",
+                    "--embedding-quantization", "w8a8_int8")
+    parsed = {name: cli.build_parser(s.args)[0].parse_args(s.args) for name, s in services.items()
+              if name in ("embedding", "colocated")}
+    assert parsed["embedding"].quantization == "w8a8_int8"
+    assert parsed["colocated"].quantization is None
