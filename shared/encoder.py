@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "w8a8_int8")
 # On a CPU, forwards of about a thousand tokens keep each layer's activations in cache: all-MiniLM-L6-v2 over
-# 64 x 128 tokens ran 1.1-1.2x faster in fp32 and 1.2-1.7x in int8 cut into batches of 512-1,024 tokens than
+# 64 x 128 tokens ran 1.1-1.25x faster in fp32 and 1.4-1.9x in int8 cut into batches of 512-1,024 tokens than
 # as one batch of 8,192 (more than 2,048 measured slower, 128 too).
 CPU_BATCH_TOKENS = 1024
 

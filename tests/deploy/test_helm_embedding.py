@@ -88,3 +88,9 @@ def test_model_and_port_settings_reach_every_place(render):
     assert flag(r.container("gateway")["args"], "--embedding-worker") == [f"{NAME}:50071"]
     assert {p["name"]: p["port"] for p in r.get("Service", NAME)["spec"]["ports"]} == {"grpc": 50071, "http": 51071}
     assert r.kinds("PodDisruptionBudget") == []
+
+
+def test_quantization_reaches_the_embedding_workers_only_when_set(render):
+    assert flag(render("--set", "embedding.enabled=true").container("embedding")["args"], "--quantization") == []
+    r = render("--set", "embedding.enabled=true", "--set", "embedding.quantization=w8a8_int8")
+    assert flag(r.container("embedding")["args"], "--quantization") == ["w8a8_int8"]

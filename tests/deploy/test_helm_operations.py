@@ -20,6 +20,7 @@ from test_helm import CHART, FULL, RELEASE, Rendered
     ("decode.port=70000", "decode.port"),
     ("gateway.replicas=2", "gateway"),  # a misspelt key: replicaCount
     ("autoscaling.decode.minReplicas=0", "autoscaling.decode.minReplicas"),
+    ("embedding.quantization=fp8", "embedding.quantization"),
 ])
 def test_the_schema_refuses_bad_values_naming_them(helm, value, named):
     result = helm("template", RELEASE, str(CHART), "--set", value)
