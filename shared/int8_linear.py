@@ -5,7 +5,7 @@ asymmetrically (pdserve.kernels.int8_matmul). Where activation maxima observed o
 the layer is smoothed first (SmoothQuant, alpha 0.5): input column j is divided by
 s_j = sqrt(max|x_j| / max|w_j|) and the weight's column j multiplied by it, which moves the few outlier
 channels of a transformer's residual stream (BERT's reach 30x the median) from the activations, quantized per
-row, into the weights, quantized per channel. On a CPU with AVX512-VNNI the int8 matmul is oneDNN's, 2.9-4x
+row, into the weights, quantized per channel. On a CPU with AVX512-VNNI the int8 matmul is oneDNN's, 2.4-4x
 faster than the packed fp32 one at MiniLM's shapes; the two passes around it are native kernels.
 """
 from __future__ import annotations
