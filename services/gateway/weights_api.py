@@ -16,6 +16,11 @@ One update, while new requests for the workers wait at the door (`UpdateGate`, S
    version and decoded with another. Only a worker failing here leaves the deployment half-switched: the
    switched ones are put back on the weights they had.
 4. /get_model_info reports the new path; the gate opens.
+
+The deployment's weights outlive its processes. A worker that (re)joins on older weights than the last commit
+(it restarted, and came back on its start-up checkpoint) is kept out of rotation while it is brought up to date
+(prepare and commit on it alone); a gateway that (re)starts takes the newest weights its workers report as the
+deployment's, and brings the others to them the same way.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ class UpdateGate:
         self.in_flight = 0
         self.lock = asyncio.Lock()
         self.weight_version = "default"  # SGLang's label of the weights served, for /get_model_info
+        self.committed: tuple[int, str] | None = None  # (number, path) every worker must serve; None: as started
 
     @contextlib.asynccontextmanager
     async def request(self):
@@ -163,6 +169,7 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
             return _refused(failed.error)
         for worker in workers:
             gw.backend.router.forget(worker.address)  # the prefixes it held were flushed
+        gate.committed = (number, req.model_path)
         gw.model_path = req.model_path
         if "model_path" in gw.server_args:
             gw.server_args["model_path"] = req.model_path
@@ -172,6 +179,63 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
             message += f" Weight version updated to {req.weight_version}."
     log.info("weights updated to version %d from %s", number, req.model_path)
     return _answer(True, message)
+
+
+class CatchUp:
+    """The pool's admission check: lets in a worker on the deployment's weights, and brings one on older weights
+    up to date first (retried every RETRY_S while it fails)."""
+
+    RETRY_S = 30.0
+
+    def __init__(self, gw: Gateway, gate: UpdateGate) -> None:
+        self.gw, self.gate = gw, gate
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.next_try: dict[str, float] = {}
+
+    def __call__(self, worker: Worker) -> str | None:
+        number, path = worker.info.weights.number, worker.info.weights.path
+        committed = self.gate.committed
+        if committed is None or number > committed[0]:
+            if number > 0:  # weights an update of an earlier gateway committed: the deployment's
+                self._adopt(number, path)
+            return None
+        if number == committed[0]:
+            return None
+        loop = asyncio.get_running_loop()
+        running = self.tasks.get(worker.address)
+        if (running is None or running.done()) and loop.time() >= self.next_try.get(worker.address, 0.0):
+            self.tasks[worker.address] = loop.create_task(self._bring_up(worker, *committed))
+        return f"loading weights version {committed[0]} ({committed[1]}): it serves version {number} ({path})"
+
+    def _adopt(self, number: int, path: str) -> None:
+        self.gate.committed = (number, path)
+        self.gw.model_path = path
+        if "model_path" in self.gw.server_args:
+            self.gw.server_args["model_path"] = path
+        log.info("the workers serve weights version %d from %s", number, path)
+        for worker in self.gw.backend.pool.workers.values():  # admitted before: they rejoin through the check
+            if worker.healthy and worker.info is not None and worker.info.weights.number < number:
+                self.gw.backend.pool.take_out(worker, f"serves weights version {worker.info.weights.number}, "
+                                                      f"older than version {number}")
+
+    async def _bring_up(self, worker: Worker, number: int, path: str) -> None:
+        async with self.gate.lock:  # never beside an update
+            if self.gate.committed != (number, path) or worker.info.weights.number >= number:
+                return  # superseded meanwhile: the next check decides again
+            log.info("%s worker %s serves weights version %d: loading version %d from %s", worker.role,
+                     worker.address, worker.info.weights.number, number, path)
+            (ready,) = await _step([worker], pb.WEIGHTS_PREPARE, path, timeout=PREPARE_TIMEOUT_S)
+            if ready.ok:
+                (done,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=COMMIT_TIMEOUT_S, version=number)
+                if done.ok:
+                    self.gw.backend.router.forget(worker.address)
+                    log.info("%s worker %s is on weights version %d", worker.role, worker.address, number)
+                    return
+                ready = done
+            await _step([worker], pb.WEIGHTS_DISCARD, path, timeout=SMALL_TIMEOUT_S)
+            self.next_try[worker.address] = asyncio.get_running_loop().time() + self.RETRY_S
+            log.error("%s worker %s could not load weights version %d (kept out of rotation, next try in %g s): "
+                      "%s", worker.role, worker.address, number, self.RETRY_S, ready.error)
 
 
 async def _roll_back(switched: list[Worker], before: dict[str, tuple[int, str]]) -> None:
@@ -225,5 +289,6 @@ def _answer(success: bool, message: str, status: int | None = None) -> web.Respo
 
 def add_routes(app: web.Application) -> None:
     app[GATE] = UpdateGate()
+    app[GATEWAY].backend.pool.admission = CatchUp(app[GATEWAY], app[GATE])
     app.middlewares.append(hold_during_update)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)

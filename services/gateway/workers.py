@@ -5,7 +5,8 @@ once a second with a short deadline; a worker whose address refuses the call (it
 out at the first failed check, one that fails otherwise (no answer in time, not ready) after two in a row.
 Taking a worker out fails the requests in flight on it at once, through their `on_out` callbacks. A worker
 that says it is draining (shutting down) only stops getting new requests: those in flight finish. Either is
-back in rotation as soon as it answers again (a restarted worker included). Worker lists may name DNS
+back in rotation as soon as it answers again (a restarted worker included), unless `admission` holds it back
+(a restarted worker on older weights than the deployment's, while it loads them). Worker lists may name DNS
 hosts that resolve to several addresses (compose/Kubernetes services); they are resolved again every few
 seconds, so workers that come and go are picked up.
 """
@@ -91,6 +92,9 @@ class WorkerPool:
         self.settings = settings
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
+        # Asked each time a worker (re)joins, before it gets a request: None admits it, a reason keeps it out
+        # for now (pdserve.services.gateway.weights_api brings a worker back on old weights up to date meanwhile).
+        self.admission: Callable[[Worker], str | None] | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -149,6 +153,10 @@ class WorkerPool:
                 raise RuntimeError("worker reports it is not ready")
             if worker.info is None or not worker.healthy:  # (re)joining: it may have restarted differently
                 worker.info = await worker.stub.Info(pb.Empty(), timeout=deadline)
+                held = self.admission(worker) if self.admission is not None else None
+                if held is not None:  # it answers, so this is no failure: it only waits to be let in
+                    worker.last_error = held
+                    return False
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             rpc = isinstance(exc, grpc.aio.AioRpcError)
             reason = exc.details() if rpc else str(exc)

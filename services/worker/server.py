@@ -47,6 +47,10 @@ class Timeouts:
     engine_call: float = 30.0  # for the engine thread to take a command
     stall: float = 120.0  # between two outputs of a running request
     prefill: float = 120.0  # decode waiting for prefill to fill its pages (incl. queueing)
+    # A decode worker registers again every second (peers.PrefillPeers); one silent this long is gone (it died,
+    # or was scaled away), and a prefill worker drops its connection. Were it only slow, its next Prefill call
+    # is refused as unregistered, and it registers again and resends.
+    peer_silence: float = 60.0
 
 
 class Calls:
@@ -436,6 +440,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.transfer = transfer
         self.timeouts = timeouts
         self.calls = calls or Calls()  # a draining worker still fills prompts decode workers already took
+        self.registered_at: dict[str, float] = {}  # decode worker -> when it last registered (loop time)
 
     async def Register(self, request: pb.RegisterRequest, context):
         theirs = compat_from_proto(request.compat)
@@ -451,7 +456,23 @@ class PrefillService(pb_grpc.PrefillServicer):
             return pb.RegisterReply(ok=False, error=f"cannot reach decode worker {request.peer_name}: {exc}")
         if not known:  # decode workers register again every second; only a new one is news
             log.info("registered decode worker %s", request.peer_name)
+        now = asyncio.get_running_loop().time()
+        self.registered_at[request.peer_name] = now
+        await self._forget_silent_peers(now)
         return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
+
+    async def _forget_silent_peers(self, now: float) -> None:
+        for peer in [p for p, seen in self.registered_at.items() if now - seen > self.timeouts.peer_silence]:
+            del self.registered_at[peer]
+            # On the engine thread, where KV transfers run: none to this peer is under way while it goes.
+            forget = self.engine.call(lambda peer=peer: self.transfer.remove_peer(peer))
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(forget), self.timeouts.engine_call)
+            except Exception as exc:  # the engine is stopping or stuck: the peer stays until the process ends
+                log.warning("could not drop decode worker %s: %r", peer, exc)
+                continue
+            log.info("decode worker %s has not registered for %g s: its connection is dropped", peer,
+                     self.timeouts.peer_silence)
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         with self.calls.hold(1):

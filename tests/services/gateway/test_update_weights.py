@@ -4,12 +4,14 @@ colocated worker behind another, serving tiny Qwen3 checkpoints (fp32) whose gre
 What a user must see: SGLang's request and answers, requests in flight finishing on the old weights (or
 aborted with the reason), every later request served by the new weights on both sides of the PD pair,
 /get_model_info reporting the new path, and a wrong path or a checkpoint of another architecture refused
-with the old weights still serving. A prefill and a decode worker on different weights refuse to pair.
+with the old weights still serving. A prefill and a decode worker on different weights refuse to pair. A worker
+that restarts on its start-up checkpoint, and a gateway that restarts, go on with the updated weights.
 """
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -66,7 +68,7 @@ def system(ckpts):
         procs.gateways += [pd, co]
         for proc in (prefill, decode, colocated, pd.proc, co.proc):
             proc.wait_healthy(180)
-        yield {"pd": pd, "colocated": co, "prefill": paddr, "decode": daddr}
+        yield {"pd": pd, "colocated": co, "prefill": paddr, "decode": daddr, "colocated_worker": (colocated, caddr)}
     finally:
         procs.stop()
 
@@ -191,3 +193,36 @@ def test_a_pair_on_different_weights_refuses_kv_until_the_gateway_updates_both(s
     assert r.json()["success"] is True
     assert worker_info(system["decode"]).weights.number == 100
     assert output_ids(gw) == greedy["old"][:SHORT]
+
+
+def answers_after_restart(gw, timeout: float = 120.0) -> list[list[int]]:
+    """Greedy answers from the first moment the gateway serves again: 503s until then, nothing else."""
+    deadline, answers = time.monotonic() + timeout, []
+    while time.monotonic() < deadline and len(answers) < 3:
+        r = generate(gw)
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 200:
+            answers.append(r.json()["output_ids"])
+        else:
+            time.sleep(0.2)
+    return answers
+
+
+def test_restarted_processes_go_on_with_the_updated_weights(system, ckpts, greedy):
+    gw, (worker, addr) = system["colocated"], system["colocated_worker"]
+    assert update(gw, ckpts["new"]).json()["success"] is True
+    updated = worker_info(addr).weights
+    assert updated.path == str(ckpts["new"]) and updated.number > 0
+    worker.kill()
+    worker.start()  # on its start-up checkpoint: the old weights
+    worker.wait_healthy(180)
+    answers = answers_after_restart(gw)  # never an answer of the old weights, not even the first
+    assert answers and all(ids == greedy["new"][:SHORT] for ids in answers), answers
+    assert worker_info(addr).weights == updated
+
+    gw.proc.kill()  # a new gateway process learns the deployment's weights from its worker
+    gw.proc.start()
+    gw.proc.wait_healthy(120)
+    assert model_path(gw) == str(ckpts["new"]) and output_ids(gw) == greedy["new"][:SHORT]
+    assert update(gw, ckpts["old"]).json()["success"] is True
+    assert worker_info(addr).weights.number == updated.number + 1 and output_ids(gw) == greedy["old"][:SHORT]

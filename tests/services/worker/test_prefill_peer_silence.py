@@ -1,0 +1,65 @@
+"""A prefill worker drops the connection of a decode worker that stopped registering (it died or was scaled
+away) instead of keeping one per decode worker it ever saw; a decode worker that registers again is kept.
+
+Unit test of PrefillService's bookkeeping: the engine runs each call at once and the transfer is a set of
+names, standing in for the thread and the connections below the logic under test."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto.codec import compat_to_proto
+from pdserve.services.worker.server import PrefillService, Timeouts
+from pdserve.shared.compat import Compat
+
+COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,
+                transfer_backend="tcp")
+
+
+class InlineEngine:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def call(self, fn) -> Future:
+        self.calls += 1
+        fut: Future = Future()
+        fut.set_result(fn())
+        return fut
+
+
+class Connections:
+    def __init__(self) -> None:
+        self.peers: set[str] = set()
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        self.peers.add(name)
+
+    def has_peer(self, name: str) -> bool:
+        return name in self.peers
+
+    def remove_peer(self, name: str) -> None:
+        self.peers.discard(name)
+
+    def metadata(self) -> bytes:
+        return b"prefill"
+
+
+async def register(service: PrefillService, name: str) -> pb.RegisterReply:
+    request = pb.RegisterRequest(peer_name=name, compat=compat_to_proto(COMPAT), transfer_metadata=b"decode")
+    return await service.Register(request, None)
+
+
+async def test_a_decode_worker_silent_past_the_limit_is_dropped_and_one_that_comes_back_is_not():
+    engine, connections = InlineEngine(), Connections()
+    service = PrefillService(engine, COMPAT, connections, Timeouts(peer_silence=0.3))
+    for name in ("decode-a", "decode-b"):
+        assert (await register(service, name)).ok
+    assert connections.peers == {"decode-a", "decode-b"}
+    for _ in range(4):  # b keeps registering, as a live decode worker does every second; a has died
+        await asyncio.sleep(0.1)
+        assert (await register(service, "decode-b")).ok
+    assert connections.peers == {"decode-b"} and set(service.registered_at) == {"decode-b"}
+    assert engine.calls == 1  # dropped on the engine thread, once
+    assert (await register(service, "decode-a")).ok  # a restarted worker of the same name is welcome again
+    assert connections.peers == {"decode-a", "decode-b"}
