@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ class _Job:
     types: list[list[int]] | None = None  # segment ids per token (cross-encoder pairs); None: all 0
     outputs: list[list[float] | None] = field(default_factory=list)
     left: int = 0
+    arrival: float = field(default_factory=time.monotonic)
 
 
 class Encoder:
@@ -66,6 +68,9 @@ class Encoder:
         self.max_batch_tokens = max(max_batch_tokens, self.context_length)
         self.is_classifier = self.config.num_labels > 0
         self.output_dim = self.config.num_labels if self.is_classifier else self.config.hidden_size
+        # Told of each forward and each request completed or failed, on the encoder's thread
+        # (services/worker/encoder_metrics.EncoderMetrics); None: nobody is.
+        self.observer = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.running = 0  # sequences in the forward now
@@ -141,9 +146,11 @@ class Encoder:
                 self._process(jobs)
             except Exception as exc:  # a failed forward fails its requests, never the thread
                 log.exception("encoder forward failed")
-                for j in jobs:
-                    if not j.future.done():
-                        j.future.set_exception(RuntimeError(f"internal error: {exc}"))
+                failed = [j for j in jobs if not j.future.done()]
+                for j in failed:
+                    j.future.set_exception(RuntimeError(f"internal error: {exc}"))
+                if self.observer is not None:
+                    self.observer.failed_requests(len(failed))
             finally:
                 self.running = 0
 
@@ -155,13 +162,19 @@ class Encoder:
             longest = len(items[start][0].seqs[items[start][1]])
             end = min(len(items), start + max(1, self.max_batch_tokens // longest))
             batch = items[start:end]
+            began = time.monotonic()
             vectors = self._forward([j.seqs[i] for j, i in batch],
                                     [j.types[i] if j.types is not None else None for j, i in batch])
+            done = time.monotonic()
+            if self.observer is not None:
+                self.observer.forwarded(done - began)
             for (j, i), vec in zip(batch, vectors):
                 j.outputs[i] = vec
                 j.left -= 1
                 if j.left == 0:
                     j.future.set_result(j.outputs)
+                    if self.observer is not None:
+                        self.observer.finished(len(j.seqs), sum(map(len, j.seqs)), done - j.arrival)
             start = end
 
     def _forward(self, seqs: list[list[int]], types: list[list[int] | None]) -> list[list[float]]:

@@ -1,8 +1,8 @@
 """EncoderWorkerApp: a worker serving an encoder model (`pdserve colocated --is-embedding`).
 
 Lifecycle: load the model into an Encoder, start its thread, serve the Worker service (health, info and
-load for the gateway's pool; Generate is refused) and the Pooling service over gRPC, plus /health over
-HTTP, until SIGTERM/SIGINT.
+load for the gateway's pool; Generate is refused) and the Pooling service over gRPC, plus /health and /metrics
+over HTTP, until SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from aiohttp import web
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.cli import install_signal_handlers
+from pdserve.services.worker.encoder_metrics import EncoderMetrics
 from pdserve.services.worker.peers import GRPC_OPTIONS
 from pdserve.services.worker.pooling import PoolingService
 from pdserve.shared.cluster_auth import server_interceptors
@@ -68,6 +69,8 @@ class EncoderWorkerApp:
         self.encoder = Encoder(config.model_path, dtype, config.device, config.context_length,
                                max_batch_tokens=config.scheduler.max_prefill_tokens,
                                quantization=getattr(args, "quantization", None))
+        self.metrics = EncoderMetrics(args.served_model_name or config.model_path)
+        self.encoder.observer = self.metrics
         cfg = self.encoder.config
         self.info = pb.InfoReply(
             role=Role.COLOCATED.value, model_path=config.model_path,
@@ -97,7 +100,11 @@ class EncoderWorkerApp:
             ok = is_ready()
             return web.Response(text="ok" if ok else "starting", status=200 if ok else 503)
 
+        async def metrics(request: web.Request) -> web.Response:
+            return self.metrics.scrape(self.encoder)
+
         app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:

@@ -50,11 +50,12 @@ def test_the_schema_describes_every_value():
 
 def test_a_pod_monitor_scrapes_every_pdserve_pod(render):
     assert not render().kinds("PodMonitor")
-    r = render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=prom")
+    r = render("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=prom",
+               "--set", "embedding.enabled=true")
     [monitor] = r.kinds("PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     [components] = [e["values"] for e in monitor["spec"]["selector"]["matchExpressions"]]
-    assert set(components) == {"gateway", "prefill", "decode", "jobs"}
+    assert set(components) == {"gateway", "prefill", "decode", "jobs", "embedding"}
     assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
                                                         "scrapeTimeout": "10s"}]
     for role in components:  # the port it names exists on every pod it selects

@@ -107,10 +107,12 @@ def test_network_policies_let_only_the_gateway_reach_workers_and_jobs_and_only_j
     assert allowed_from(r, policies["redis"], "redis") == {"jobs"}
     assert policies["gateway"]["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]  # open
 
-    metrics = render("--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring")
-    [rule] = [x for x in metrics.get("NetworkPolicy", f"{FULL}-workers")["spec"]["ingress"]
-              if x.get("ports") == [{"port": "http", "protocol": "TCP"}]]
-    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    metrics = render("--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+                     "--set", "embedding.enabled=true")
+    for policy in ("workers", "embedding"):  # the scraper reaches every worker's /metrics
+        [rule] = [x for x in metrics.get("NetworkPolicy", f"{FULL}-{policy}")["spec"]["ingress"]
+                  if x.get("ports") == [{"port": "http", "protocol": "TCP"}]]
+        assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
     assert render("--set", "networkPolicy.enabled=false").kinds("NetworkPolicy") == []
     external = render(*VALUE_SETS["external-redis"]).kinds("NetworkPolicy")
     assert f"{FULL}-redis" not in [d["metadata"]["name"] for d in external]

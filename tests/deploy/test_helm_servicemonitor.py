@@ -43,6 +43,10 @@ def test_servicemonitor_scrapes_the_gateway_and_every_worker(helm):
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     selected = {name for name, svc in services.items() if selects(spec["selector"], svc["metadata"]["labels"])}
     assert selected == {"pd-pdserve-gateway", "pd-pdserve-prefill", "pd-pdserve-decode"}
+    docs = render(helm, *ENABLED, "--set", "embedding.enabled=true")  # and the embedding workers when they run
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    selected = {name for name, svc in services.items() if selects(spec["selector"], svc["metadata"]["labels"])}
+    assert selected == {"pd-pdserve-gateway", "pd-pdserve-prefill", "pd-pdserve-decode", "pd-pdserve-embedding"}
     for name in selected:  # the named port exists and is the pods' HTTP port, which serves /metrics
         assert "http" in {p["name"] for p in services[name]["spec"]["ports"]}, name
 
