@@ -52,6 +52,7 @@ class Router:
         self.max_prefix_pages = max_prefix_pages
         self.table_size = table_size
         self.prefixes: OrderedDict[int, str] = OrderedDict()
+        pool.on_rejoin.append(self.forget)  # a worker back after a failure may have restarted with an empty cache
         self._turn = count()
 
     def choose(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair:

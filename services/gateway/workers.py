@@ -95,6 +95,7 @@ class WorkerPool:
         # Asked each time a worker (re)joins, before it gets a request: None admits it, a reason keeps it out
         # for now (pdserve.services.gateway.weights_api brings a worker back on old weights up to date meanwhile).
         self.admission: Callable[[Worker], str | None] | None = None
+        self.on_rejoin: list[Callable[[str], None]] = []  # called with the address of a worker that is back
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -164,6 +165,8 @@ class WorkerPool:
             return False
         if not worker.healthy:
             log.info("%s worker %s is healthy", worker.role, worker.address)
+            for listener in self.on_rejoin:
+                listener(worker.address)
         worker.healthy, worker.failures, worker.last_error = True, 0, ""
         try:
             # Load waits for the worker's engine thread, which a long prefill keeps busy: a late answer only

@@ -98,6 +98,33 @@ def test_forget_drops_affinity_after_a_cache_flush():
     assert owner.address not in router.prefixes.values()
 
 
+class ServingStub:
+    """A worker's gRPC stub that answers every health check (a unit test of the pool's logic above it)."""
+
+    async def Health(self, request, timeout):
+        return pb.HealthReply(ok=True)
+
+    async def Info(self, request, timeout):
+        return pb.InfoReply(compat=pb.Compat(page_size=PAGE), max_running_requests=8)
+
+    async def Load(self, request, timeout):
+        return pb.LoadReply(free_pages=100, total_pages=100)
+
+
+async def test_a_worker_back_after_a_failure_loses_its_prefix_affinity():
+    """It may have restarted with an empty cache: its prompts go by load again instead of to a cold worker."""
+    pool = make_pool("colocated", {"colocated": 2})
+    router = Router(pool)
+    owner = router.choose(prompt(1)).generate
+    owner.in_flight += 1  # slightly busier: only affinity would send the prompt back to it
+    assert router.choose(prompt(1)).generate is owner
+    owner.stub = ServingStub()
+    pool.take_out(owner, "connection refused")
+    assert await pool.check(owner) and owner.healthy
+    assert owner.address not in router.prefixes.values()
+    assert router.choose(prompt(1)).generate is not owner
+
+
 def test_pool_refuses_incomplete_or_mixed_worker_lists():
     with pytest.raises(ValueError, match="--prefill and --decode"):
         WorkerPool({"prefill": ["a:1"]})
