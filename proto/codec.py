@@ -118,8 +118,8 @@ def compat_from_proto(msg: pb.Compat) -> Compat:
 
 # ------------------------------------------------------------------ weights version
 def weights_to_proto(version: WeightsVersion) -> pb.WeightsVersion:
-    return pb.WeightsVersion(number=version.number, path=version.path)
+    return pb.WeightsVersion(number=version.number, path=version.path, tag=version.tag)
 
 
 def weights_from_proto(msg: pb.WeightsVersion) -> WeightsVersion:
-    return WeightsVersion(msg.number, msg.path)
+    return WeightsVersion(msg.number, msg.path, msg.tag)

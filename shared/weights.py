@@ -43,6 +43,7 @@ class WeightsVersion:
 
     number: int
     path: str
+    tag: str = ""  # SGLang's weight_version label, given with the update; says nothing about the weights' identity
 
     @property
     def label(self) -> str:

@@ -20,7 +20,8 @@ One update, while new requests for the workers wait at the door (`UpdateGate`, S
 The deployment's weights outlive its processes. A worker that (re)joins on older weights than the last commit
 (it restarted, and came back on its start-up checkpoint) is kept out of rotation while it is brought up to date
 (prepare and commit on it alone); a gateway that (re)starts takes the newest weights its workers report as the
-deployment's, and brings the others to them the same way.
+deployment's (with their weight_version label, which every commit hands the workers), and brings the others to
+them the same way.
 """
 from __future__ import annotations
 
@@ -153,15 +154,16 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
             return _answer(False, f"Failed to get weights iterator: {_sentence(failed.error)}")
         return _refused(failed.error)
     # The prepare replies told what each worker serves now: the next number is new to all of them.
-    before = {w.address: (w.info.weights.number, w.info.weights.path) for w in workers}
-    number = 1 + max(n for n, _ in before.values())
+    before = {w.address: (w.info.weights.number, w.info.weights.path, w.info.weights.tag) for w in workers}
+    number = 1 + max(n for n, _, _ in before.values())
+    tag = gate.weight_version if req.weight_version is None else req.weight_version
     async with gate.closed():
         if not req.abort_all_requests and not await gate.drained(DRAIN_TIMEOUT_S):
             await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
             return _refused(f"{gate.in_flight} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
                             "or pass abort_all_requests)")
         outcomes = await _step(workers, pb.WEIGHTS_COMMIT, req.model_path, timeout=COMMIT_TIMEOUT_S,
-                               abort_all_requests=req.abort_all_requests, version=number)
+                               abort_all_requests=req.abort_all_requests, version=number, tag=tag)
         failed = _first_failure(outcomes)
         if failed is not None:
             await _roll_back([o.worker for o in outcomes if o.ok], before)
@@ -197,7 +199,7 @@ class CatchUp:
         committed = self.gate.committed
         if committed is None or number > committed[0]:
             if number > 0:  # weights an update of an earlier gateway committed: the deployment's
-                self._adopt(number, path)
+                self._adopt(number, path, worker.info.weights.tag)
             return None
         if number == committed[0]:
             return None
@@ -207,8 +209,9 @@ class CatchUp:
             self.tasks[worker.address] = loop.create_task(self._bring_up(worker, *committed))
         return f"loading weights version {committed[0]} ({committed[1]}): it serves version {number} ({path})"
 
-    def _adopt(self, number: int, path: str) -> None:
+    def _adopt(self, number: int, path: str, tag: str) -> None:
         self.gate.committed = (number, path)
+        self.gate.weight_version = tag or self.gate.weight_version
         self.gw.model_path = path
         if "model_path" in self.gw.server_args:
             self.gw.server_args["model_path"] = path
@@ -226,7 +229,8 @@ class CatchUp:
                      worker.address, worker.info.weights.number, number, path)
             (ready,) = await _step([worker], pb.WEIGHTS_PREPARE, path, timeout=PREPARE_TIMEOUT_S)
             if ready.ok:
-                (done,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=COMMIT_TIMEOUT_S, version=number)
+                (done,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=COMMIT_TIMEOUT_S, version=number,
+                                      tag=self.gate.weight_version)
                 if done.ok:
                     self.gw.backend.router.forget(worker.address)
                     log.info("%s worker %s is on weights version %d", worker.role, worker.address, number)
@@ -238,21 +242,22 @@ class CatchUp:
                       "%s", worker.role, worker.address, number, self.RETRY_S, ready.error)
 
 
-async def _roll_back(switched: list[Worker], before: dict[str, tuple[int, str]]) -> None:
+async def _roll_back(switched: list[Worker], before: dict[str, tuple[int, str, str]]) -> None:
     """Put `switched` workers back on the weights they served before (read again from their checkpoints)."""
     async def back(worker: Worker) -> None:
-        number, path = before[worker.address]
-        (outcome,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=PREPARE_TIMEOUT_S, version=number)
+        number, path, tag = before[worker.address]
+        (outcome,) = await _step([worker], pb.WEIGHTS_COMMIT, path, timeout=PREPARE_TIMEOUT_S, version=number,
+                                 tag=tag)
         if not outcome.ok:  # its version differs from its peers', which refuse its requests with a clear error
             log.error("%s worker %s could not go back to %s: %s", worker.role, worker.address, path, outcome.error)
     await asyncio.gather(*(back(w) for w in switched))
 
 
 async def _step(workers: list[Worker], step: int, model_path: str, timeout: float, abort_all_requests: bool = False,
-                version: int = 0) -> list[Outcome]:
+                version: int = 0, tag: str = "") -> list[Outcome]:
     """UpdateWeights `step` on every worker at once; each worker's Info is brought up to date from its reply."""
     request = pb.UpdateWeightsRequest(step=step, model_path=model_path, abort_all_requests=abort_all_requests,
-                                      version=version)
+                                      version=version, tag=tag)
     replies = await asyncio.gather(*(w.stub.UpdateWeights(request, timeout=timeout) for w in workers),
                                    return_exceptions=True)
     return [_outcome(w, r) for w, r in zip(workers, replies)]

@@ -387,7 +387,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Swap the weights in once no request runs here; waits for running ones unless told to abort them."""
         if self.engine.staged_weights != request.model_path:
             await self._prepare_weights(request.model_path)
-        version = WeightsVersion(request.version, request.model_path)
+        version = WeightsVersion(request.version, request.model_path, request.tag)
         reason = UPDATE_ABORT_REASON if request.abort_all_requests else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WEIGHTS_DRAIN_S

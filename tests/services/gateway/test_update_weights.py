@@ -210,9 +210,9 @@ def answers_after_restart(gw, timeout: float = 120.0) -> list[list[int]]:
 
 def test_restarted_processes_go_on_with_the_updated_weights(system, ckpts, greedy):
     gw, (worker, addr) = system["colocated"], system["colocated_worker"]
-    assert update(gw, ckpts["new"]).json()["success"] is True
+    assert update(gw, ckpts["new"], weight_version="v7").json()["success"] is True
     updated = worker_info(addr).weights
-    assert updated.path == str(ckpts["new"]) and updated.number > 0
+    assert updated.path == str(ckpts["new"]) and updated.number > 0 and updated.tag == "v7"
     worker.kill()
     worker.start()  # on its start-up checkpoint: the old weights
     worker.wait_healthy(180)
@@ -224,5 +224,6 @@ def test_restarted_processes_go_on_with_the_updated_weights(system, ckpts, greed
     gw.proc.start()
     gw.proc.wait_healthy(120)
     assert model_path(gw) == str(ckpts["new"]) and output_ids(gw) == greedy["new"][:SHORT]
+    assert requests.get(gw.url + "/get_model_info", timeout=30).json()["weight_version"] == "v7"
     assert update(gw, ckpts["old"]).json()["success"] is True
     assert worker_info(addr).weights.number == updated.number + 1 and output_ids(gw) == greedy["old"][:SHORT]
