@@ -87,6 +87,7 @@ def main() -> None:
     rate_st, rate_ours = rates["st"], rates["ours"]
     print(f"model {model_dir.name}, {args.batch} x {args.tokens} tokens, {torch.get_num_threads()} threads, "
           f"pdserve dtype {str(encoder.dtype).replace('torch.', '')}"
+          + (f" (matmuls {str(encoder.matmul_dtype).replace('torch.', '')})" if encoder.matmul_dtype != encoder.dtype else "")
           + (f", {args.quantization}" if args.quantization else ""))
     print(f"sentence-transformers: {rate_st:8.1f} seq/s")
     print(f"pdserve Encoder:       {rate_ours:8.1f} seq/s")

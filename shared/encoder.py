@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pdserve.shared.host_memory import keep_freed_memory
+from pdserve.shared.linear import bf16_matmul_pays
 from pdserve.shared.models.bert import BertConfig, BertModel
 from pdserve.shared.pooling import PoolingConfig, pool
 
@@ -52,7 +53,14 @@ class Encoder:
         self.config = BertConfig.from_dir(model_dir)
         self.pooling = PoolingConfig.from_dir(model_dir)
         self.dtype = dtype or _checkpoint_dtype(self.config.torch_dtype)
-        self.model = BertModel(self.config, self.dtype, device)
+        # dtype auto on an fp32 embedding checkpoint: activations stay fp32 and the matmuls run in bf16 where the
+        # CPU makes that pay (AMX). Embeddings are compared by cosine, which that leaves at 0.9999 or more;
+        # a classifier's scores are read as numbers (bf16 matmuls move a cross-encoder's logits by ~5e-3),
+        # so classifiers, and an explicit float32, keep every matmul in fp32.
+        bf16_matmuls = (dtype is None and self.dtype == torch.float32 and torch.device(device).type == "cpu"
+                        and quantization is None and self.config.num_labels == 0 and bf16_matmul_pays())
+        self.matmul_dtype = torch.bfloat16 if bf16_matmuls else self.dtype
+        self.model = BertModel(self.config, self.dtype, device, bf16_matmuls)
         self.model.load(model_dir)
         if self.model.device.type == "cpu":
             keep_freed_memory()  # a forward's activations are tens of MB, every batch: reuse them warm

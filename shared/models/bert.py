@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.shared.config import ENCODER_MODEL_TYPES
 from pdserve.shared.int8_linear import AbsMaxObserver, Int8Linear
-from pdserve.shared.linear import Linear
+from pdserve.shared.linear import Bf16MatmulLinear, Linear
 from pdserve.shared.models.llama import _read_safetensors
 
 
@@ -54,7 +54,7 @@ class BertConfig:
 
 
 @dataclass
-class BertLayer:  # the four matmuls are Linear, or Int8Linear once quantized
+class BertLayer:  # the four matmuls are Linear, Bf16MatmulLinear, or Int8Linear once quantized
     qkv: Linear  # [3H, H] with bias: query, key and value in one matmul
     o: Linear  # [H, H]
     attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias [H]
@@ -64,10 +64,16 @@ class BertLayer:  # the four matmuls are Linear, or Int8Linear once quantized
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# The same activations as oneDNN post-ops (pdserve.shared.linear.POST_OPS), fused into a bf16 up-projection.
+_POST_OPS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}
 
 
 class BertModel:
-    def __init__(self, config: BertConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: BertConfig, dtype: torch.dtype, device: torch.device | str,
+                 bf16_matmuls: bool = False) -> None:
+        """`bf16_matmuls`: an fp32 model's layers multiply in bf16 (pdserve.shared.linear.Bf16MatmulLinear)."""
+        if bf16_matmuls and dtype != torch.float32:
+            raise ValueError("bf16 matmuls are for an fp32 model")
         if config.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported")
         self.config = config
@@ -75,6 +81,9 @@ class BertModel:
         self.device = torch.device(device)
         self.head_dim = config.hidden_size // config.num_heads
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.linear = Bf16MatmulLinear if bf16_matmuls else Linear
+        # A bf16 up-projection applies the activation itself (see Bf16MatmulLinear).
+        self.fused_act = _POST_OPS[config.hidden_act] if bf16_matmuls else None
         self.layers: list[BertLayer] = []
         self.pooler: tuple[torch.Tensor, torch.Tensor] | None = None  # dense on the [CLS] row, then tanh
         self.classifier: tuple[torch.Tensor, torch.Tensor] | None = None  # [num_labels, H], [num_labels]
@@ -98,13 +107,14 @@ class BertModel:
         for i in range(self.config.num_layers):
             p = f"encoder.layer.{i}."
             a = p + "attention."
+            linear = self.linear
             self.layers.append(BertLayer(
-                qkv=Linear(torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
+                qkv=linear(torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
                            torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")])),
-                o=Linear(take(a + "output.dense.weight"), take(a + "output.dense.bias")),
+                o=linear(take(a + "output.dense.weight"), take(a + "output.dense.bias")),
                 attn_norm=norm(a + "output.LayerNorm"),
-                up=Linear(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
-                down=Linear(take(p + "output.dense.weight"), take(p + "output.dense.bias")),
+                up=self._up_projection(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
+                down=linear(take(p + "output.dense.weight"), take(p + "output.dense.bias")),
                 out_norm=norm(p + "output.LayerNorm")))
         if "pooler.dense.weight" in tensors:
             self.pooler = (take("pooler.dense.weight"), take("pooler.dense.bias"))
@@ -130,15 +140,20 @@ class BertModel:
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, heads, T, D]
             attn = attn.transpose(1, 2).reshape(B * T, cfg.hidden_size)
             x = F.layer_norm(layer.o(attn, residual=x), (cfg.hidden_size,), *layer.attn_norm, cfg.layer_norm_eps)
-            h = self.act(layer.up(x))  # [B T, I]
+            h = layer.up(x) if self.fused_act else self.act(layer.up(x))  # [B T, I]
             x = F.layer_norm(layer.down(h, residual=x), (cfg.hidden_size,), *layer.out_norm, cfg.layer_norm_eps)
         return x.view(B, T, cfg.hidden_size)
+
+    def _up_projection(self, weight: torch.Tensor, bias: torch.Tensor):
+        if self.fused_act:
+            return Bf16MatmulLinear(weight, bias, activation=self.fused_act)
+        return self.linear(weight, bias)
 
     def quantize_int8(self, calibration: list[torch.Tensor]) -> None:
         """Swap every layer's matmuls for w8a8 int8 ones (pdserve.shared.int8_linear), smoothed with the input
         maxima each sees while `calibration` batches ([B, T] token ids, no padding) run through the model as it
         is. The embeddings, the classifier head and every LayerNorm keep the model's dtype."""
-        if self.dtype != torch.float32:
+        if self.dtype != torch.float32 or self.linear is not Linear:
             raise ValueError(f"w8a8_int8 quantizes an fp32 model, not {str(self.dtype).replace('torch.', '')}")
         names = ("qkv", "o", "up", "down")
         observers = [{name: AbsMaxObserver(getattr(layer, name)) for name in names} for layer in self.layers]

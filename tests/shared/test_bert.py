@@ -23,16 +23,45 @@ def test_pooling_follows_the_sentence_transformers_files(minilm_dir):
     assert PoolingConfig.from_dir(minilm_dir) == PoolingConfig("mean", normalize=True)
 
 
-def test_embeddings_match_sentence_transformers(minilm_dir, encoder):
+@pytest.fixture(scope="module")
+def st_vectors(minilm_dir):
     st = pytest.importorskip("sentence_transformers")
+    return torch.tensor(st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS))
+
+
+def make_encoder(model_dir, monkeypatch, bf16_matmuls: bool, dtype=None):
+    """An Encoder as this CPU would build it if its bf16 matmuls did (or did not) pay."""
+    from pdserve.shared import linear
+    from pdserve.shared.encoder import Encoder
+
+    monkeypatch.setattr(linear, "_bf16_matmul", bf16_matmuls and torch.backends.mkldnn.is_available())
+    return Encoder(model_dir, dtype)
+
+
+@pytest.mark.parametrize("bf16_matmuls", [False, True])
+def test_embeddings_match_sentence_transformers(minilm_dir, st_vectors, monkeypatch, bf16_matmuls):
     from transformers import AutoTokenizer
 
+    encoder = make_encoder(minilm_dir, monkeypatch, bf16_matmuls)
+    assert encoder.dtype == torch.float32  # the checkpoint's: activations, norms and outputs
     tok = AutoTokenizer.from_pretrained(str(minilm_dir))
     ours = torch.tensor(encoder.encode([tok.encode(t) for t in TEXTS]))
-    ref = torch.tensor(st.SentenceTransformer(str(minilm_dir), device="cpu").encode(TEXTS))
-    cosine = torch.nn.functional.cosine_similarity(ours, ref)
+    cosine = torch.nn.functional.cosine_similarity(ours, st_vectors)
     assert cosine.min() >= 0.9999, cosine
     assert torch.allclose(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
+    if encoder.matmul_dtype == torch.bfloat16:
+        assert cosine.min() < 0.999999  # the bf16 path did run: its vectors are close, not equal
+
+
+def test_an_explicit_float32_keeps_fp32_matmuls(minilm_dir, monkeypatch):
+    from pdserve.shared.linear import Bf16MatmulLinear, Linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN is part of every CPU build of torch")
+    auto = make_encoder(minilm_dir, monkeypatch, True)
+    assert auto.matmul_dtype == torch.bfloat16 and type(auto.model.layers[0].up) is Bf16MatmulLinear
+    strict = make_encoder(minilm_dir, monkeypatch, True, torch.float32)
+    assert strict.matmul_dtype == torch.float32 and type(strict.model.layers[0].up) is Linear
 
 
 def test_an_input_gets_the_same_vector_alone_or_padded_in_a_batch(encoder):

@@ -44,6 +44,20 @@ def test_pairs_with_segment_ids_match_transformers(models, name):
     assert (blind - want).abs().max() > 1e-3
 
 
+def test_classifiers_keep_fp32_matmuls_where_embeddings_would_not(models, monkeypatch):
+    from pdserve.shared import linear
+    from pdserve.shared.encoder import Encoder
+
+    # On a CPU whose bf16 matmuls pay (AMX), an fp32 embedding model multiplies in bf16 (tests/shared/test_bert.py);
+    # a classifier's scores are read as numbers, so it stays in fp32 and still matches transformers to 1e-4.
+    monkeypatch.setattr(linear, "_bf16_matmul", True)
+    encoder = Encoder(models["cross"])
+    assert encoder.matmul_dtype == torch.float32
+    want, pairs = reference(models["cross"], [QUERY] * len(DOCS), DOCS)
+    got = torch.tensor(encoder.encode([p["input_ids"] for p in pairs], [p["token_type_ids"] for p in pairs]))
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
 def test_single_texts_get_every_label(models):
     from pdserve.shared.encoder import Encoder
 

@@ -50,7 +50,7 @@ def minilm(minilm_dir):
     from pdserve.shared.encoder import Encoder
 
     tok = AutoTokenizer.from_pretrained(str(minilm_dir))
-    return tok, Encoder(minilm_dir), Encoder(minilm_dir, quantization="w8a8_int8")
+    return tok, Encoder(minilm_dir, torch.float32), Encoder(minilm_dir, quantization="w8a8_int8")
 
 
 def embed(encoder, tok, texts: list[str]) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_int8_cross_encoder_scores_keep_their_order(tmp_path, minilm_dir):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     pairs = [tok(q, d) for q in QUERIES for d in DOCS]
     ids, types = [p["input_ids"] for p in pairs], [p["token_type_ids"] for p in pairs]
-    want = torch.tensor(Encoder(model_dir).encode(ids, types))
+    want = torch.tensor(Encoder(model_dir, torch.float32).encode(ids, types))
     got = torch.tensor(Encoder(model_dir, quantization="w8a8_int8").encode(ids, types))
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 0.05 * want.abs().max() + 0.05, (got, want)

@@ -108,3 +108,52 @@ def test_wide_bf16_steps_may_compute_in_fp32_with_one_rounding(bias, wide_matmul
         want = (exact.float().bfloat16().double() + (b.double() if bias else 0))
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
     assert Linear(weight, b, batch_invariant=True)._packed_f32 is None  # never switches kernels by row count
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of every CPU build of torch")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
+    from pdserve.shared.linear import Bf16MatmulLinear
+
+    torch.manual_seed(3)
+    weight, x, residual = torch.randn(96, 48), torch.randn(40, 48), torch.randn(40, 96)
+    b = torch.randn(96) if bias else None
+    layer = Bf16MatmulLinear(weight, b)
+    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (40, 96)
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert 1e-5 < err < 1e-2  # rounded to bf16 (so not fp32), but only that
+    # The residual is added in fp32, after the matmul's rounding.
+    assert torch.equal(layer(x, residual=residual), got + residual)
+    # Rounded once, at packing: what the layer multiplies by is the bf16 weight.
+    assert torch.equal(layer.dense_weight(), weight.bfloat16().float())
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of every CPU build of torch")
+@pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
+                                           ("relu", F.relu)])
+def test_a_bf16_up_projection_applies_its_activation_in_the_matmul(activation, fn):
+    from pdserve.shared.linear import Bf16MatmulLinear
+
+    torch.manual_seed(4)
+    weight, bias, x = torch.randn(64, 32) * 0.2, torch.randn(64), torch.randn(24, 32)
+    got = Bf16MatmulLinear(weight, bias, activation=activation)(x)
+    want = fn(F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float()))
+    assert got.dtype == torch.bfloat16  # it feeds the next bf16 matmul as it is
+    assert torch.allclose(got.float(), want, atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="swish"):
+        Bf16MatmulLinear(weight, bias, activation="swish")
+
+
+def test_the_fp32_matmul_choice_can_be_forced(monkeypatch):
+    from pdserve.shared import linear
+
+    for choice, expected in [("f32", False), ("bf16", torch.backends.mkldnn.is_available())]:
+        monkeypatch.setattr(linear, "_bf16_matmul", None)
+        monkeypatch.setenv("PDSERVE_CPU_FP32_MATMUL", choice)
+        assert linear.bf16_matmul_pays() is expected
+    monkeypatch.setattr(linear, "_bf16_matmul", None)
+    monkeypatch.setenv("PDSERVE_CPU_FP32_MATMUL", "tf32")
+    with pytest.raises(ValueError, match="auto, bf16 or f32"):
+        linear.bf16_matmul_pays()
