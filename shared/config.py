@@ -15,7 +15,7 @@ from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # config.json model types served by the encoder runtime (embeddings, cross-encoders), not the paged decoder.
-ENCODER_MODEL_TYPES = ("bert",)
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
 class Role(str, enum.Enum):

@@ -67,9 +67,9 @@ class Encoder:
         self.quantization = quantization
         if quantization == "w8a8_int8":
             self.model.quantize_int8(calibration_batches(self.config.vocab_size))
-        limit = self.config.max_position_embeddings
+        limit = self.config.max_tokens
         if context_length is not None and context_length > limit:
-            raise ValueError(f"--context-length {context_length} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"--context-length {context_length} exceeds the model's {limit} positions")
         self.context_length = context_length or limit
         if self.model.device.type == "cpu":
             max_batch_tokens = min(max_batch_tokens, CPU_BATCH_TOKENS)
@@ -188,7 +188,7 @@ class Encoder:
     def _forward(self, seqs: list[list[int]], types: list[list[int] | None]) -> list[list[float]]:
         device = self.model.device
         longest = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+        ids = torch.full((len(seqs), longest), self.config.pad_token_id, dtype=torch.int64)
         mask = torch.zeros(len(seqs), longest, dtype=torch.bool)
         segments = torch.zeros(len(seqs), longest, dtype=torch.int64) if any(t for t in types) else None
         for row, (seq, seg) in enumerate(zip(seqs, types)):

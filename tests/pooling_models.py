@@ -108,3 +108,41 @@ def make_tiny_reward_model(out_dir: Path, num_labels: int = 1, seed: int = 0) ->
     model.eval().save_pretrained(out_dir)
     make_tiny_tokenizer(out_dir)
     return out_dir
+
+
+def make_tiny_xlm_roberta_reranker(out_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer XLMRobertaForSequenceClassification with one output (bge-reranker-v2-m3's architecture) and a
+    tokenizer with XLM-RoBERTa's conventions: <s>=0, <pad>=1, </s>=2, pairs as `<s> A </s></s> B </s>`, and
+    no segment ids. Positions start at pad id + 1, so 258 position rows leave 256 usable tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(["what is panda? the giant panda is a bear species endemic to china",
+                             "pandas is a python library for data frames. bears eat bamboo. hi"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", mask_token="<mask>", cls_token="<s>", sep_token="</s>",
+                                   model_input_names=["input_ids", "attention_mask"])
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = XLMRobertaConfig(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              intermediate_size=64, max_position_embeddings=258, type_vocab_size=1,
+                              pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=1)
+    model = XLMRobertaForSequenceClassification(config)
+    with torch.no_grad():  # as make_tiny_classifier: let every weight matter
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            else:
+                p.normal_(0.0, 0.1)
+        gen = torch.Generator().manual_seed(seed)  # a head wide enough for scores to spread past rounding
+        model.classifier.dense.weight.copy_(torch.randn(32, 32, generator=gen) * 0.1)
+        model.classifier.out_proj.weight.copy_(torch.randn(1, 32, generator=gen) * 0.5)
+        model.classifier.out_proj.bias.zero_()
+    model.eval().save_pretrained(out_dir)
+    return out_dir

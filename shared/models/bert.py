@@ -1,10 +1,17 @@
-"""BERT-family encoder (BERT, MiniLM, sentence-transformers checkpoints) in plain torch.
+"""BERT-family encoder (BERT, MiniLM, sentence-transformers checkpoints; RoBERTa and XLM-RoBERTa, as in the
+bge-reranker cross-encoders) in plain torch.
 
 Bidirectional attention over each whole input, so there is no KV cache: a batch is padded to its longest
 sequence, padded keys are masked out, and the output is the last hidden state of every position [B, T, H].
 What becomes of it (pooling, normalisation, a classifier head) is decided by `pdserve.shared.pooling`.
 Checkpoints saved from `BertModel` name weights `embeddings.*`/`encoder.*`; from `Bert*For*` heads they carry
-a `bert.` prefix, which is dropped on load.
+a `bert.` prefix (`roberta.` for the RoBERTa family), which is dropped on load.
+
+The RoBERTa family differs in two places: positions are numbered from the padding id + 1, skipping
+padding tokens (as transformers' `create_position_ids_from_input_ids`), so its `max_position_embeddings`
+holds padding id + 1 more rows than it has usable positions; and its classification head is
+`classifier.dense` (dense + tanh on the first token, the part BERT calls its pooler) then
+`classifier.out_proj`.
 """
 from __future__ import annotations
 
@@ -35,6 +42,19 @@ class BertConfig:
     hidden_act: str
     num_labels: int  # classifier outputs (sequence classification checkpoints), else 0
     torch_dtype: str
+    model_type: str = "bert"
+    pad_token_id: int = 0
+
+    @property
+    def roberta_positions(self) -> bool:
+        return self.model_type in ("roberta", "xlm-roberta")
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input the position table covers."""
+        if self.roberta_positions:
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
 
     @classmethod
     def from_dir(cls, path: str | Path) -> BertConfig:
@@ -50,7 +70,8 @@ class BertConfig:
                    vocab_size=raw["vocab_size"], max_position_embeddings=raw.get("max_position_embeddings", 512),
                    type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
                    hidden_act=raw.get("hidden_act", "gelu"), num_labels=int(labels),
-                   torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"))
+                   torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                   model_type=raw["model_type"], pad_token_id=int(raw.get("pad_token_id") or 0))
 
 
 @dataclass
@@ -89,7 +110,8 @@ class BertModel:
         self.classifier: tuple[torch.Tensor, torch.Tensor] | None = None  # [num_labels, H], [num_labels]
 
     def load(self, model_dir: str | Path) -> None:
-        tensors = {k.removeprefix("bert."): v for k, v in _read_safetensors(Path(model_dir)).items()}
+        tensors = {k.removeprefix("bert.").removeprefix("roberta."): v
+                   for k, v in _read_safetensors(Path(model_dir)).items()}
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -116,6 +138,10 @@ class BertModel:
                 up=self._up_projection(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
                 down=linear(take(p + "output.dense.weight"), take(p + "output.dense.bias")),
                 out_norm=norm(p + "output.LayerNorm")))
+        if "classifier.out_proj.weight" in tensors:  # RoBERTa's head: its dense layer is BERT's pooler
+            self.pooler = (take("classifier.dense.weight"), take("classifier.dense.bias"))
+            self.classifier = (take("classifier.out_proj.weight"), take("classifier.out_proj.bias"))
+            return
         if "pooler.dense.weight" in tensors:
             self.pooler = (take("pooler.dense.weight"), take("pooler.dense.bias"))
         if self.config.num_labels:
@@ -124,10 +150,15 @@ class BertModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states [B, T, H] of a padded batch; `mask` [B, T] is True on real tokens."""
+        """Last hidden states [B, T, H] of a padded batch; `mask` [B, T] is True on real tokens, and padding
+        holds the config's pad_token_id."""
         cfg = self.config
         B, T = input_ids.shape
-        positions = torch.arange(T, device=self.device)
+        if cfg.roberta_positions:
+            real = (input_ids != cfg.pad_token_id).long()
+            positions = torch.cumsum(real, dim=1) * real + cfg.pad_token_id  # [B, T]
+        else:
+            positions = torch.arange(T, device=self.device)
         types = self.token_type[0] if token_type_ids is None else F.embedding(token_type_ids, self.token_type)
         x = F.embedding(input_ids, self.word) + self.position[positions] + types  # [B, T, H]
         x = F.layer_norm(x, (cfg.hidden_size,), *self.embed_norm, cfg.layer_norm_eps)

@@ -12,11 +12,12 @@ DOCS = ["hi", "The giant panda (Ailuropoda melanoleuca) is a bear species endemi
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, minilm_dir):
-    from pooling_models import make_cross_encoder, make_tiny_classifier
+    from pooling_models import make_cross_encoder, make_tiny_classifier, make_tiny_xlm_roberta_reranker
 
     minilm = minilm_dir
     root = tmp_path_factory.mktemp("classifiers")
-    return {"cross": make_cross_encoder(minilm, root / "cross"), "tiny": make_tiny_classifier(minilm, root / "tiny")}
+    return {"cross": make_cross_encoder(minilm, root / "cross"), "tiny": make_tiny_classifier(minilm, root / "tiny"),
+            "xlm-roberta": make_tiny_xlm_roberta_reranker(root / "xlm-roberta")}
 
 
 def reference(model_dir, first: list[str], second: list[str] | None) -> tuple[torch.Tensor, list[dict]]:
@@ -42,6 +43,24 @@ def test_pairs_with_segment_ids_match_transformers(models, name):
     # Without the segment ids the document reads as part of the query: a different answer.
     blind = torch.tensor(encoder.encode([p["input_ids"] for p in pairs]))
     assert (blind - want).abs().max() > 1e-3
+
+
+def test_xlm_roberta_rerankers_match_transformers(models):
+    from pdserve.shared.encoder import Encoder
+
+    model_dir = models["xlm-roberta"]
+    encoder = Encoder(model_dir)
+    # Its 258 position rows start after the padding id (1): 256 usable tokens.
+    assert encoder.is_classifier and encoder.output_dim == 1 and encoder.context_length == 256
+    want, pairs = reference(model_dir, [QUERY] * len(DOCS), DOCS)
+    assert "token_type_ids" not in pairs[0]  # XLM-RoBERTa has one segment: its tokenizer gives none
+    assert pairs[1]["input_ids"].count(2) == 3  # <s> query </s></s> document </s>
+    got = torch.tensor(encoder.encode([p["input_ids"] for p in pairs]))  # padded to the longest, with <pad>
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+    alone = torch.tensor(encoder.encode([pairs[0]["input_ids"]]))
+    assert torch.allclose(alone[0], got[0], atol=1e-5)
+    with pytest.raises(ValueError, match="context length"):
+        encoder.submit([[0] + [5] * 255 + [2]])
 
 
 def test_classifiers_keep_fp32_matmuls_where_embeddings_would_not(models, monkeypatch):

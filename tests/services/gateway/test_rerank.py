@@ -1,7 +1,8 @@
 """/v1/rerank and /classify through a real gateway and a cross-encoder worker, against transformers.
 
-System: one worker serving a cross-encoder (all-MiniLM-L6-v2's encoder with a seeded one-output head,
-see tests/pooling_models.py) behind a gateway. The same system shows that the generative endpoints refuse
+System: one worker serving a cross-encoder behind a gateway, once for each family: all-MiniLM-L6-v2's BERT
+encoder with a seeded one-output head, and a tiny XLM-RoBERTa reranker (bge-reranker-v2-m3's architecture:
+positions after the padding id, no segment ids, a dense + out_proj head), see tests/pooling_models.py. The same system shows that the generative endpoints refuse
 a model that does not generate, with a 400 that names it.
 """
 from __future__ import annotations
@@ -20,11 +21,15 @@ DOCS = ["hi", "The giant panda (Ailuropoda melanoleuca), sometimes called a pand
         "species endemic to China.", "pandas is a Python library for data frames", "Bears eat bamboo."]
 
 
-@pytest.fixture(scope="module")
-def reranker(tmp_path_factory, minilm_dir):
-    from pooling_models import make_cross_encoder
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def reranker(request, tmp_path_factory, minilm_dir):
+    from pooling_models import make_cross_encoder, make_tiny_xlm_roberta_reranker
 
-    model_dir = make_cross_encoder(minilm_dir, tmp_path_factory.mktemp("reranker") / "minilm-reranker")
+    root = tmp_path_factory.mktemp("reranker")
+    if request.param == "bert":
+        model_dir = make_cross_encoder(minilm_dir, root / "minilm-reranker")
+    else:
+        model_dir = make_tiny_xlm_roberta_reranker(root / "tiny-xlm-roberta-reranker")
     system = System()
     try:
         proc, addr = start_worker("colocated", str(model_dir), "--is-embedding", threads=1)
