@@ -123,24 +123,26 @@ class Bf16MatmulLinear:
     bias and residual in fp32. Against the fp32 layer: relative error about 3e-3 per matmul; on
     all-MiniLM-L6-v2 the embeddings stay at cosine 0.9999 or more from fp32's.
 
-    With `activation` (a oneDNN post-op: "gelu", "gelu_tanh" or "relu") the layer returns activation(x W + b)
-    in bf16 instead, computed in the matmul's epilogue: meant for an MLP's up-projection, whose output only
-    feeds the next bf16 matmul (on MiniLM that saves a sixth of the forward)."""
+    With `bf16_output` the layer returns x W + b in bf16, the bias added in the matmul's epilogue, and with
+    `activation` (a oneDNN post-op: "gelu", "gelu_tanh" or "relu") activation(x W + b): meant for outputs that
+    only feed more bf16 arithmetic, such as attention's q, k and v or an MLP's up-projection (on MiniLM those
+    two save a third of the forward)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+                 bf16_output: bool = False) -> None:
         if activation not in POST_OPS:
             raise ValueError(f"activation {activation!r} has no oneDNN post-op here")
         self.shape = weight.shape
         self.dtype = torch.float32
         self.bias = None if bias is None else bias.float()
-        self._post_op = POST_OPS[activation]
-        self._bias_bf16 = None if bias is None or activation is None else bias.to(torch.bfloat16)
+        self._epilogue = POST_OPS[activation] if activation is not None or bf16_output else None
+        self._bias_bf16 = None if bias is None or self._epilogue is None else bias.to(torch.bfloat16)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        if self._post_op is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias_bf16, *self._post_op)
+        if self._epilogue is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias_bf16, *self._epilogue)
         out = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "").float()
         if self.bias is not None:
             out.add_(self.bias)
@@ -151,7 +153,7 @@ class Bf16MatmulLinear:
 
 
 # Activation name -> the (attr, scalars, algorithm) that torch's oneDNN linear takes as its fused post-op.
-POST_OPS = {None: None, "gelu": ("gelu", [], "none"), "gelu_tanh": ("gelu", [], "tanh"), "relu": ("relu", [], "")}
+POST_OPS = {None: ("none", [], ""), "gelu": ("gelu", [], "none"), "gelu_tanh": ("gelu", [], "tanh"), "relu": ("relu", [], "")}
 
 
 _bf16_matmul: bool | None = None

