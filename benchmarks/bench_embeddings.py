@@ -3,6 +3,7 @@
     python benchmarks/bench_embeddings.py                      # all-MiniLM-L6-v2, 128-token inputs, batch 64
     python benchmarks/bench_embeddings.py --threads 2 --rounds 5
     python benchmarks/bench_embeddings.py --quantization w8a8_int8   # pdserve in int8, against fp32
+    python benchmarks/bench_embeddings.py --st-dtype bfloat16        # sentence-transformers in bf16 too
 
 Both sides start from text and end with normalised fp32 vectors on the host: tokenization, the forward and
 pooling are all timed. Inputs are 64 distinct texts cut to exactly 128 tokens, so neither side gains by
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="pdserve's compute dtype (auto: Encoder's choice)")
     parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
                         help="pdserve's int8 matmuls (sentence-transformers stays in fp32)")
+    parser.add_argument("--st-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="sentence-transformers' dtype (cosines are always taken against its fp32 vectors)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,6 +76,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     texts = make_texts(tokenizer, args.batch, args.tokens)
     st = SentenceTransformer(str(model_dir), device="cpu")
+    reference = st.encode(texts, batch_size=args.batch, convert_to_tensor=True).float()
+    if args.st_dtype != "float32":
+        st = SentenceTransformer(str(model_dir), device="cpu", model_kwargs={"dtype": getattr(torch, args.st_dtype)})
     encoder = Encoder(model_dir, None if args.dtype == "auto" else getattr(torch, args.dtype),
                       quantization=args.quantization)
 
@@ -82,16 +88,18 @@ def main() -> None:
     def theirs():
         return st.encode(texts, batch_size=args.batch, convert_to_tensor=True)
 
-    cosine = torch.nn.functional.cosine_similarity(torch.tensor(ours()), theirs().float()).min().item()
+    cosine = torch.nn.functional.cosine_similarity(torch.tensor(ours()), reference).min().item()
+    cosine_st = torch.nn.functional.cosine_similarity(theirs().float(), reference).min().item()
     rates = median_rates({"st": theirs, "ours": ours}, args.batch, args.rounds)
     rate_st, rate_ours = rates["st"], rates["ours"]
     print(f"model {model_dir.name}, {args.batch} x {args.tokens} tokens, {torch.get_num_threads()} threads, "
           f"pdserve dtype {str(encoder.dtype).replace('torch.', '')}"
           + (f" (matmuls {str(encoder.matmul_dtype).replace('torch.', '')})" if encoder.matmul_dtype != encoder.dtype else "")
           + (f", {args.quantization}" if args.quantization else ""))
-    print(f"sentence-transformers: {rate_st:8.1f} seq/s")
+    print(f"sentence-transformers: {rate_st:8.1f} seq/s ({args.st_dtype}"
+          + (f", min cosine {cosine_st:.6f} to its fp32)" if args.st_dtype != "float32" else ")"))
     print(f"pdserve Encoder:       {rate_ours:8.1f} seq/s")
-    print(f"ratio {rate_ours / rate_st:.2f}x   min cosine {cosine:.6f}")
+    print(f"ratio {rate_ours / rate_st:.2f}x   min cosine {cosine:.6f} to sentence-transformers' fp32 vectors")
 
 
 if __name__ == "__main__":

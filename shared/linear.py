@@ -19,7 +19,7 @@ AMX, where bf16 wins, pays no memory for it; PDSERVE_CPU_WIDE_MATMUL=bf16|f32 ov
 The reverse holds for fp32 models on a CPU with AMX: its bf16 tiles multiply 4-10x faster than the fp32
 kernels (measured at MiniLM's shapes on a 2-core Xeon). Bf16MatmulLinear keeps such a layer's activations,
 bias and residual in fp32 and runs only the matmul in bf16 (inputs rounded, fp32 accumulation); whether that
-pays is measured once per process too (`bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it).
+pays is decided once per process from the CPU (`bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it).
 """
 from __future__ import annotations
 
@@ -160,21 +160,27 @@ _bf16_matmul: bool | None = None
 
 
 def bf16_matmul_pays() -> bool:
-    """Whether fp32 layers on the CPU should multiply in bf16 (Bf16MatmulLinear): decided once per process by
-    timing one packed matmul of MiniLM's MLP shape both ways (about 0.1 s; bf16 must be at least twice as fast,
-    which takes AMX), or by PDSERVE_CPU_FP32_MATMUL."""
+    """Whether fp32 layers on the CPU should multiply in bf16 (Bf16MatmulLinear): where this process may use AMX
+    tiles (bf16 then multiplies 4-10x faster than fp32), or as PDSERVE_CPU_FP32_MATMUL says. Decided from the CPU,
+    not by timing: a timing taken while other processes load the two cores could flip the choice, and with it
+    the numerics, from one start to the next."""
     global _bf16_matmul
     if _bf16_matmul is None:
         choice = os.environ.get("PDSERVE_CPU_FP32_MATMUL", "auto")
         if choice not in ("auto", "bf16", "f32"):
             raise ValueError(f"PDSERVE_CPU_FP32_MATMUL must be auto, bf16 or f32, got {choice!r}")
-        if choice != "auto":
-            _bf16_matmul = choice == "bf16" and _packs_bf16()
-        else:
-            timing = _time_packed(rows=512, k=384, n=1536)
-            _bf16_matmul = timing is not None and timing[1] > 2 * timing[0]
+        _bf16_matmul = _packs_bf16() and (choice == "bf16" or (choice == "auto" and amx_usable()))
         log.info("fp32 CPU matmuls run in %s", "bf16" if _bf16_matmul else "fp32")
     return _bf16_matmul
+
+
+def amx_usable() -> bool:
+    """The CPU has AMX tiles and the kernel lets this process use them."""
+    cpu = torch.cpu
+    try:
+        return bool(cpu._is_amx_tile_supported() and cpu._init_amx())
+    except AttributeError:  # a torch without these probes: assume none
+        return False
 
 
 def _packs_bf16() -> bool:
@@ -192,13 +198,14 @@ _wide_f32: bool | None = None
 
 def wide_f32_pays() -> bool:
     """Whether wide bf16 matmuls run faster in fp32 on this CPU: decided once per process, by timing one
-    packed matmul of the default model's MLP shape both ways (about 0.1 s), or by PDSERVE_CPU_WIDE_MATMUL."""
+    packed matmul of the default model's MLP shape both ways (about 0.1 s; never on a CPU with AMX, where bf16
+    wins), or by PDSERVE_CPU_WIDE_MATMUL."""
     global _wide_f32
     if _wide_f32 is None:
         choice = os.environ.get("PDSERVE_CPU_WIDE_MATMUL", "auto")
         if choice not in ("auto", "bf16", "f32"):
             raise ValueError(f"PDSERVE_CPU_WIDE_MATMUL must be auto, bf16 or f32, got {choice!r}")
-        _wide_f32 = choice == "f32" if choice != "auto" else _measure_wide_f32()
+        _wide_f32 = choice == "f32" if choice != "auto" else not amx_usable() and _measure_wide_f32()
         log.info("wide CPU matmuls of bf16 weights run in %s", "fp32" if _wide_f32 else "bf16")
     return _wide_f32
 
