@@ -92,9 +92,10 @@ def main() -> None:
     cosine_st = torch.nn.functional.cosine_similarity(theirs().float(), reference).min().item()
     rates = median_rates({"st": theirs, "ours": ours}, args.batch, args.rounds)
     rate_st, rate_ours = rates["st"], rates["ours"]
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     print(f"model {model_dir.name}, {args.batch} x {args.tokens} tokens, {torch.get_num_threads()} threads, "
-          f"pdserve dtype {str(encoder.dtype).replace('torch.', '')}"
-          + (f" (matmuls {str(encoder.matmul_dtype).replace('torch.', '')})" if encoder.matmul_dtype != encoder.dtype else "")
+          f"pdserve dtype {name[encoder.dtype]}"
+          + (f" (matmuls {name[encoder.matmul_dtype]})" if encoder.matmul_dtype != encoder.dtype else "")
           + (f", {args.quantization}" if args.quantization else ""))
     print(f"sentence-transformers: {rate_st:8.1f} seq/s ({args.st_dtype}"
           + (f", min cosine {cosine_st:.6f} to its fp32)" if args.st_dtype != "float32" else ")"))

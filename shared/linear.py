@@ -153,7 +153,8 @@ class Bf16MatmulLinear:
 
 
 # Activation name -> the (attr, scalars, algorithm) that torch's oneDNN linear takes as its fused post-op.
-POST_OPS = {None: ("none", [], ""), "gelu": ("gelu", [], "none"), "gelu_tanh": ("gelu", [], "tanh"), "relu": ("relu", [], "")}
+POST_OPS = {None: ("none", [], ""), "gelu": ("gelu", [], "none"), "gelu_tanh": ("gelu", [], "tanh"),
+            "relu": ("relu", [], "")}
 
 
 _bf16_matmul: bool | None = None
@@ -210,16 +211,9 @@ def wide_f32_pays() -> bool:
     return _wide_f32
 
 
-def _measure_wide_f32(rows: int = 256, k: int = 576, n: int = 1536) -> bool:
-    timing = _time_packed(rows, k, n)
-    return timing is not None and timing[0] > 1.2 * timing[1]  # fp32 must win clearly
-
-
-def _time_packed(rows: int, k: int, n: int, reps: int = 5) -> tuple[float, float] | None:
-    """Best seconds of one packed [rows, k] @ [k, n] matmul in (bf16, fp32), or None where oneDNN cannot
-    pack both."""
+def _measure_wide_f32(rows: int = 256, k: int = 576, n: int = 1536, reps: int = 5) -> bool:
     if not torch.backends.mkldnn.is_available():
-        return None
+        return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
@@ -227,7 +221,7 @@ def _time_packed(rows: int, k: int, n: int, reps: int = 5) -> tuple[float, float
         bf16 = (x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()))
         f32 = (x, torch.ops.mkldnn._reorder_linear_weight(w))
     except RuntimeError:
-        return None
+        return False
 
     def best(inputs) -> float:
         a, packed = inputs
@@ -238,5 +232,6 @@ def _time_packed(rows: int, k: int, n: int, reps: int = 5) -> tuple[float, float
             times.append(time.perf_counter() - t0)
         return min(times[1:])  # the first call builds oneDNN's kernel
 
-    # Interleaved, so a burst of load from elsewhere falls on both.
-    return min(best(bf16), best(bf16)), min(best(f32), best(f32))
+    # Interleaved, so a burst of load from elsewhere falls on both; fp32 must win clearly.
+    t_bf16, t_f32 = min(best(bf16), best(bf16)), min(best(f32), best(f32))
+    return t_bf16 > 1.2 * t_f32

@@ -111,10 +111,11 @@ class EncoderWorkerApp:
             await web.TCPSite(runner, self.args.host, self.http_port).start()
             self.ready = True
             enc = self.encoder
-            log.info("embedding worker ready: gRPC %s:%d, HTTP %d, %s %s%s%s", self.args.host, self.args.port,
-                     self.http_port, self.info.architecture, self.info.compat.dtype,
-                     f" ({enc.quantization})" if enc.quantization else "",
-                     f" (matmuls {str(enc.matmul_dtype).replace('torch.', '')})" if enc.matmul_dtype != enc.dtype else "")
+            how = f" ({enc.quantization})" if enc.quantization else ""
+            if enc.matmul_dtype != enc.dtype:
+                how += f" (matmuls {str(enc.matmul_dtype).removeprefix('torch.')})"
+            log.info("embedding worker ready: gRPC %s:%d, HTTP %d, %s %s%s", self.args.host, self.args.port,
+                     self.http_port, self.info.architecture, self.info.compat.dtype, how)
             await stop.wait()
         except OSError as exc:
             log.error("cannot listen on %s:%d for HTTP (%s); pass --http-port", self.args.host, self.http_port, exc)
