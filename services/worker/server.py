@@ -236,6 +236,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
         transfer = self.peers.transfer
         transfer.open_window(pages)
+        closed = False
+        loop = asyncio.get_running_loop()
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
@@ -244,6 +246,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                                                          lora_version=lora_version,
                                                          weights_version=self.engine.weights.label),
                                       timeout=self._prefill_deadline())
+            # The prefill worker answers after its last write. Close the window before the engine takes the
+            # pages: caching them frees those that duplicate an already cached prefix, and the next request
+            # reserved may get one at once; closing later would shut that request's window on it.
+            await loop.run_in_executor(None, transfer.close_window, pages)
+            closed = True
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.prefill_timings[rid] = reply
             self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
@@ -265,9 +272,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             # write can land in the pages any more (closing the window waits out one already under way, on a
             # thread of its own), they may go back to the pool.
             def settle() -> None:
-                transfer.close_window(pages)
+                if not closed:
+                    transfer.close_window(pages)
                 self.engine.call(lambda: self.engine.kv_settled(rid))
-            asyncio.get_running_loop().run_in_executor(None, settle)
+            loop.run_in_executor(None, settle)
 
     def _prefill_deadline(self) -> float:
         """Longer than the prefill worker's own limits, so that it is the one that answers."""
