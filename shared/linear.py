@@ -9,23 +9,24 @@ A step of at most GEMV_MAX_ROWS tokens (decoding one or a few sequences) only st
 there the native bf16 GEMV (kernels/native/gemv.cpp) reads them 1.5-2.7x faster than oneDNN; the layer keeps
 the plain bf16 weight for it beside the packed one.
 
-Wide steps (prefill, at least WIDE_MIN_ROWS tokens) are bound by arithmetic, and on a CPU without AMX oneDNN's
-bf16 kernels (AVX512-BF16 dot products) compute slower than its fp32 ones: measured 1.45x slower at 256 rows
-of the default model's shapes on a 2-core Xeon. There a bf16 layer also keeps an fp32 packed copy of its
-weight and computes wide steps in fp32 (inputs widened exactly, fp32 accumulation as in the bf16 kernel,
-output rounded back to bf16). Whether that pays is measured once per process (`wide_f32_pays`), so a CPU with
-AMX, where bf16 wins, pays no memory for it; PDSERVE_CPU_WIDE_MATMUL=bf16|f32 overrides the measurement.
+Wide steps (prefill, at least WIDE_MIN_ROWS tokens) are bound by arithmetic, and how bf16 compares with fp32
+there depends on the CPU. With AMX tiles bf16 multiplies 4-10x faster than fp32; on AMD's AVX512-BF16 cores
+(Zen 4 and later) oneDNN's bf16 kernels run 2.0x faster than its fp32 ones at every MiniLM and SmolLM2 shape
+from 256 to 2,048 rows; on an Intel Xeon with AVX512-BF16 but no AMX they measured 1.45x slower (256 rows of
+the default model's shapes), and a CPU without bf16 instructions emulates them. `bf16_computes_faster` holds
+that table, decided from the CPU rather than by timing: a timing taken while other processes load the two
+cores could flip the choice, and with it the numerics, from one start to the next.
 
-The reverse holds for fp32 models on a CPU with AMX: its bf16 tiles multiply 4-10x faster than the fp32
-kernels (measured at MiniLM's shapes on a 2-core Xeon). Bf16MatmulLinear keeps such a layer's activations,
-bias and residual in fp32 and runs only the matmul in bf16 (inputs rounded, fp32 accumulation); whether that
-pays is decided once per process from the CPU (`bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it).
+Where bf16 is the slower one, a bf16 layer also keeps an fp32 packed copy of its weight and computes wide steps
+in fp32 (inputs widened exactly, fp32 accumulation as in the bf16 kernel, output rounded back to bf16:
+`wide_f32_pays`, PDSERVE_CPU_WIDE_MATMUL=bf16|f32 overrides it). Where bf16 is the faster one, an fp32 layer
+of an embedding model keeps its activations, bias and residual in fp32 and runs only the matmul in bf16 (inputs
+rounded, fp32 accumulation): Bf16MatmulLinear, `bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it.
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -161,18 +162,19 @@ _bf16_matmul: bool | None = None
 
 
 def bf16_matmul_pays() -> bool:
-    """Whether fp32 layers on the CPU should multiply in bf16 (Bf16MatmulLinear): where this process may use AMX
-    tiles (bf16 then multiplies 4-10x faster than fp32), or as PDSERVE_CPU_FP32_MATMUL says. Decided from the CPU,
-    not by timing: a timing taken while other processes load the two cores could flip the choice, and with it
-    the numerics, from one start to the next."""
+    """Whether fp32 layers on the CPU should multiply in bf16 (Bf16MatmulLinear): where bf16 computes faster
+    on this CPU (`bf16_computes_faster`), or as PDSERVE_CPU_FP32_MATMUL says."""
     global _bf16_matmul
     if _bf16_matmul is None:
-        choice = os.environ.get("PDSERVE_CPU_FP32_MATMUL", "auto")
-        if choice not in ("auto", "bf16", "f32"):
-            raise ValueError(f"PDSERVE_CPU_FP32_MATMUL must be auto, bf16 or f32, got {choice!r}")
-        _bf16_matmul = _packs_bf16() and (choice == "bf16" or (choice == "auto" and amx_usable()))
+        choice = _choice("PDSERVE_CPU_FP32_MATMUL")
+        _bf16_matmul = _packs_bf16() and (choice == "bf16" or (choice == "auto" and bf16_computes_faster()))
         log.info("fp32 CPU matmuls run in %s", "bf16" if _bf16_matmul else "fp32")
     return _bf16_matmul
+
+
+def bf16_computes_faster() -> bool:
+    """Whether oneDNN's wide bf16 matmuls beat its fp32 ones on this CPU (measured: see the module's text)."""
+    return amx_usable() or (_cpu_vendor() == "AuthenticAMD" and _has_avx512_bf16())
 
 
 def amx_usable() -> bool:
@@ -182,6 +184,31 @@ def amx_usable() -> bool:
         return bool(cpu._is_amx_tile_supported() and cpu._init_amx())
     except AttributeError:  # a torch without these probes: assume none
         return False
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:
+        return False
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _choice(variable: str) -> str:
+    choice = os.environ.get(variable, "auto")
+    if choice not in ("auto", "bf16", "f32"):
+        raise ValueError(f"{variable} must be auto, bf16 or f32, got {choice!r}")
+    return choice
 
 
 def _packs_bf16() -> bool:
@@ -198,40 +225,12 @@ _wide_f32: bool | None = None
 
 
 def wide_f32_pays() -> bool:
-    """Whether wide bf16 matmuls run faster in fp32 on this CPU: decided once per process, by timing one
-    packed matmul of the default model's MLP shape both ways (about 0.1 s; never on a CPU with AMX, where bf16
-    wins), or by PDSERVE_CPU_WIDE_MATMUL."""
+    """Whether wide bf16 matmuls should run in fp32 on this CPU: where bf16 computes slower
+    (`bf16_computes_faster`), or as PDSERVE_CPU_WIDE_MATMUL says."""
     global _wide_f32
     if _wide_f32 is None:
-        choice = os.environ.get("PDSERVE_CPU_WIDE_MATMUL", "auto")
-        if choice not in ("auto", "bf16", "f32"):
-            raise ValueError(f"PDSERVE_CPU_WIDE_MATMUL must be auto, bf16 or f32, got {choice!r}")
-        _wide_f32 = choice == "f32" if choice != "auto" else not amx_usable() and _measure_wide_f32()
+        choice = _choice("PDSERVE_CPU_WIDE_MATMUL")
+        auto = torch.backends.mkldnn.is_available() and not bf16_computes_faster()
+        _wide_f32 = auto if choice == "auto" else choice == "f32"
         log.info("wide CPU matmuls of bf16 weights run in %s", "fp32" if _wide_f32 else "bf16")
     return _wide_f32
-
-
-def _measure_wide_f32(rows: int = 256, k: int = 576, n: int = 1536, reps: int = 5) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen)
-    try:
-        bf16 = (x.bfloat16(), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()))
-        f32 = (x, torch.ops.mkldnn._reorder_linear_weight(w))
-    except RuntimeError:
-        return False
-
-    def best(inputs) -> float:
-        a, packed = inputs
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])  # the first call builds oneDNN's kernel
-
-    # Interleaved, so a burst of load from elsewhere falls on both; fp32 must win clearly.
-    t_bf16, t_f32 = min(best(bf16), best(bf16)), min(best(f32), best(f32))
-    return t_bf16 > 1.2 * t_f32

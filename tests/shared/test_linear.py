@@ -157,3 +157,25 @@ def test_the_fp32_matmul_choice_can_be_forced(monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_FP32_MATMUL", "tf32")
     with pytest.raises(ValueError, match="auto, bf16 or f32"):
         linear.bf16_matmul_pays()
+
+
+@pytest.mark.parametrize("amx,vendor,avx512_bf16,faster", [
+    (True, "GenuineIntel", True, True),       # AMX tiles
+    (False, "GenuineIntel", True, False),     # AVX512-BF16 dot products only: slower than fp32 on Xeons
+    (False, "AuthenticAMD", True, True),      # Zen 4 and later: twice fp32's rate
+    (False, "AuthenticAMD", False, False),    # no bf16 instructions: emulated
+])
+def test_bf16_or_fp32_is_chosen_from_the_cpu(monkeypatch, amx, vendor, avx512_bf16, faster):
+    from pdserve.shared import linear
+
+    monkeypatch.setattr(linear, "amx_usable", lambda: amx)
+    monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear, "_has_avx512_bf16", lambda: avx512_bf16)
+    monkeypatch.delenv("PDSERVE_CPU_FP32_MATMUL", raising=False)
+    monkeypatch.delenv("PDSERVE_CPU_WIDE_MATMUL", raising=False)
+    monkeypatch.setattr(linear, "_bf16_matmul", None)
+    monkeypatch.setattr(linear, "_wide_f32", None)
+    assert linear.bf16_computes_faster() is faster
+    packs = torch.backends.mkldnn.is_available()
+    assert linear.bf16_matmul_pays() is (faster and packs)
+    assert linear.wide_f32_pays() is (not faster and packs)

@@ -43,8 +43,10 @@ def test_int8_embeddings_through_the_openai_client(int8_gateway, minilm_dir):
     assert cosine.max() < 0.99999
     sims = got @ got.t()
     assert sims[2].topk(2).indices.tolist() == [2, 3]  # the panda sentences find each other
+    # Alone, the text is padded differently: attention's float sums move by ~1e-7, enough to flip a rounding to
+    # int8 here and there, and the vector moves within int8's own distance from fp32 (not further).
     native = requests.post(gw.url + "/encode", json={"text": TEXTS[0]}, timeout=60).json()
-    assert torch.nn.functional.cosine_similarity(torch.tensor(native["embedding"]), got[0], dim=0) >= 0.9999
+    assert torch.nn.functional.cosine_similarity(torch.tensor(native["embedding"]), got[0], dim=0) >= 0.998
 
 
 def metric(text: str, name: str) -> float:
