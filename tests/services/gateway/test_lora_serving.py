@@ -3,7 +3,6 @@ adapters named by `model` or `lora_path`, mixed in one batch, loaded and unloade
 equal to transformers+PEFT's greedy one (fp32), and every bad adapter refused with a 400 that names it."""
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
