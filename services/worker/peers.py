@@ -31,6 +31,9 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                                   ("grpc.max_reconnect_backoff_ms", 1_000)]
 REFRESH_S = 1.0  # between two registrations with the same prefill worker
+# A restarted prefill worker is routed to as soon as it answers the gateway, maybe while our channel to it still
+# backs off after failed attempts (gRPC fails calls at once meanwhile): registering waits that long for it.
+RECONNECT_WAIT_S = 1.5
 REFRESH_TIMEOUT_S = 2.0  # for one background registration: a hung peer must not hold its lock for long
 FORGET_AFTER_S = 300.0  # an address that has not answered this long is dropped (used again, it starts over)
 
@@ -92,7 +95,9 @@ class PrefillPeers:
         """Register with `addr` now (again if we were already); raises PeerError, PeerRefused."""
         self._keep_registered()
         async with self._locks.setdefault(addr, asyncio.Lock()):
-            stub = pb_grpc.PrefillStub(self._channel(addr))
+            channel = self._channel(addr)
+            await self._wait_out_backoff(channel, min(RECONNECT_WAIT_S, timeout or self.timeout))
+            stub = pb_grpc.PrefillStub(channel)
             try:
                 reply = await stub.Register(self._request(), timeout=timeout or self.timeout)
             except grpc.aio.AioRpcError as exc:
@@ -138,6 +143,17 @@ class PrefillPeers:
             self._channels[addr] = worker_channel(addr, options=CHANNEL_OPTIONS)
             self._answered_at[addr] = asyncio.get_running_loop().time()
         return self._channels[addr]
+
+    @staticmethod
+    async def _wait_out_backoff(channel: grpc.aio.Channel, limit: float) -> None:
+        """After failed connection attempts, give the channel's next one (within its 1 s backoff) up to `limit`
+        seconds: a peer that is back is reached then; one still down fails the call that follows."""
+        if channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return
+        try:
+            await asyncio.wait_for(channel.channel_ready(), limit)
+        except TimeoutError:
+            pass
 
     def _request(self) -> pb.RegisterRequest:
         if self._metadata is None:  # the same bytes every time, so the prefill side sees nothing changed

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.peers import PeerError, PrefillPeers
+from pdserve.services.worker.peers import RECONNECT_WAIT_S, PeerError, PrefillPeers
 from pdserve.shared.compat import Compat
 from procs import free_port
 
@@ -86,9 +86,9 @@ async def test_a_restarted_prefill_worker_has_us_registered_again_within_seconds
     peers = PrefillPeers("decode-b", COMPAT, Transfer(), refresh_s=0.2)
     await peers.register_all([prefill["addr"]], deadline_s=5)
     await prefill["server"].stop(0)
-    # Down: using it fails at once, no hang (gRPC's error, or ours once the renewal noticed).
+    # Down: using it fails within the reconnect wait, no hang (gRPC's error, or ours once the renewal noticed).
     with pytest.raises((PeerError, grpc.aio.AioRpcError), match=prefill["addr"]):
-        client, name = await asyncio.wait_for(peers.get(prefill["addr"]), 1)
+        client, name = await asyncio.wait_for(peers.get(prefill["addr"]), 1 + RECONNECT_WAIT_S)
         await client.Prefill(pb.PrefillRequest(rid="r0", peer_name=name), timeout=1)
     await asyncio.sleep(1.5)  # down for a while: gRPC's reconnect backoff must not keep us away once it is back
     prefill["server"], servicer = await serve(prefill["port"])
@@ -96,3 +96,22 @@ async def test_a_restarted_prefill_worker_has_us_registered_again_within_seconds
     client, name = await peers.get(prefill["addr"])
     reply = await client.Prefill(pb.PrefillRequest(rid="r1", peer_name=name), timeout=5)
     assert reply.cached_tokens == 7 and servicer.prefills == 1
+
+
+async def test_a_request_right_after_a_prefill_worker_came_back_registers_without_waiting_for_a_renewal(prefill):
+    # The gateway routes to a restarted prefill worker as soon as it answers its health checks, while our channel
+    # to it may still sit in gRPC's reconnect backoff: the request's registration must wait that out, not fail.
+    peers = PrefillPeers("decode-c", COMPAT, Transfer(), refresh_s=3600)  # no background renewal here
+    await peers.get(prefill["addr"])
+    await prefill["server"].stop(0)
+    with pytest.raises(PeerError, match=prefill["addr"]):
+        await peers.register(prefill["addr"], timeout=1)  # noticed while down: the registration is lost
+    await asyncio.sleep(0.7)  # the channel's next attempt fails too: it backs off again
+    with pytest.raises(PeerError, match=prefill["addr"]):
+        await peers.register(prefill["addr"], timeout=1)
+    prefill["server"], servicer = await serve(prefill["port"])
+    for rid in ("r1", "r2"):
+        client, name = await asyncio.wait_for(peers.get(prefill["addr"]), 3)
+        reply = await client.Prefill(pb.PrefillRequest(rid=rid, peer_name=name), timeout=5)
+        assert reply.cached_tokens == 7
+    assert servicer.prefills == 2
