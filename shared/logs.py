@@ -149,6 +149,10 @@ def _traced_stream(behaviour, rid: str, method: str):
         except (Exception, asyncio.CancelledError) as exc:
             _log_end(exc, context, method)
             raise
+        except GeneratorExit:  # the caller went away while its last message was being sent: closed, not cancelled
+            REQUEST_ID.set(rid)  # the close may run in another task's context
+            log.info("%s cancelled by the caller", method)
+            raise
 
     return call
 

@@ -131,3 +131,21 @@ async def test_the_request_id_travels_in_grpc_metadata_and_tags_the_workers_fail
     assert ("req-b", "WARNING", "Stream failed: INVALID_ARGUMENT: bad prompt") in lines
     assert ("req-c", "INFO", "Stream cancelled by the caller") in lines
     assert not any(r.request_id == "req-a" for r in caplog.records)  # a call that succeeds logs nothing
+
+
+async def test_a_stream_closed_between_two_messages_logs_its_cancel_with_the_request_id(caplog):
+    # gRPC cancels a call whose client went away; when that lands while a message is being sent, the handler is
+    # not awaiting anything: its generator is closed later, and the cancel must still be logged under the id.
+    async def stream(request, context):
+        for i in range(10):
+            yield i
+
+    handler = grpc.unary_stream_rpc_method_handler(stream)
+    traced = logs._traced_stream(handler.unary_stream, "req-closed", "Generate")
+    messages = traced(None, None)
+    assert await messages.__anext__() == 0
+    caplog.set_level(logging.INFO)
+    logs.REQUEST_ID.set(None)
+    await messages.aclose()
+    assert [(r.request_id, r.getMessage()) for r in caplog.records if "cancelled" in r.getMessage()] == [
+        ("req-closed", "Generate cancelled by the caller")]
