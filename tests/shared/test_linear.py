@@ -110,7 +110,11 @@ def test_wide_bf16_steps_may_compute_in_fp32_with_one_rounding(bias, wide_matmul
     assert Linear(weight, b, batch_invariant=True)._packed_f32 is None  # never switches kernels by row count
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of every CPU build of torch")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="bf16 matmuls on fp32 layers run on oneDNN, which this torch build lacks")
+
+
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
     from pdserve.shared.linear import Bf16MatmulLinear
@@ -130,7 +134,7 @@ def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
     assert torch.equal(layer.dense_weight(), weight.bfloat16().float())
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is part of every CPU build of torch")
+@needs_onednn
 @pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
                                            ("relu", F.relu), (None, lambda t: t)])
 def test_a_bf16_output_takes_its_bias_and_activation_in_the_matmul(activation, fn):
