@@ -9,10 +9,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from urllib.parse import urlsplit
 
+from pdserve.services.signals import install_signal_handlers
 from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_MAX_FILE_SIZE = 100 << 20
@@ -62,12 +62,6 @@ def main(args: argparse.Namespace, command: str) -> int:
             return 2
         return asyncio.run(serve_jobs(args))
     return asyncio.run(serve_worker(args))
-
-
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:

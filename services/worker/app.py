@@ -17,7 +17,8 @@ from aiohttp import web
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.cli import expert_settings, install_signal_handlers, worker_name
+from pdserve.services.signals import install_signal_handlers
+from pdserve.services.worker.settings import expert_settings, worker_name
 from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers

@@ -5,17 +5,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import socket
 import sys
-import uuid
 
 from pathlib import Path
 
+from pdserve.services.worker.settings import add_expert_arguments
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig)
-from pdserve.shared.expert_recorder import MODES as EXPERT_RECORD_MODES
-from pdserve.shared.expert_recorder import RecordSettings
 from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
@@ -98,20 +94,6 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         help="modules adapters may change, or 'all' (default: those of --lora-paths, else all)")
 
 
-def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--expert-distribution-recorder-mode", default=None, choices=EXPERT_RECORD_MODES,
-                        help="MoE models: let /start_expert_distribution_record count how often each layer picks "
-                             "each expert (stat: totals per layer and expert); unset, those endpoints are refused")
-    parser.add_argument("--expert-distribution-recorder-dir",
-                        default=os.environ.get("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR") or "/tmp",
-                        help="where /dump_expert_distribution_record writes its .pt files "
-                             "(default: $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp)")
-
-
-def expert_settings(args: argparse.Namespace, tag: str) -> RecordSettings:
-    return RecordSettings(args.expert_distribution_recorder_mode, args.expert_distribution_recorder_dir, tag)
-
-
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:
     if not (args.enable_lora or args.lora_paths):
         return None
@@ -155,6 +137,7 @@ def main(args: argparse.Namespace, command: str) -> int:
     except (ModelNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    # torch and the apps load only here: `pdserve up` and `--help` read this module's flags without them.
     import torch
 
     if args.threads:
@@ -192,13 +175,3 @@ def is_encoder_checkpoint(model_path: str) -> bool:
         return json.loads((Path(model_path) / "config.json").read_text()).get("model_type") in ENCODER_MODEL_TYPES
     except (OSError, ValueError):
         return False
-
-
-def worker_name(role: str, host: str, port: int) -> str:
-    return f"{role}-{socket.gethostname()}-{host}:{port}-{uuid.uuid4().hex[:6]}-{os.getpid()}"
-
-
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.cli import install_signal_handlers
+from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.encoder_metrics import EncoderMetrics
 from pdserve.services.worker.peers import GRPC_OPTIONS
 from pdserve.services.worker.pooling import PoolingService
