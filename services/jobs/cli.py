@@ -125,18 +125,18 @@ async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
 
 
 async def serve_worker(args: argparse.Namespace) -> int:
+    from pdserve.services.jobs.batch_runner import BatchRunner, RunnerSettings
     from pdserve.services.jobs.executor import Executor, ExecutorSettings
     from pdserve.services.jobs.store import Store
-    from pdserve.services.jobs.worker import BatchWorker, WorkerSettings
 
     store = Store(args.redis_url, retries=1)  # the worker's loops do their own retrying
     executor = Executor(ExecutorSettings(args.gateway_url, args.api_key, args.concurrency, args.request_timeout,
                                          retries=max(0, args.retries)))
-    worker = BatchWorker(store, executor, WorkerSettings(concurrency=args.concurrency, lease_s=args.lease_seconds))
-    install_signal_handlers(worker.stop)
-    watcher = asyncio.create_task(watch_parent(args.parent_pid, worker.stop)) if args.parent_pid else None
+    runner = BatchRunner(store, executor, RunnerSettings(concurrency=args.concurrency, lease_s=args.lease_seconds))
+    install_signal_handlers(runner.stop)
+    watcher = asyncio.create_task(watch_parent(args.parent_pid, runner.stop)) if args.parent_pid else None
     try:
-        await worker.run()
+        await runner.run()
     finally:
         if watcher is not None:
             watcher.cancel()

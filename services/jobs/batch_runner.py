@@ -1,4 +1,5 @@
-"""A batch worker: pulls batch items and control tasks from Redis and runs them through the gateway.
+"""The batch runner of a `pdserve batch-worker` process: pulls batch items and control tasks from Redis and
+runs them through the gateway.
 
 Loops (one asyncio task each, all riding out Redis restarts):
 - items:   read new item entries (and take over ones whose lease lapsed) up to `concurrency` in flight
@@ -36,7 +37,7 @@ TRANSIENT = (RedisConnectionError, RedisTimeoutError)  # Redis down or restartin
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class RunnerSettings:
     concurrency: int = 32
     lease_s: float = 30.0  # a dead worker's items are taken over this long after its last renewal
     block_ms: int = 1000
@@ -57,8 +58,8 @@ def item_from(entry: Entry) -> ItemEntry | None:
         return None
 
 
-class BatchWorker:
-    def __init__(self, store: Store, executor: Executor, settings: WorkerSettings, name: str | None = None) -> None:
+class BatchRunner:
+    def __init__(self, store: Store, executor: Executor, settings: RunnerSettings, name: str | None = None) -> None:
         self.store = store
         self.executor = executor
         self.settings = settings
