@@ -253,7 +253,9 @@ class RuntimeConfig:
     model_path: str
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | native | torch | triton (auto: triton on CUDA, native on CPU)
+    # The kernel set every layer runs on (`--kernels`, alias `--attention-backend`): auto | native | torch | triton
+    # (auto: triton on CUDA, native on CPU).
+    attention_backend: str = "auto"
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -268,8 +270,8 @@ class RuntimeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "native", "torch", "triton"):
-            raise ValueError("--attention-backend must be auto, native, torch or triton, "
+            raise ValueError("--kernels (--attention-backend) must be auto, native, torch or triton, "
                              f"got {self.attention_backend!r}")
         if self.deterministic and (self.device.startswith("cuda") or self.attention_backend in ("torch", "triton")):
             raise ValueError("--enable-deterministic-inference needs the CPU's native kernels "
-                             "(--device cpu, --attention-backend auto or native)")
+                             "(--device cpu, --kernels auto or native)")

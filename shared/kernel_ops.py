@@ -36,7 +36,7 @@ def resolve_kernel_set(requested: str, device: torch.device, dtype: torch.dtype)
 
     An explicitly requested set that cannot run is an error; `auto` falls back to torch and logs why."""
     if requested not in ("auto",) + KERNEL_SETS:
-        raise ValueError(f"unknown attention backend {requested!r} (choose auto, {', '.join(KERNEL_SETS)})")
+        raise ValueError(f"unknown kernel set {requested!r} (choose auto, {', '.join(KERNEL_SETS)})")
     if requested == "auto":
         requested = "triton" if device.type == "cuda" else "native"
         explicit = False
@@ -59,7 +59,7 @@ def resolve_kernel_set(requested: str, device: torch.device, dtype: torch.dtype)
     if reason is None:
         return "native"
     if explicit:
-        raise ValueError(f"--attention-backend native is not available: {reason}")
+        raise ValueError(f"--kernels native is not available: {reason}")
     log.warning("native CPU kernels unavailable (%s); running the torch kernels", reason)
     return "torch"
 

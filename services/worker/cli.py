@@ -27,8 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port for /health and /metrics (default: port + 1000)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch", "triton"],
-                        help="kernels: triton (default on CUDA), native C++ (default on CPU) or the torch twins")
+    # One flag picks the whole kernel set (attention, norm, rotary, activation, MoE, LoRA), not only attention:
+    # --kernels says so; --attention-backend is SGLang's name for it, kept as an alias.
+    parser.add_argument("--kernels", "--attention-backend", dest="attention_backend", default="auto",
+                        choices=["auto", "native", "torch", "triton"],
+                        help="the kernel set every layer runs on: triton (default on CUDA), native C++ (default on "
+                             "CPU) or the plain-torch twins; --attention-backend is an alias (SGLang's name)")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="greedy output bit-identical for a prompt whatever it is batched, cached or chunked with "
                              "(CPU, native kernels)")
