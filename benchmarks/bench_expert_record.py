@@ -102,12 +102,12 @@ def main() -> None:
             block = {}
             for recording in ((False, True) if r % 2 == 0 else (True, False)):
                 if recording:
-                    engine.start_expert_record()
+                    engine.experts.start()
                 block[recording] = timed_steps(engine, args.steps)
                 times[recording] += block[recording]
                 if recording:
-                    engine.stop_expert_record()
-                    counts = engine.dump_expert_record()
+                    engine.experts.stop()
+                    counts = engine.experts.dump()
                     assert counts.sum().item() == args.steps * args.batch * 2 * 4  # top-2, 4 expert layers
             ratios.append(statistics.median(block[True]) / statistics.median(block[False]))
         hook_s = hook_cost_s(engine, args.batch)

@@ -12,11 +12,9 @@ from dataclasses import fields
 from google.protobuf.descriptor import FieldDescriptor
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.shared.compat import Compat
-from pdserve.shared.engine import FirstToken
-from pdserve.shared.req import ReqOutput, TokenLogprobs
+from pdserve.shared.compat import Compat, WeightsVersion
+from pdserve.shared.outputs import FirstToken, ReqOutput, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
-from pdserve.shared.weights import WeightsVersion
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 

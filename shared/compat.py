@@ -23,7 +23,7 @@ class Compat:
     # WeightsVersion.label of the model weights served. Exchanged but not a reason to refuse a peer: a worker
     # restarted after a weight update must be able to rejoin, so that the next update brings it level with the
     # others. Until then, and while an update is under way, a prefill worker refuses each request of a peer on
-    # other weights (Engine.check_peer_weights).
+    # other weights (ServedWeights.check_peer in shared/admin.py).
     weights_version: str = "0"
 
     def mismatches(self, other: Compat, me: str = "this worker", peer: str = "the peer") -> list[str]:
@@ -45,3 +45,19 @@ def _show(value) -> str:
     if isinstance(value, tuple):
         return "[" + ", ".join(value) + "]"
     return str(value)
+
+
+@dataclass(frozen=True)
+class WeightsVersion:
+    """The weights a worker serves: `number` counts the deployment's updates (0: the checkpoint loaded at
+    start-up), `path` is the checkpoint they came from. Prefill and decode move KV only between equal labels."""
+
+    number: int
+    path: str
+    tag: str = ""  # SGLang's weight_version label, given with the update; says nothing about the weights' identity
+
+    @property
+    def label(self) -> str:
+        # Workers started together may reach one checkpoint by different paths (a container's mounts), so at
+        # start-up the number alone stands for their weights; an update gives every worker the same path.
+        return "0" if self.number == 0 else f"{self.number} ({self.path})"

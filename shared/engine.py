@@ -1,6 +1,9 @@
 """Engine: the runtime loop of one worker, in one thread that owns all runtime state.
 
-    batch = scheduler.schedule(); logits = runner.forward(batch); self.postprocess(batch, logits)
+    role.before_step(); batch = role.schedule(); logits = runner.forward(batch); self.postprocess(batch, logits)
+
+What only a prefill or a decode worker does lives in its role (`shared/roles/`), called at those fixed points;
+what an operator changes while serving (adapters, expert recording, weights) in `shared/admin.py`.
 
 Other threads never touch the scheduler, pool or cache: they hand the engine a
 function with `call(fn)` and get a Future back. Results leave through each
@@ -14,48 +17,27 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
 
+from pdserve.shared.admin import Adapters, ExpertRecording, ServedWeights
+from pdserve.shared.compat import WeightsVersion
+from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
-from pdserve.shared.expert_recorder import ExpertRecorder, no_experts
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
+from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 from pdserve.shared.page_allocator import PageAllocator
-from pdserve.shared.compute_thread import ComputeThread
-from pdserve.shared.lora import LoraAdapter, LoraError
-from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.radix_cache import RadixCache
-from pdserve.shared.req import Req, ReqOutput, ReqStatus, TokenLogprobs
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.roles import TransferFn, make_role
 from pdserve.shared.sampler import Sampler, make_generator
+from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
-from pdserve.shared.weights import Checkpoint, WeightsError, WeightsVersion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-EARLY_ABORT_MEMORY_S = 60.0  # how long a prefill worker remembers an abort of a request it has not seen
-EARLY_ABORT_MEMORY_MAX = 10_000
-
-
-@dataclass
-class FirstToken:
-    """A token sampled by a prefill worker for one choice of a request."""
-
-    token_id: int
-    logprob: TokenLogprobs | None = None
-
-
-@dataclass
-class PrefillResult:
-    first_tokens: list[FirstToken]
-    cached_tokens: int
-    queue_s: float
-    compute_s: float
-    transfer_s: float = 0.0
-    input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt logprobs, when asked for
 
 
 @dataclass
@@ -65,10 +47,6 @@ class StepStats:
     decode_tokens: int = 0
     last_step_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-
-
-# Prefill role: write the KV pages of a finished prompt to req.transfer; returns seconds taken, raises on failure.
-TransferFn = Callable[[Req], float]
 
 
 class RequestObserver:
@@ -92,7 +70,6 @@ class Engine:
                  transfer_fn: TransferFn | None = None, poll_fn: Callable[[], None] | None = None,
                  observer: RequestObserver | None = None) -> None:
         self.config = config
-        self.role = role
         self.runner = runner or ModelRunner(config)
         self.model_config = self.runner.model_config
         # A pooling model (--is-embedding decoder, sequence classifier) has no LM head: nothing to sample.
@@ -102,24 +79,20 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.cache = RadixCache(page_size)
         lora = getattr(self.runner, "lora", None)  # runners built for a test may have no adapters at all
-        self.scheduler = Scheduler(config.scheduler, role, self.allocator, self.cache, page_size,
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.cache, page_size,
                                    lora.pool if lora is not None else None)
         self.sampler = Sampler()
-        self.transfer_fn = transfer_fn
-        self.poll_fn = poll_fn
+        self.role = make_role(role, self, transfer_fn, poll_fn)
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | ComputeThread | None = None
         self._stopping = False
-        # Prefill role: rid -> (future of the PrefillResult, arrival time).
-        self._prefill_waiters: dict[str, tuple[Future, float]] = {}
-        self._early_aborts: dict[str, float] = {}  # prefill role: rid -> when its abort came before it
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        self._experts: ExpertRecorder | None = None  # made at the first recording command
-        self.weights = WeightsVersion(0, config.model_path)  # what the runner serves (see commit_weights)
-        self._staged: tuple[str, object] | None = None  # (path, model) of weights built but not yet served
+        self.adapters = Adapters(self)
+        self.experts = ExpertRecording(self)
+        self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -165,8 +138,7 @@ class Engine:
         while not self._stopping:
             idle = not self.has_work()
             self._drain_inbox(block=idle)
-            if self.poll_fn is not None:
-                self.poll_fn()
+            self.role.poll()
             if self.has_work():
                 try:
                     self.step()
@@ -175,9 +147,8 @@ class Engine:
                     self._fail_all(f"internal error: {exc}")
 
     def _drain_inbox(self, block: bool) -> None:
-        timeout = 0.002 if self.scheduler.awaiting_kv else 0.05
         try:
-            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=self.role.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -194,7 +165,7 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting or s.running or s.chunked or s.reserving)
+        return bool(s.waiting or s.running or s.chunked or self.role.has_work())
 
     # ------------------------------------------------------------ requests (engine thread)
     def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> None:
@@ -202,7 +173,7 @@ class Engine:
         the peer worker of a PD pair runs. Raises ValueError for anything the request cannot run with."""
         req.params.validate(self.model_config.vocab_size)
         if lora:
-            req.lora = self._lora(lora).resolve(lora, lora_version)
+            req.lora = self.adapters.registry(lora).resolve(lora, lora_version)
         limit = self.runner.context_length
         if len(req.input_ids) == 0:
             raise ValueError("the prompt is empty")
@@ -212,87 +183,25 @@ class Engine:
         req.generator = make_generator(req.params.seed)
         if req.params.constraint is not None and req.grammar is None:  # callers that did not compile ahead
             req.grammar = Constraint.for_params(self.compile_grammar(req.params), req.params)
-        if req.params.max_new_tokens == 0 and self.role != Role.PREFILL:
-            self._emit(req, finish_reason="length")
-            req.status = ReqStatus.FINISHED
-            return
-        self.scheduler.add(req)
-        if self.role == Role.DECODE:
-            self._reserve()
-
-    def add_prefill(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> Future:
-        """Prefill role: queue `req` (with req.transfer set); the Future yields its PrefillResult."""
-        if self._early_aborts.pop(req.rid, None) is not None:
-            raise RuntimeError(f"request {req.rid} was aborted before it arrived")
-        fut: Future = Future()
-        self._prefill_waiters[req.rid] = (fut, time.monotonic())
-        try:
-            self.add_request(req, lora, lora_version)
-        except Exception:
-            self._prefill_waiters.pop(req.rid, None)
-            raise
-        return fut
+        self.role.admit(req)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         reqs = self.scheduler.find(rid)
         for req in reqs:
             self.scheduler.remove(req, cache=req.status >= ReqStatus.RUNNING)
-            self._emit(req, finish_reason=reason, error=error)
-        waiter = self._prefill_waiters.pop(rid, None)
-        if waiter is not None and not waiter[0].done():
-            waiter[0].set_exception(RuntimeError(error or "aborted"))
-        if not reqs and waiter is None and self.role == Role.PREFILL:
-            self._remember_abort(rid)
+            self.emit(req, finish_reason=reason, error=error)
+        self.role.aborted(rid, bool(reqs), error)
         return bool(reqs)
-
-    def _remember_abort(self, rid: str) -> None:
-        """Prefill role: an abort can overtake its request (two calls from the decode side); the request is
-        then refused when it arrives instead of being computed for nobody."""
-        now = time.monotonic()
-        self._early_aborts[rid] = now
-        while self._early_aborts:
-            oldest, at = next(iter(self._early_aborts.items()))
-            if now - at < EARLY_ABORT_MEMORY_S and len(self._early_aborts) <= EARLY_ABORT_MEMORY_MAX:
-                break
-            del self._early_aborts[oldest]
 
     def _fail_all(self, error: str) -> None:
         for req in self.scheduler.live_reqs():
             self.abort(req.rid, error=error)
 
-    # ------------------------------------------------------------ decode role
-    def _reserve(self) -> None:
-        for req in self.scheduler.reserve_pages():
-            if req.on_pages_reserved is not None:
-                req.on_pages_reserved(req)
-
-    def kv_ready(self, rid: str, first_tokens: list[FirstToken], cached_tokens: int) -> None:
-        """Decode role: prefill filled the reserved pages of `rid`; start decoding it."""
-        group = self.scheduler.awaiting_kv.pop(rid, None)
-        if not group:
-            return  # aborted meanwhile
-        req = group[0]
-        req.num_computed = len(req.input_ids)
-        req.cached_tokens = cached_tokens
-        self.scheduler.cache_pages(req, lock=True)
-        children = [req] + self._fork(req)
-        for child, first in zip(children, first_tokens):
-            child.status = ReqStatus.RUNNING
-            self.scheduler.running.append(child)
-            self._append_token(child, first.token_id, first.logprob)
-        self._emit_all(children)
-
-    def kv_settled(self, rid: str) -> None:
-        """Decode role: no KV write into `rid`'s reserved pages can land any more (the prefill call ended);
-        the pages of an `rid` aborted while it waited for them go back to the pool now."""
-        self.scheduler.release_quarantine(rid)
-
     # ------------------------------------------------------------ the step
     def step(self) -> None:
-        if self.role == Role.DECODE:
-            self._reserve()
+        self.role.before_step()
         try:
-            batch = self.scheduler.schedule()
+            batch = self.role.schedule()
         except PoolExhausted as exc:
             for req in list(self.scheduler.running):
                 self.abort(req.rid, error=str(exc))
@@ -330,29 +239,20 @@ class Engine:
             self.scheduler.cache_pages(req, lock=True)
             if not req.output_ids:  # a fresh prompt, not the recompute of a retracted request
                 self.observer.prefilled(req)
-            # A fresh prompt with n > 1 becomes n choices sharing the prompt's pages; a prefill
-            # worker only samples each choice's first token, the decode worker forks the pages.
-            if req.output_ids:
-                family = [req]
-            elif self.role == Role.PREFILL:
-                family = [req] + [self._sibling(req, index) for index in range(1, req.params.n)]
-            else:
-                family = [req] + self._fork(req)
-            for member in family:
+            # A fresh prompt with n > 1 becomes n choices; a retracted request recomputed is one already.
+            for member in ([req] if req.output_ids else self.role.family(req)):
                 rows.append(i)
                 reqs.append(member)
         if not reqs:
             return
         tokens, logprobs = self._sample(logits, rows, reqs)
-        if self.role == Role.PREFILL:
-            self._finish_prefills(reqs, tokens, logprobs, compute_s)
-            return
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        decoding = self.role.sampled(reqs, tokens, logprobs, compute_s)
+        for req, tok, lp in decoding:
             if req.status != ReqStatus.RUNNING:
                 req.status = ReqStatus.RUNNING
                 self.scheduler.running.append(req)
-            self._append_token(req, tok, lp)
-        self._emit_all(reqs)
+            self.append_token(req, tok, lp)
+        self.emit_all([req for req, _, _ in decoding])
 
     def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
         if rows != list(range(logits.shape[0])):
@@ -391,37 +291,7 @@ class Engine:
                                                         top_lps[i].tolist() if k else []))
         batch.prompt_logits = None
 
-    def _fork(self, req: Req) -> list[Req]:
-        """Make the n-1 sibling choices of a request whose prompt KV is complete and cached."""
-        children = []
-        for index in range(1, req.params.n):
-            seed = None if req.params.seed is None else req.params.seed + index
-            child = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, on_output=req.on_output,
-                        index=index)
-            child.generator = make_generator(seed)
-            child.grammar = req.grammar.fork() if req.grammar is not None else None
-            child.lora = req.lora
-            self.scheduler.hold_adapter(child)  # one more use of the slot the parent holds
-            child.cached_tokens = req.cached_tokens
-            child.num_computed = req.num_computed
-            child.prefix_node = req.prefix_node
-            child.num_cached_pages = req.num_cached_pages
-            self.cache.lock(req.prefix_node)
-            child.pages = req.pages[:req.num_cached_pages]
-            for page in req.pages[req.num_cached_pages:]:  # the partly filled last page is copied
-                new = self.scheduler.allocate(1)
-                if new is None:
-                    self.scheduler.release(child, cache=False)
-                    break
-                self.runner.pool.copy_page(page, new[0])
-                child.pages.append(new[0])
-            else:
-                children.append(child)
-                continue
-            self._emit(child, finish_reason="abort", error="out of KV pages for n > 1")
-        return children
-
-    def _append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
+    def append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if req.grammar is not None and not req.grammar.accept(token):
@@ -444,44 +314,12 @@ class Engine:
         if req.finish_reason is not None:
             self.scheduler.remove(req, cache=True)
 
-    def _sibling(self, req: Req, index: int) -> Req:
-        """A sampling-only stand-in for choice `index` of a prompt on a prefill worker."""
-        seed = None if req.params.seed is None else req.params.seed + index
-        sibling = Req(rid=req.rid, input_ids=req.input_ids, params=req.params, index=index)
-        sibling.generator = make_generator(seed)
-        sibling.grammar = req.grammar.fork() if req.grammar is not None else None
-        return sibling
-
-    def _finish_prefills(self, reqs: list[Req], tokens: list[int], logprobs: list, compute_s: float) -> None:
-        firsts: dict[str, list[FirstToken]] = {}
-        for req, tok, lp in zip(reqs, tokens, logprobs):
-            firsts.setdefault(req.rid, []).append(FirstToken(tok, lp))
-        for req in reqs:
-            if req.index != 0:
-                continue
-            fut, arrival = self._prefill_waiters.pop(req.rid, (None, req.arrival))
-            req.status = ReqStatus.TRANSFERRING
-            try:
-                transfer_s = self.transfer_fn(req) if self.transfer_fn is not None else 0.0
-            except Exception as exc:
-                log.warning("KV transfer of %s failed: %s", req.rid, exc)
-                self.scheduler.remove(req, cache=True)
-                if fut is not None and not fut.done():
-                    fut.set_exception(exc)
-                continue
-            self.scheduler.remove(req, cache=True)
-            result = PrefillResult(firsts[req.rid], req.cached_tokens,
-                                   queue_s=max(0.0, time.monotonic() - arrival - compute_s - transfer_s),
-                                   compute_s=compute_s, transfer_s=transfer_s, input_logprobs=req.input_logprobs)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
-
     # ------------------------------------------------------------ outputs
-    def _emit_all(self, reqs: list[Req]) -> None:
+    def emit_all(self, reqs: list[Req]) -> None:
         for req in reqs:
-            self._emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
+            self.emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
 
-    def _emit(self, req: Req, finish_reason: str | None = None, matched: int | None = None,
+    def emit(self, req: Req, finish_reason: str | None = None, matched: int | None = None,
               error: str | None = None) -> None:
         if req.on_output is None:
             return
@@ -502,99 +340,8 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
-    # ------------------------------------------------------------ LoRA adapters (engine thread)
-    def _lora(self, adapter: str | None = None) -> LoraRegistry:
-        lora = getattr(self.runner, "lora", None)
-        if lora is None:
-            raise ValueError(f"{f'adapter {adapter!r}: ' if adapter else ''}LoRA is not enabled on this worker "
-                             "(start it with --enable-lora)")
-        return lora
-
-    def adapters(self) -> list[LoraAdapter]:
-        lora = getattr(self.runner, "lora", None)
-        return [] if lora is None else [lora.get(name) for name in lora.names()]
-
-    def load_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Load a PEFT adapter while serving; raises LoraError (a ValueError) and loads nothing on any problem."""
-        return self._lora(name).load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        """Refused while any request, running or queued, uses the adapter."""
-        lora = self._lora(name)
-        adapter = lora.get(name)
-        users = sum(1 for r in self.scheduler.live_reqs() if r.lora is adapter)
-        if users:
-            raise LoraError(f"adapter {name!r}: cannot unload it while {users} requests use it; retry when they finish")
-        lora.unload(name)
-
-    # ------------------------------------------------------------ expert distribution (engine thread)
-    def start_expert_record(self) -> None:
-        """Count every expert layer's routing choices from the next step on, from zero. ValueError: no experts."""
-        recorder = self._expert_recorder()
-        recorder.start()
-        self.runner.model.set_route_hook(recorder.record)
-
-    def stop_expert_record(self) -> None:
-        self._expert_recorder().stop()
-        self.runner.model.set_route_hook(None)
-
-    def dump_expert_record(self) -> torch.Tensor:
-        """Selections per layer and expert since the start or the last dump, [L, E] int64 on the CPU; clears them."""
-        return self._expert_recorder().dump()
-
-    def _expert_recorder(self) -> ExpertRecorder:
-        if self._experts is None:
-            moe = self.model_config.moe
-            if moe is None:
-                raise no_experts(Path(self.config.model_path).name)
-            self._experts = ExpertRecorder(self.model_config.num_layers, moe.num_experts, self.runner.device)
-        return self._experts
-
-    # ------------------------------------------------------------ model weights (engine thread; shared/weights.py)
-    def stage_weights(self, checkpoint: Checkpoint) -> None:
-        """Build `checkpoint`'s weights beside the running ones, which keep serving until commit_weights.
-        Replaces weights staged before. Raises WeightsError, and then nothing is staged."""
-        self._staged = None  # the previous staged model is freed before the next one is built
-        self._staged = (checkpoint.source, self.runner.build_weights(checkpoint))
-
-    @property
-    def staged_weights(self) -> str | None:
-        """The path of the weights staged, or None."""
-        return self._staged[0] if self._staged is not None else None
-
-    def discard_weights(self) -> None:
-        self._staged = None
-
-    def commit_weights(self, version: WeightsVersion, abort_reason: str | None = None) -> int | None:
-        """Serve the staged weights from the next step on, as `version`, with an empty prefix cache.
-
-        Only once no request is live, so that none mixes two versions (in PD mode: is prefilled with one and
-        decoded with the other). `abort_reason`: abort every live request first, with that error. Returns how
-        many requests were aborted, or None when requests still run and nothing changed: ask again later."""
-        if self._staged is None:
-            raise WeightsError("no weights are staged")
-        rids = {r.rid for r in self.scheduler.live_reqs()} if abort_reason is not None else set()
-        for rid in rids:
-            self.abort(rid, error=abort_reason)
-        if self.scheduler.live_reqs() or not self.scheduler.flush_cache():  # old KV must never meet new weights
-            return None
-        self.runner.swap_weights(self._staged[1])
-        self._staged = None
-        self.weights = version
-        log.info("serving weights version %s", version.label)
-        return len(rids)
-
-    def check_peer_weights(self, label: str) -> None:
-        """Prefill role: refuse KV for a decode worker that serves other weights (the label it sent); ValueError.
-        Called on the engine thread, where no commit can come between this check and the request's prefill."""
-        if label and label != self.weights.label:
-            raise WeightsError(f"the decode worker serves weights version {label} and this prefill worker version "
-                               f"{self.weights.label}: KV cannot move between different weights (retry once the "
-                               "weight update under way is over, or update the weights again after a worker "
-                               "restarted)")
-
     def load(self) -> dict[str, int]:
         s = self.scheduler
-        return {"running": s.num_running, "waiting": len(s.waiting) + len(s.reserving),
+        return {"running": s.num_running, "waiting": len(s.waiting) + self.role.num_queued(),
                 "free_pages": self.allocator.num_free + self.cache.evictable_pages(),
                 "total_pages": self.allocator.num_pages, "cached_pages": self.cache.num_pages}

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.shared.grammar import Constraint
 from pdserve.shared.lora import LoraAdapter
+from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -28,29 +29,6 @@ class ReqStatus(enum.IntEnum):
     TRANSFERRING = 4  # prefill role: KV is being written to the decode worker
     RUNNING = 5
     FINISHED = 6
-
-
-@dataclass
-class TokenLogprobs:
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class ReqOutput:
-    """New tokens of one request since its previous output."""
-
-    rid: str
-    index: int  # choice index (n > 1)
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    matched_stop_token: int | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    input_logprobs: list[TokenLogprobs] | None = None  # first output only: prompt tokens from max(start, 1) on
 
 
 @dataclass

@@ -15,16 +15,17 @@ adapter's slot from admission until it is released (finished, aborted or
 retracted), and is only admitted while the pool has that adapter in a slot or a
 slot to put it in, so one batch never mixes more adapters than there are slots.
 
-Roles share this class: a prefill worker never decodes (its requests end in
-TRANSFERRING), a decode worker never prefills (pages are reserved for the
-prompt, filled by a prefill worker, then the request joins the running batch).
+The scheduler knows no roles: a role (`shared/roles/`) picks which of
+`schedule_prefill`, `schedule_decode` and `schedule_mixed` makes its batch, and
+a role that holds requests outside these queues (decode's reservations) joins
+the page accounting as a `PageHolder`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from pdserve.shared.config import Role, SchedulerConfig
+from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.lora import LoraPool
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
@@ -62,37 +63,41 @@ class PoolExhausted(RuntimeError):
     """A single request needs more pages than the pool can ever give it."""
 
 
+class PageHolder(Protocol):
+    """Holds requests (and pages) outside the scheduler's queues; they count as live and as held."""
+
+    def held_reqs(self) -> list[Req]:
+        """Live requests this holder keeps; their `pages` count as theirs."""
+
+    def held_pages(self) -> dict[str, list[int]]:
+        """Pages held for no live request (by request id), e.g. while a KV write into them may still land."""
+
+    def discard(self, req: Req) -> None:
+        """`req` is being removed: drop it, keeping whatever of its pages must not go back to the pool yet."""
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, role: Role, allocator: PageAllocator, cache: RadixCache,
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache,
                  page_size: int, lora: LoraPool | None = None) -> None:
         self.config = config
         self.lora = lora
-        self.role = role
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
         self.waiting: list[Req] = []
         self.chunked: Req | None = None  # a prompt part-way through chunked prefill
         self.running: list[Req] = []
-        self.reserving: list[Req] = []  # decode role: WAITING_FOR_PAGES
-        self.awaiting_kv: dict[str, list[Req]] = {}  # decode role: WAITING_FOR_KV, by rid
-        # Decode role: pages of requests removed while their KV was on its way. The prefill worker may still
-        # be writing into them, so they go back to the pool only once that write is known to be over
-        # (release_quarantine), never to another request before.
-        self.quarantine: dict[str, list[int]] = {}
+        self.holders: list[PageHolder] = []
 
     # ------------------------------------------------------------ admission
     def add(self, req: Req) -> None:
-        if self.role == Role.DECODE:
-            req.status = ReqStatus.WAITING_FOR_PAGES
-            self.reserving.append(req)
-        else:
-            req.status = ReqStatus.WAITING
-            self.waiting.append(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
 
     def live_reqs(self) -> list[Req]:
-        reqs = self.waiting + self.running + self.reserving
-        reqs += [r for rs in self.awaiting_kv.values() for r in rs]
+        reqs = self.waiting + self.running
+        for holder in self.holders:
+            reqs += holder.held_reqs()
         if self.chunked is not None:
             reqs.append(self.chunked)
         return reqs
@@ -170,14 +175,14 @@ class Scheduler:
         return min(req.num_computed // self.page_size, len(req.pages))
 
     # ------------------------------------------------------------ scheduling
-    def schedule(self) -> Batch | None:
-        if self.role == Role.DECODE:
-            return self._schedule_decode()
-        batch = self._schedule_prefill()
+    def schedule_mixed(self) -> Batch | None:
+        """A prefill batch that also carries one token of every running request (with --mixed-prefill),
+        else a decode batch when no prompt can start."""
+        batch = self.schedule_prefill()
         if batch is None:
-            return None if self.role == Role.PREFILL else self._schedule_decode()
-        if self.role == Role.COLOCATED and self.config.mixed_prefill and self.running:
-            decode = self._schedule_decode()  # may retract running requests, never the ones being prefilled
+            return self.schedule_decode()
+        if self.config.mixed_prefill and self.running:
+            decode = self.schedule_decode()  # may retract running requests, never the ones being prefilled
             if decode is not None:
                 return Batch(batch.reqs + decode.reqs, is_decode=False,
                              extend_lens=batch.extend_lens + decode.extend_lens)
@@ -188,7 +193,7 @@ class Scheduler:
             self.waiting.sort(key=lambda r: -self.cache.match_prefix(r.fill_ids, namespace=r.cache_namespace).num_tokens)
         return ([self.chunked] if self.chunked is not None else []) + self.waiting
 
-    def _schedule_prefill(self) -> Batch | None:
+    def schedule_prefill(self) -> Batch | None:
         cfg = self.config
         chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
         budget, chosen, lens = cfg.max_prefill_tokens, [], []
@@ -245,7 +250,7 @@ class Scheduler:
             self.cache.unlock(req.prefix_node)
         req.prefix_node, req.pages, req.num_cached_pages, req.num_computed = None, [], 0, 0
 
-    def _schedule_decode(self) -> Batch | None:
+    def schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
         # Every running request needs room for the KV of its newest token.
@@ -268,49 +273,18 @@ class Scheduler:
         req.status = ReqStatus.WAITING
         self.waiting.insert(0, req)
 
-    # ------------------------------------------------------------ decode role
-    def reserve_pages(self) -> list[Req]:
-        """Reserve prompt pages for waiting remote requests, oldest first; return those reserved."""
-        reserved = []
-        while self.reserving and self.num_running + len(self.awaiting_kv) < self.config.max_running_requests:
-            req = self.reserving[0]
-            if not self.can_hold_adapter(req):
-                break
-            pages = self.allocate(self._pages_for(len(req.input_ids)))
-            if pages is None:
-                break
-            self.reserving.pop(0)
-            self.hold_adapter(req)
-            req.pages = pages
-            req.status = ReqStatus.WAITING_FOR_KV
-            self.awaiting_kv.setdefault(req.rid, []).append(req)
-            reserved.append(req)
-        return reserved
-
     # ------------------------------------------------------------ removal
     def remove(self, req: Req, cache: bool = True) -> None:
         """Take a request out of whatever queue holds it and release its pages."""
         if req is self.chunked:
             self.chunked = None
-        for queue in (self.waiting, self.running, self.reserving):
+        for queue in (self.waiting, self.running):
             if req in queue:
                 queue.remove(req)
-        group = self.awaiting_kv.get(req.rid)
-        if group and req in group:
-            group.remove(req)
-            if not group:
-                del self.awaiting_kv[req.rid]
-            cache = False  # the pages may hold half-written KV
-            self.quarantine.setdefault(req.rid, []).extend(req.pages[req.num_cached_pages:])
-            req.pages = req.pages[:req.num_cached_pages]
+        for holder in self.holders:
+            holder.discard(req)
         self.release(req, cache=cache)
         req.status = ReqStatus.FINISHED
-
-    def release_quarantine(self, rid: str) -> int:
-        """The KV write into `rid`'s reserved pages is over (done, failed or never started): free them."""
-        pages = self.quarantine.pop(rid, [])
-        self.allocator.free(pages)
-        return len(pages)
 
     def flush_cache(self) -> bool:
         if self.live_reqs():
@@ -334,10 +308,11 @@ class Scheduler:
             if held & set(own):
                 problems.append(f"{req.rid} shares owned pages with another request")
             held |= set(own)
-        for rid, pages in self.quarantine.items():
-            if held & set(pages):
-                problems.append(f"quarantined pages of {rid} are also held")
-            held |= set(pages)
+        for holder in self.holders:
+            for rid, pages in holder.held_pages().items():
+                if held & set(pages):
+                    problems.append(f"pages held for {rid} are also held by a request")
+                held |= set(pages)
         for a, b, name in ((free, held, "free and held"), (free, cached, "free and cached"),
                            (held, cached, "held and cached")):
             if a & b:

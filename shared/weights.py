@@ -5,7 +5,7 @@ and it holds every tensor the running model was loaded from, with the same shape
 The lifecycle of one update on a worker:
 
     read_checkpoint (any thread, file I/O)  ->  ModelRunner.build_weights (engine thread, beside the running
-    model)  ->  Engine.commit_weights (engine thread, between two steps, once no request runs)
+    model)  ->  ServedWeights.commit (shared/admin.py, engine thread, between two steps, once no request runs)
 
 Every check runs before the last step, so a refusal names the tensor or config field at fault and the running
 model is exactly what it was.
@@ -34,22 +34,6 @@ class WeightsError(ValueError):
 
 class CheckpointNotFound(WeightsError):
     """The path names no checkpoint at all."""
-
-
-@dataclass(frozen=True)
-class WeightsVersion:
-    """The weights a worker serves: `number` counts the deployment's updates (0: the checkpoint loaded at
-    start-up), `path` is the checkpoint they came from. Prefill and decode move KV only between equal labels."""
-
-    number: int
-    path: str
-    tag: str = ""  # SGLang's weight_version label, given with the update; says nothing about the weights' identity
-
-    @property
-    def label(self) -> str:
-        # Workers started together may reach one checkpoint by different paths (a container's mounts), so at
-        # start-up the number alone stands for their weights; an update gives every worker the same path.
-        return "0" if self.number == 0 else f"{self.number} ({self.path})"
 
 
 @dataclass

@@ -23,7 +23,8 @@ from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
-from pdserve.services.worker.server import Calls, PrefillService, WorkerService
+from pdserve.services.worker.prefill_rpc import PrefillService
+from pdserve.services.worker.rpc import Calls, WorkerService
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat
@@ -78,8 +79,8 @@ class WorkerApp:
         self.compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
                              page_size=config.cache.page_size, num_layers=mc.num_layers,
                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend,
-                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters())),
-                             weights_version=self.engine.weights.label)
+                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters.list())),
+                             weights_version=self.engine.weights.version.label)
         self.info = pb.InfoReply(
             role=role.value, model_path=config.model_path,
             served_model_name=args.served_model_name or config.model_path,
@@ -89,7 +90,7 @@ class WorkerApp:
             attention_backend=runner.ops.name, lora_enabled=runner.lora is not None,
             max_lora_rank=runner.lora.pool.max_rank if runner.lora else 0,
             max_loras_per_batch=runner.lora.pool.num_slots if runner.lora else 0,
-            weights=weights_to_proto(self.engine.weights))
+            weights=weights_to_proto(self.engine.weights.version))
         self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
         self.ready = False
 

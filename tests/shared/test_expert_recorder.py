@@ -47,7 +47,7 @@ def test_counts_are_the_routing_choices_of_every_forward_token(tiny_models, arch
 
     engine = make_engine(tiny_models[arch])
     moe, num_layers = engine.model_config.moe, engine.model_config.num_layers
-    engine.start_expert_record()
+    engine.experts.start()
     (record,) = route_hooks(engine)
     seen = torch.zeros(num_layers, moe.num_experts, dtype=torch.int64)
 
@@ -57,8 +57,8 @@ def test_counts_are_the_routing_choices_of_every_forward_token(tiny_models, arch
 
     engine.runner.model.set_route_hook(spy)
     outputs = generate(engine)
-    engine.stop_expert_record()
-    counts = engine.dump_expert_record()
+    engine.experts.stop()
+    counts = engine.experts.dump()
 
     assert counts.dtype == torch.int64 and counts.shape == (num_layers, moe.num_experts)
     assert torch.equal(counts, seen)
@@ -82,26 +82,26 @@ def test_counts_are_the_routing_choices_of_every_forward_token(tiny_models, arch
 def test_start_stop_dump_follow_sglang(tiny_models):
     engine = make_engine(tiny_models["qwen2-moe"])
     assert route_hooks(engine) == {None}  # not recording costs nothing: no hook at all
-    engine.start_expert_record()
+    engine.experts.start()
     generate(engine)
-    once = engine.dump_expert_record()  # while recording: the counts so far, and recording goes on from zero
+    once = engine.experts.dump()  # while recording: the counts so far, and recording goes on from zero
     assert once.sum() > 0
-    assert engine.dump_expert_record().sum() == 0
+    assert engine.experts.dump().sum() == 0
     generate(engine)
-    engine.stop_expert_record()
+    engine.experts.stop()
     assert route_hooks(engine) == {None}
     generate(engine)  # not counted
-    assert torch.equal(engine.dump_expert_record(), once)  # the same greedy run routes the same way
-    engine.start_expert_record()
+    assert torch.equal(engine.experts.dump(), once)  # the same greedy run routes the same way
+    engine.experts.start()
     generate(engine)
-    engine.start_expert_record()  # a start clears what was counted
-    assert engine.dump_expert_record().sum() == 0
-    engine.stop_expert_record()
+    engine.experts.start()  # a start clears what was counted
+    assert engine.experts.dump().sum() == 0
+    engine.experts.stop()
 
 
 def test_dense_model_has_no_experts_to_record(tiny_models):
     engine = make_engine(tiny_models["llama"])
-    for command in (engine.start_expert_record, engine.stop_expert_record, engine.dump_expert_record):
+    for command in (engine.experts.start, engine.experts.stop, engine.experts.dump):
         with pytest.raises(ValueError, match="has no experts"):
             command()
 

@@ -131,32 +131,32 @@ def test_adapter_loaded_while_serving_matches(default_model_dir, default_model_a
                          target_modules=SUPPORTED_TARGETS)
     with pytest.raises(LoraError, match="'poet' is not loaded"):
         engine.add_request(Req(rid="x", input_ids=prompts[0], params=SamplingParams()), lora="poet")
-    engine.load_adapter("poet", str(default_model_adapters["poet"]))
+    engine.adapters.load("poet", str(default_model_adapters["poet"]))
     jobs = [("poet", prompts[0]), ("sql", prompts[0])]
     assert_matches(run(engine, jobs), jobs, expected, prompts)
     # A request may name an adapter by the directory it was loaded from.
     by_path = [(str(default_model_adapters["poet"]), prompts[1])]
     assert run(engine, by_path)[0][0] == expected[("poet", 1)][0]
-    engine.unload_adapter("poet")
-    assert [a.name for a in engine.adapters()] == ["sql"]
+    engine.adapters.unload("poet")
+    assert [a.name for a in engine.adapters.list()] == ["sql"]
 
 
 def test_unload_is_refused_while_requests_use_the_adapter(default_model_dir, default_model_adapters, prompts):
     engine = make_engine(default_model_dir, {"sql": default_model_adapters["sql"]})
     engine.add_request(Req(rid="a", input_ids=prompts[0], params=SamplingParams(max_new_tokens=4)), lora="sql")
     with pytest.raises(LoraError, match="'sql': cannot unload it while 1 requests use it"):
-        engine.unload_adapter("sql")
+        engine.adapters.unload("sql")
     while engine.has_work():
         engine.step()
-    engine.unload_adapter("sql")
-    assert engine.adapters() == []
+    engine.adapters.unload("sql")
+    assert engine.adapters.list() == []
 
 
 def test_rank_above_the_limit_is_refused_and_nothing_loaded(default_model_dir, default_model_adapters):
     engine = make_engine(default_model_dir, {"sql": default_model_adapters["sql"]})  # max rank: sql's 8
     with pytest.raises(LoraError, match="'poet': rank 16 exceeds --max-lora-rank 8"):
-        engine.load_adapter("poet", str(default_model_adapters["poet"]))
-    assert [a.name for a in engine.adapters()] == ["sql"]
+        engine.adapters.load("poet", str(default_model_adapters["poet"]))
+    assert [a.name for a in engine.adapters.list()] == ["sql"]
 
 
 def test_lora_requests_need_lora_enabled(default_model_dir, prompts):

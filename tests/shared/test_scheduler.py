@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig, SchedulerConfig
-from pdserve.shared.engine import Engine, FirstToken
+from pdserve.shared.engine import Engine
+from pdserve.shared.outputs import FirstToken, ReqOutput
 from pdserve.shared.kv_pool import KVLayout, KVPool
-from pdserve.shared.req import Req, ReqOutput, ReqStatus
+from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -236,7 +237,7 @@ def test_decode_role_reserves_pages_then_decodes_after_kv_arrives():
     req.on_pages_reserved = reserved.append
     engine.add_request(req)
     assert reserved and len(reserved[0].pages) == 3 and req.status == ReqStatus.WAITING_FOR_KV
-    engine.kv_ready("d", [FirstToken(11), FirstToken(11)], cached_tokens=4)
+    engine.role.kv_ready("d", [FirstToken(11), FirstToken(11)], cached_tokens=4)
     run_until_idle(engine)
     assert tokens_of(outputs, "d", 0) == [11, 12, 13] == tokens_of(outputs, "d", 1)
     assert outputs[("d", 0)][0].cached_tokens == 4
@@ -260,30 +261,30 @@ def test_decode_role_abort_while_waiting_for_kv_frees_the_reservation_once_the_w
     assert len(reserved) == 1 and late.status == ReqStatus.WAITING_FOR_PAGES
     assert engine.scheduler.check_integrity().held == 3
     assert_integrity(engine)
-    engine.kv_ready("d", [FirstToken(11)], 0)  # a late reply is ignored ...
-    engine.kv_settled("d")  # ... and once the prefill call ended, the pages go back
+    engine.role.kv_ready("d", [FirstToken(11)], 0)  # a late reply is ignored ...
+    engine.role.kv_settled("d")  # ... and once the prefill call ended, the pages go back
     engine.step()
     assert len(reserved) == 2 and sorted(reserved[1].pages) == sorted(pages)
     engine.abort("e")
-    engine.kv_settled("e")
+    engine.role.kv_settled("e")
     assert engine.scheduler.check_integrity().held == 0
     assert_integrity(engine)
 
 
 def test_prefill_role_refuses_a_request_whose_abort_came_first():
     engine = make_engine(page_size=4, role=Role.PREFILL)
-    engine.transfer_fn = lambda req: 0.001
+    engine.role.transfer_fn = lambda req: 0.001
     from pdserve.shared.req import TransferTarget
 
     assert not engine.abort("p")  # the abort overtook its request
     req = make_req("p", list(range(1, 11)), {})
     req.transfer = TransferTarget("decode-0", [7, 8, 9])
     with pytest.raises(RuntimeError, match="aborted before it arrived"):
-        engine.add_prefill(req)
+        engine.role.add(req)
     assert not engine.has_work()
     again = make_req("p", list(range(1, 11)), {})  # remembered once only
     again.transfer = TransferTarget("decode-0", [7, 8, 9])
-    fut = engine.add_prefill(again)
+    fut = engine.role.add(again)
     run_until_idle(engine)
     assert fut.result(timeout=1).first_tokens[0].token_id == 11
     assert_integrity(engine)
@@ -292,12 +293,12 @@ def test_prefill_role_refuses_a_request_whose_abort_came_first():
 def test_prefill_role_transfers_pages_then_returns_first_tokens():
     sent = []
     engine = make_engine(page_size=4, role=Role.PREFILL)
-    engine.transfer_fn = lambda req: sent.append((list(req.pages), req.transfer.dst_pages)) or 0.001
+    engine.role.transfer_fn = lambda req: sent.append((list(req.pages), req.transfer.dst_pages)) or 0.001
     from pdserve.shared.req import TransferTarget
 
     req = make_req("p", list(range(1, 11)), {}, n=2)
     req.transfer = TransferTarget("decode-0", [7, 8, 9])
-    fut: Future = engine.add_prefill(req)
+    fut: Future = engine.role.add(req)
     run_until_idle(engine)
     result = fut.result(timeout=1)
     assert [t.token_id for t in result.first_tokens] == [11, 11]
@@ -312,12 +313,12 @@ def test_prefill_role_transfer_failure_fails_the_request_and_frees_pages():
     def broken(req):
         raise RuntimeError("peer died")
 
-    engine.transfer_fn = broken
+    engine.role.transfer_fn = broken
     from pdserve.shared.req import TransferTarget
 
     req = make_req("p", list(range(1, 11)), {})
     req.transfer = TransferTarget("decode-0", [0, 1, 2])
-    fut = engine.add_prefill(req)
+    fut = engine.role.add(req)
     run_until_idle(engine)
     with pytest.raises(RuntimeError, match="peer died"):
         fut.result(timeout=1)

@@ -18,7 +18,8 @@ from pdserve.shared.config import CacheConfig, RuntimeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
-from pdserve.shared.weights import CheckpointNotFound, WeightsError, WeightsVersion
+from pdserve.shared.compat import WeightsVersion
+from pdserve.shared.weights import CheckpointNotFound, WeightsError
 
 PROMPT = [5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66, 12, 13, 14, 15, 16, 17, 18]
 NEW_TOKENS = 8
@@ -73,8 +74,8 @@ def generate(engine: Engine, ids: list[int] = PROMPT) -> tuple[list[int], int]:
 
 
 def update(engine: Engine, path: Path | str, number: int = 1) -> int | None:
-    engine.stage_weights(engine.runner.read_weights(str(path)))
-    return engine.commit_weights(WeightsVersion(number, str(path)))
+    engine.weights.stage(engine.runner.read_weights(str(path)))
+    return engine.weights.commit(WeightsVersion(number, str(path)))
 
 
 def hf_greedy(model_dir: Path) -> list[int]:
@@ -92,13 +93,13 @@ def test_new_weights_serve_what_transformers_gives_and_the_prefix_cache_is_flush
     old, _ = generate(engine)
     assert old == hf_greedy(ckpts["base"])
     assert generate(engine)[1] > 0  # the prompt's pages are cached now
-    engine.stage_weights(engine.runner.read_weights(str(ckpts["new"])))
+    engine.weights.stage(engine.runner.read_weights(str(ckpts["new"])))
     assert generate(engine)[0] == old  # staged, not served
-    assert engine.commit_weights(WeightsVersion(1, str(ckpts["new"]))) == 0
+    assert engine.weights.commit(WeightsVersion(1, str(ckpts["new"]))) == 0
     assert engine.cache.num_pages == 0
     new, cached = generate(engine)
     assert cached == 0 and new == hf_greedy(ckpts["new"]) and new != old
-    assert engine.weights.label == f"1 ({ckpts['new']})" and engine.staged_weights is None
+    assert engine.weights.version.label == f"1 ({ckpts['new']})" and engine.weights.staged is None
 
 
 def test_packed_bf16_weights_are_rebuilt_like_at_start_up(ckpts):
@@ -126,17 +127,17 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_changes(ckpts
     with pytest.raises(WeightsError) as err:
         engine.runner.read_weights(str(ckpts[name]))
     assert phrase in str(err.value)
-    assert generate(engine)[0] == before and engine.weights.number == 0
+    assert generate(engine)[0] == before and engine.weights.version.number == 0
 
 
 def test_nan_weights_are_refused_while_building_and_nothing_is_staged(ckpts):
     engine = make_engine(ckpts["base"])
     before, _ = generate(engine)
     with pytest.raises(WeightsError, match=f"tensor '{UP}' holds NaN or infinite values"):
-        engine.stage_weights(engine.runner.read_weights(str(ckpts["nan"])))
-    assert engine.staged_weights is None
+        engine.weights.stage(engine.runner.read_weights(str(ckpts["nan"])))
+    assert engine.weights.staged is None
     with pytest.raises(WeightsError, match="no weights are staged"):
-        engine.commit_weights(WeightsVersion(1, "x"))
+        engine.weights.commit(WeightsVersion(1, "x"))
     assert generate(engine)[0] == before
 
 
@@ -154,37 +155,37 @@ def test_running_requests_finish_first_or_are_aborted_with_the_reason(ckpts):
     engine.add_request(Req(rid="live", input_ids=list(PROMPT), on_output=outs.append,
                            params=SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)))
     engine.step()
-    engine.stage_weights(engine.runner.read_weights(str(ckpts["new"])))
-    assert engine.commit_weights(WeightsVersion(1, "new")) is None  # a request runs: nothing changed
-    assert engine.weights.number == 0 and engine.staged_weights == str(ckpts["new"])
-    assert engine.commit_weights(WeightsVersion(1, "new"), abort_reason="weights are being updated") == 1
+    engine.weights.stage(engine.runner.read_weights(str(ckpts["new"])))
+    assert engine.weights.commit(WeightsVersion(1, "new")) is None  # a request runs: nothing changed
+    assert engine.weights.version.number == 0 and engine.weights.staged == str(ckpts["new"])
+    assert engine.weights.commit(WeightsVersion(1, "new"), abort_reason="weights are being updated") == 1
     assert outs[-1].finish_reason == "abort" and outs[-1].error == "weights are being updated"
-    assert engine.weights.number == 1 and not engine.has_work()
+    assert engine.weights.version.number == 1 and not engine.has_work()
     assert engine.scheduler.check_integrity().ok
 
 
 def test_a_prefill_worker_refuses_kv_for_other_weights(ckpts):
     engine = make_engine(ckpts["base"])
-    engine.check_peer_weights("0")
-    engine.check_peer_weights("")  # a peer that does not say: nothing to compare
+    engine.weights.check_peer("0")
+    engine.weights.check_peer("")  # a peer that does not say: nothing to compare
     with pytest.raises(WeightsError, match=r"decode worker serves weights version 1 \(x\) and this prefill"):
-        engine.check_peer_weights("1 (x)")
+        engine.weights.check_peer("1 (x)")
     update(engine, ckpts["new"], number=2)
-    engine.check_peer_weights(f"2 ({ckpts['new']})")
+    engine.weights.check_peer(f"2 ({ckpts['new']})")
     with pytest.raises(WeightsError):
-        engine.check_peer_weights("0")
+        engine.weights.check_peer("0")
 
 
 def test_moe_weights_update_and_the_expert_recorder_keeps_counting(tmp_path):
     base = make_tiny_model("qwen2-moe", tmp_path / "a", seed=0)
     new = make_tiny_model("qwen2-moe", tmp_path / "b", seed=1)
     engine = make_engine(base)
-    engine.start_expert_record()
+    engine.experts.start()
     generate(engine)
     update(engine, new)
-    engine.dump_expert_record()
+    engine.experts.dump()
     assert generate(engine)[0] == generate(make_engine(new))[0]
-    assert int(engine.dump_expert_record().sum()) > 0  # the hook moved to the new expert blocks
+    assert int(engine.experts.dump().sum()) > 0  # the hook moved to the new expert blocks
 
 
 def test_registration_records_the_weights_version_but_a_restarted_worker_may_rejoin():

@@ -10,7 +10,8 @@ from concurrent.futures import Future
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto
-from pdserve.services.worker.server import PrefillService, Timeouts
+from pdserve.services.worker.prefill_rpc import PrefillService
+from pdserve.services.worker.rpc import Timeouts
 from pdserve.shared.compat import Compat
 
 COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,

@@ -15,7 +15,7 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
-from pdserve.services.worker.server import Calls, WorkerService
+from pdserve.services.worker.rpc import Calls, WorkerService
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.sampling_params import SamplingParams

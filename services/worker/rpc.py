@@ -1,4 +1,4 @@
-"""gRPC adapters over one Engine: the Worker service (all roles) and the Prefill service.
+"""The Worker gRPC service over one Engine (all roles); prefill workers also serve `prefill_rpc.PrefillService`.
 
 Thin by design: parse the message, hand a function to the engine thread, map
 results and errors back to gRPC. Request outputs hop from the engine thread to
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -17,20 +17,22 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import (compat_from_proto, compat_to_proto, first_token_from_proto, first_token_to_proto,
-                                 output_to_proto, params_from_proto, prompt_logprobs_to_proto, weights_to_proto)
-from pdserve.services.worker.peers import CHANNEL_OPTIONS, PrefillPeers
+from pdserve.proto.codec import (compat_to_proto, output_to_proto, params_from_proto, prompt_logprobs_to_proto,
+                                 weights_to_proto)
+from pdserve.services.worker.kv_pull import KVPull
+from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
-from pdserve.shared.cluster_auth import worker_channel
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.expert_recorder import RECORDING_OFF, RecordSettings, save_dump, writable_dir
 from pdserve.shared.grammar import Constraint, GrammarError
 from pdserve.shared.lora import LoraAdapter
-from pdserve.shared.req import Req, ReqOutput, TransferTarget
+from pdserve.shared.outputs import ReqOutput
+from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import InvalidParam
-from pdserve.shared.weights import CheckpointNotFound, WeightsError, WeightsVersion
+from pdserve.shared.compat import WeightsVersion
+from pdserve.shared.weights import CheckpointNotFound, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +115,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.peers = peers
         self.timeouts = timeouts
         self.experts = experts
-        self.prefill_calls: dict[str, asyncio.Task] = {}  # decode: rid -> its Prefill call
-        self.prefill_addrs: dict[str, str] = {}  # decode: rid -> the prefill worker filling its pages
-        self._prefill_workers: dict[str, pb_grpc.WorkerStub] = {}  # decode: for aborts at a prefill worker
-        self.prefill_timings: dict[str, pb.PrefillReply] = {}  # rid -> reply, until its first output is sent
+        self.kv_pull = KVPull(engine, peers, timeouts.engine_call, timeouts.prefill) if role == Role.DECODE else None
         self._relay: OutputRelay | None = None
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
@@ -165,9 +164,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
                   on_output=lambda out: relay.send(outputs, out))
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
-        if self.role == Role.DECODE:
+        if self.kv_pull is not None:
             req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
-                self._start_prefill, r.rid, request, list(r.pages), r.lora and r.lora.version)
+                self.kv_pull.start, r.rid, request, list(r.pages), r.lora and r.lora.version)
         try:
             await self._engine(lambda: self.engine.add_request(req, request.lora or None))
         except (InvalidParam, ValueError) as exc:
@@ -187,7 +186,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                           cached_tokens=out.cached_tokens)
                 if out.input_logprobs:
                     msg.input_logprobs.extend(prompt_logprobs_to_proto(out.input_logprobs))
-                timing = self.prefill_timings.pop(request.rid, None) if first else None
+                timing = self.kv_pull.take_reply(request.rid) if first and self.kv_pull is not None else None
                 if timing is not None:
                     msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
                     msg.transfer_s = timing.transfer_s
@@ -198,7 +197,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._abort_soon(request.rid)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
         finally:
-            self.prefill_timings.pop(request.rid, None)
+            if self.kv_pull is not None:
+                self.kv_pull.take_reply(request.rid)
             if len(finished) < params.n:  # cancelled by the client, failed or timed out
                 self._abort_soon(request.rid)
 
@@ -212,74 +212,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._stop_prefill(rid)
 
     def _stop_prefill(self, rid: str) -> None:
-        """Ask the prefill worker to drop `rid`. The pending Prefill call is left to end by itself: its end
-        is what proves no KV write into the request's pages is in flight (see _pull_kv)."""
-        addr = self.prefill_addrs.get(rid)
-        if addr is not None:
-            asyncio.ensure_future(self._abort_at(addr, rid))
-
-    async def _abort_at(self, addr: str, rid: str) -> None:
-        stub = self._prefill_workers.get(addr)
-        if stub is None:
-            # The reconnect backoff of the Prefill channels: an abort reaches a restarted prefill worker in a second.
-            stub = self._prefill_workers[addr] = pb_grpc.WorkerStub(worker_channel(addr, options=CHANNEL_OPTIONS))
-        try:
-            await stub.Abort(pb.AbortRequest(rid=rid), timeout=self.timeouts.engine_call)
-        except grpc.aio.AioRpcError as exc:  # the Prefill call still ends, by its own deadline at worst
-            log.debug("aborting %s at prefill worker %s: %s", rid, addr, exc.code().name)
-
-    # ------------------------------------------------------------ decode: pull KV from prefill
-    def _start_prefill(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str | None) -> None:
-        self.prefill_addrs[rid] = request.prefill_addr
-        self.prefill_calls[rid] = asyncio.ensure_future(self._pull_kv(rid, request, pages, lora_version or ""))
-
-    async def _pull_kv(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
-        transfer = self.peers.transfer
-        transfer.open_window(pages)
-        closed = False
-        loop = asyncio.get_running_loop()
-        try:
-            stub, peer_name = await self.peers.get(request.prefill_addr)
-            reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
-                                                         sampling=request.sampling, peer_name=peer_name,
-                                                         dst_pages=pages, lora=request.lora,
-                                                         lora_version=lora_version,
-                                                         weights_version=self.engine.weights.label),
-                                      timeout=self._prefill_deadline())
-            # The prefill worker answers after its last write. Close the window before the engine takes the
-            # pages: caching them frees those that duplicate an already cached prefix, and the next request
-            # reserved may get one at once; closing later would shut that request's window on it.
-            await loop.run_in_executor(None, transfer.close_window, pages)
-            closed = True
-            firsts = [first_token_from_proto(t) for t in reply.first_tokens]
-            self.prefill_timings[rid] = reply
-            self.engine.call(lambda: self.engine.kv_ready(rid, firsts, reply.cached_tokens))
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as exc:
-            error = f"prefill worker {request.prefill_addr} failed: {exc.details() or exc.code().name}"
-            log.warning("%s (request %s)", error, rid)
-            self.engine.call(lambda: self.engine.abort(rid, error=error))
-        except Exception as exc:
-            error = f"prefill worker {request.prefill_addr} failed: {exc}"
-            log.warning("%s (request %s)", error, rid)
-            self.engine.call(lambda: self.engine.abort(rid, error=error))
-        finally:
-            self.prefill_calls.pop(rid, None)
-            self.prefill_addrs.pop(rid, None)
-            # The call has ended: the prefill worker answers only after its transfer for `rid` is over and
-            # the request is gone there (or it died, or the deadline beyond its own limits passed). Once no
-            # write can land in the pages any more (closing the window waits out one already under way, on a
-            # thread of its own), they may go back to the pool.
-            def settle() -> None:
-                if not closed:
-                    transfer.close_window(pages)
-                self.engine.call(lambda: self.engine.kv_settled(rid))
-            loop.run_in_executor(None, settle)
-
-    def _prefill_deadline(self) -> float:
-        """Longer than the prefill worker's own limits, so that it is the one that answers."""
-        return self.timeouts.engine_call + self.timeouts.prefill + 10.0
+        if self.kv_pull is not None:
+            self.kv_pull.abort(rid)
 
     # ------------------------------------------------------------ small RPCs
     async def Abort(self, request, context):
@@ -298,13 +232,13 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------ LoRA adapters
     def _adapter_infos(self) -> list[pb.LoraAdapterInfo]:
-        return [adapter_info(a) for a in self.engine.adapters()]
+        return [adapter_info(a) for a in self.engine.adapters.list()]
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
-        return await self._change_adapters(lambda: self.engine.load_adapter(request.name, request.path))
+        return await self._change_adapters(lambda: self.engine.adapters.load(request.name, request.path))
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
-        return await self._change_adapters(lambda: self.engine.unload_adapter(request.name))
+        return await self._change_adapters(lambda: self.engine.adapters.unload(request.name))
 
     async def _change_adapters(self, change) -> pb.LoraReply:
         def run():
@@ -318,17 +252,17 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------ expert distribution
     async def StartExpertRecord(self, request, context):
-        await self._expert_call(self.engine.start_expert_record, context)
+        await self._expert_call(self.engine.experts.start, context)
         return pb.ExpertRecordReply(recording=True)
 
     async def StopExpertRecord(self, request, context):
-        await self._expert_call(self.engine.stop_expert_record, context)
+        await self._expert_call(self.engine.experts.stop, context)
         return pb.ExpertRecordReply(recording=False)
 
     async def DumpExpertRecord(self, request, context):
         def dump():
             writable_dir(self.experts.directory)  # before the counts are cleared: a bad directory loses nothing
-            return self.engine.dump_expert_record()
+            return self.engine.experts.dump()
         counts = await self._expert_call(dump, context)  # [L, E]
         try:
             path = await asyncio.to_thread(save_dump, counts, self.experts.directory, self.experts.tag)
@@ -369,7 +303,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         async with self._weights_lock:
             try:
                 if request.step == pb.WEIGHTS_DISCARD:
-                    await self._engine(self.engine.discard_weights)
+                    await self._engine(self.engine.weights.discard)
                 elif not request.model_path:
                     raise WeightsError("model_path is empty")
                 elif request.step == pb.WEIGHTS_PREPARE:
@@ -386,20 +320,20 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _prepare_weights(self, path: str) -> None:
         checkpoint = await in_own_thread(lambda: self.engine.runner.read_weights(path))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.stage_weights(checkpoint))),
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.weights.stage(checkpoint))),
                                    WEIGHTS_BUILD_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise WeightsError(f"building the new weights took more than {WEIGHTS_BUILD_TIMEOUT_S:g} s") from None
 
     async def _commit_weights(self, request: pb.UpdateWeightsRequest) -> int:
         """Swap the weights in once no request runs here; waits for running ones unless told to abort them."""
-        if self.engine.staged_weights != request.model_path:
+        if self.engine.weights.staged != request.model_path:
             await self._prepare_weights(request.model_path)
         version = WeightsVersion(request.version, request.model_path, request.tag)
         reason = UPDATE_ABORT_REASON if request.abort_all_requests else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WEIGHTS_DRAIN_S
-        while (aborted := await self._engine(lambda: self.engine.commit_weights(version, reason))) is None:
+        while (aborted := await self._engine(lambda: self.engine.weights.commit(version, reason))) is None:
             if loop.time() > deadline:
                 raise WeightsError(f"requests were still running after {WEIGHTS_DRAIN_S:g} s, so the weights were "
                                    "not swapped (retry, or pass abort_all_requests)")
@@ -420,7 +354,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _weights_reply(self, error: str = "", path_not_found: bool = False, aborted: int = 0) -> pb.UpdateWeightsReply:
         return pb.UpdateWeightsReply(ok=not error, error=error, path_not_found=path_not_found, aborted=aborted,
-                                     weights=weights_to_proto(self.engine.weights))
+                                     weights=weights_to_proto(self.engine.weights.version))
 
 
 async def in_own_thread(fn):
@@ -436,97 +370,3 @@ async def in_own_thread(fn):
 def adapter_info(adapter: LoraAdapter) -> pb.LoraAdapterInfo:
     return pb.LoraAdapterInfo(name=adapter.name, path=str(adapter.path), version=adapter.version, rank=adapter.rank,
                               target_modules=list(adapter.target_modules))
-
-
-class PrefillService(pb_grpc.PrefillServicer):
-    """Served by prefill workers: decode workers register, then ask for prompts to be filled."""
-
-    def __init__(self, engine: Engine, compat: Compat, transfer, timeouts: Timeouts = Timeouts(),
-                 calls: Calls | None = None) -> None:
-        self.engine = engine
-        self.compat = compat
-        self.transfer = transfer
-        self.timeouts = timeouts
-        self.calls = calls or Calls()  # a draining worker still fills prompts decode workers already took
-        self.registered_at: dict[str, float] = {}  # decode worker -> when it last registered (loop time)
-
-    async def Register(self, request: pb.RegisterRequest, context):
-        theirs = compat_from_proto(request.compat)
-        problems = self.compat.mismatches(theirs, me="prefill", peer="decode")
-        if problems:
-            msg = f"decode worker {request.peer_name} is incompatible: " + "; ".join(problems)
-            log.error(msg)
-            return pb.RegisterReply(ok=False, error=msg)
-        known = self.transfer.has_peer(request.peer_name)
-        try:  # idempotent: the same name and metadata again leave the connection as it is
-            await asyncio.to_thread(self.transfer.add_peer, request.peer_name, request.transfer_metadata)
-        except Exception as exc:
-            return pb.RegisterReply(ok=False, error=f"cannot reach decode worker {request.peer_name}: {exc}")
-        if not known:  # decode workers register again every second; only a new one is news
-            log.info("registered decode worker %s", request.peer_name)
-        now = asyncio.get_running_loop().time()
-        self.registered_at[request.peer_name] = now
-        await self._forget_silent_peers(now)
-        return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
-
-    async def _forget_silent_peers(self, now: float) -> None:
-        for peer in [p for p, seen in self.registered_at.items() if now - seen > self.timeouts.peer_silence]:
-            del self.registered_at[peer]
-            # On the engine thread, where KV transfers run: none to this peer is under way while it goes.
-            forget = self.engine.call(lambda peer=peer: self.transfer.remove_peer(peer))
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(forget), self.timeouts.engine_call)
-            except Exception as exc:  # the engine is stopping or stuck: the peer stays until the process ends
-                log.warning("could not drop decode worker %s: %r", peer, exc)
-                continue
-            log.info("decode worker %s has not registered for %g s: its connection is dropped", peer,
-                     self.timeouts.peer_silence)
-
-    async def Prefill(self, request: pb.PrefillRequest, context):
-        with self.calls.hold(1):
-            return await self._prefill(request, context)
-
-    async def _prefill(self, request: pb.PrefillRequest, context):
-        if not self.transfer.has_peer(request.peer_name):  # we restarted since it registered
-            # FAILED_PRECONDITION makes the decode side register again and resend (peers.PrefillClient).
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"decode worker {request.peer_name} is not registered")
-        try:
-            params = params_from_proto(request.sampling)
-        except (InvalidParam, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
-                  transfer=TransferTarget(request.peer_name, list(request.dst_pages)))
-        req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
-        done = False
-        try:
-            add = lambda: self._admit(req, request)  # noqa: E731
-            fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(add)),
-                                         self.timeouts.engine_call)
-            result = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeouts.prefill)
-            done = True
-        except (InvalidParam, ValueError) as exc:
-            done = True
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        except RuntimeError as exc:
-            done = True
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finally:
-            if not done:  # cancelled by the decode side (or it died) or timed out: free everything
-                # and answer only once the engine thread ran the abort: a transfer of this request runs on
-                # that thread, so none is in flight any more and the decode side may reuse the pages.
-                aborted = asyncio.wrap_future(self.engine.call(lambda: self.engine.abort(request.rid)))
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(aborted, self.timeouts.engine_call)
-        return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
-                               cached_tokens=result.cached_tokens, queue_s=result.queue_s,
-                               compute_s=result.compute_s, transfer_s=result.transfer_s,
-                               input_logprobs=prompt_logprobs_to_proto(result.input_logprobs))
-
-    def _admit(self, req: Req, request: pb.PrefillRequest) -> Future:
-        """Engine thread: refuse a decode worker that serves other weights (WeightsError, a ValueError), then queue
-        the prefill. On this thread no weight swap can come between the check and the request's admission."""
-        self.engine.check_peer_weights(request.weights_version)
-        return self.engine.add_prefill(req, request.lora or None, request.lora_version or None)

@@ -1,0 +1,48 @@
+"""What leaves the runtime for a request: tokens with their logprobs, and a prefill worker's result.
+
+Plain data, no torch: the wire codec (`pdserve.proto.codec`) and the gateway use these types too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ReqOutput:
+    """New tokens of one request since its previous output."""
+
+    rid: str
+    index: int  # choice index (n > 1)
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop_token: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    input_logprobs: list[TokenLogprobs] | None = None  # first output only: prompt tokens from max(start, 1) on
+
+
+@dataclass
+class FirstToken:
+    """A token sampled by a prefill worker for one choice of a request."""
+
+    token_id: int
+    logprob: TokenLogprobs | None = None
+
+
+@dataclass
+class PrefillResult:
+    first_tokens: list[FirstToken]
+    cached_tokens: int
+    queue_s: float
+    compute_s: float
+    transfer_s: float = 0.0
+    input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt logprobs, when asked for

@@ -1,0 +1,116 @@
+"""The decode role: reserve pages for a prompt, let a prefill worker fill them, then decode.
+
+Lifecycle of one request: `queue` -> WAITING_FOR_PAGES (`reserving`) -> pages reserved, `on_pages_reserved`
+tells the worker service to call prefill -> WAITING_FOR_KV (`awaiting_kv`) -> `kv_ready` (the prefill call
+answered with the first tokens) -> RUNNING in the scheduler's batch -> FINISHED.
+
+Pages of a request removed while its KV was on its way stay in `quarantine`: the prefill worker may still be
+writing into them, so they go back to the pool only at `kv_settled` (the prefill call ended), never to another
+request before. The role is a `PageHolder` of the scheduler: its requests count as live, its pages as held.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from pdserve.shared.config import Role
+from pdserve.shared.outputs import FirstToken
+from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.roles.colocated import ColocatedRole
+from pdserve.shared.scheduler import Batch
+
+if TYPE_CHECKING:
+    from pdserve.shared.engine import Engine
+
+
+class DecodeRole(ColocatedRole):
+    kind = Role.DECODE
+
+    def __init__(self, engine: Engine, poll_fn: Callable[[], None] | None) -> None:
+        super().__init__(engine)
+        self.poll_fn = poll_fn
+        self.reserving: list[Req] = []
+        self.awaiting_kv: dict[str, list[Req]] = {}  # by rid
+        self.quarantine: dict[str, list[int]] = {}
+        self.scheduler.holders.append(self)
+
+    @property
+    def idle_wait_s(self) -> float:  # KV arrives by polling the transfer: look often while some is due
+        return 0.002 if self.awaiting_kv else 0.05
+
+    def queue(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING_FOR_PAGES
+        self.reserving.append(req)
+        self.reserve()
+
+    def before_step(self) -> None:
+        self.reserve()
+
+    def schedule(self) -> Batch | None:
+        return self.scheduler.schedule_decode()
+
+    def has_work(self) -> bool:
+        return bool(self.reserving)
+
+    def num_queued(self) -> int:
+        return len(self.reserving)
+
+    def poll(self) -> None:
+        if self.poll_fn is not None:
+            self.poll_fn()
+
+    def reserve(self) -> None:
+        """Reserve prompt pages for waiting requests, oldest first, and start their prefill."""
+        s = self.scheduler
+        while self.reserving and s.num_running + len(self.awaiting_kv) < s.config.max_running_requests:
+            req = self.reserving[0]
+            if not s.can_hold_adapter(req):
+                break
+            pages = s.allocate(-(-len(req.input_ids) // s.page_size))
+            if pages is None:
+                break
+            self.reserving.pop(0)
+            s.hold_adapter(req)
+            req.pages = pages
+            req.status = ReqStatus.WAITING_FOR_KV
+            self.awaiting_kv.setdefault(req.rid, []).append(req)
+            if req.on_pages_reserved is not None:
+                req.on_pages_reserved(req)
+
+    def kv_ready(self, rid: str, first_tokens: list[FirstToken], cached_tokens: int) -> None:
+        """Prefill filled the reserved pages of `rid`; start decoding it."""
+        group = self.awaiting_kv.pop(rid, None)
+        if not group:
+            return  # aborted meanwhile
+        req = group[0]
+        req.num_computed = len(req.input_ids)
+        req.cached_tokens = cached_tokens
+        self.scheduler.cache_pages(req, lock=True)
+        children = [req] + self.fork(req)
+        for child, first in zip(children, first_tokens):
+            child.status = ReqStatus.RUNNING
+            self.scheduler.running.append(child)
+            self.engine.append_token(child, first.token_id, first.logprob)
+        self.engine.emit_all(children)
+
+    def kv_settled(self, rid: str) -> None:
+        """No KV write into `rid`'s reserved pages can land any more (the prefill call ended): the pages of an
+        `rid` aborted while it waited for them go back to the pool now."""
+        self.scheduler.allocator.free(self.quarantine.pop(rid, []))
+
+    # ------------------------------------------------------------ PageHolder
+    def held_reqs(self) -> list[Req]:
+        return self.reserving + [r for group in self.awaiting_kv.values() for r in group]
+
+    def held_pages(self) -> dict[str, list[int]]:
+        return self.quarantine
+
+    def discard(self, req: Req) -> None:
+        if req in self.reserving:
+            self.reserving.remove(req)
+        group = self.awaiting_kv.get(req.rid)
+        if group and req in group:
+            group.remove(req)
+            if not group:
+                del self.awaiting_kv[req.rid]
+            self.quarantine.setdefault(req.rid, []).extend(req.pages[req.num_cached_pages:])
+            req.pages = req.pages[:req.num_cached_pages]
