@@ -2,7 +2,8 @@
 
 Lifecycle of one request: `queue` -> WAITING_FOR_PAGES (`reserving`) -> pages reserved, `on_pages_reserved`
 tells the worker service to call prefill -> WAITING_FOR_KV (`awaiting_kv`) -> `kv_ready` (the prefill call
-answered with the first tokens) -> RUNNING in the scheduler's batch -> FINISHED.
+answered with the first tokens) -> RUNNING in the scheduler's batch -> FINISHED. A request retracted when
+pages run out waits in the scheduler's queue and is recomputed here, prompt and output so far.
 
 Pages of a request removed while its KV was on its way stay in `quarantine`: the prefill worker may still be
 writing into them, so they go back to the pool only at `kv_settled` (the prefill call ended), never to another
@@ -46,7 +47,9 @@ class DecodeRole(ColocatedRole):
         self.reserve()
 
     def schedule(self) -> Batch | None:
-        return self.scheduler.schedule_decode()
+        # Prompts come prefilled, so the scheduler's waiting queue holds only requests retracted when pages ran
+        # out: they are computed again here (prompt and output so far), as on a colocated worker.
+        return self.scheduler.schedule_mixed()
 
     def has_work(self) -> bool:
         return bool(self.reserving)

@@ -153,6 +153,23 @@ def test_retraction_requeues_when_pages_run_out_and_outputs_stay_exact():
     assert_integrity(engine)
 
 
+def test_decode_role_retraction_recomputes_the_request_here_and_every_stream_completes():
+    # 12 pages of 4 tokens cannot hold four prefilled requests of 4 + 16 tokens at once: a decode worker
+    # retracts one, and must compute its prompt and output again itself (its prefill worker is done with it).
+    engine, outputs = make_engine(page_size=4, num_pages=12, role=Role.DECODE), {}
+    for i in range(4):
+        engine.add_request(make_req(f"r{i}", [100 * i + 1, 100 * i + 2, 100 * i + 3, 100 * i + 4], outputs,
+                                    max_new_tokens=16))
+        engine.role.kv_ready(f"r{i}", [FirstToken(100 * i + 5)], 0)
+    run_until_idle(engine, max_steps=500)
+    assert [rid for rid, pos, n in engine.runner.computed if n > 1]  # some request was recomputed here
+    for i in range(4):
+        assert tokens_of(outputs, f"r{i}") == list(range(100 * i + 5, 100 * i + 21))
+        assert finish_of(outputs, f"r{i}").finish_reason == "length"
+    assert_integrity(engine)
+    assert engine.scheduler.check_integrity().held == 0
+
+
 def test_a_request_larger_than_the_pool_fails_clearly():
     engine, outputs = make_engine(page_size=4, num_pages=3), {}
     engine.add_request(make_req("big", [1, 2, 3], outputs, max_new_tokens=50, ignore_eos=True))
