@@ -94,6 +94,10 @@ class WorkerApp:
         self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
         self.ready = False
 
+    def healthy(self) -> bool:
+        """Ready, its engine thread alive, and (PD) its KV transfer still able to take pages."""
+        return self.ready and self.engine.is_alive() and (self.transfer is None or self.transfer.healthy())
+
     def _write_kv(self, req) -> float:
         import time
 
@@ -125,7 +129,7 @@ class WorkerApp:
 
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
-                          is_ready=lambda: self.ready and self.engine.is_alive(), experts=self.experts,
+                          is_ready=self.healthy, experts=self.experts,
                           on_weights=weights_changed, calls=calls), server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine, pooled=self.pooled),
                                               server)
@@ -177,7 +181,7 @@ class WorkerApp:
 
     async def _start_http(self) -> web.AppRunner | None:
         async def health(request: web.Request) -> web.Response:
-            ok = self.ready and self.engine.is_alive()
+            ok = self.healthy()
             return web.Response(text="ok" if ok else "starting", status=200 if ok else 503)
 
         async def metrics(request: web.Request) -> web.Response:

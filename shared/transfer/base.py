@@ -93,6 +93,10 @@ class KVTransfer(ABC):
     def poll(self) -> None:
         """Target-side progress; the owner calls it periodically (cheap when idle)."""
 
+    def healthy(self) -> bool:
+        """Whether peers can still write into this pool; a worker whose transfer is not reports unhealthy."""
+        return True
+
     # Receiving side: the pages a peer may write now. A decode worker opens a window over a request's reserved
     # pages before it asks for them to be filled, and closes it when that call ended, before the pages can go
     # to another request: a late or stray write is refused instead of landing in someone else's KV. Backends

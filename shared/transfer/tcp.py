@@ -8,7 +8,11 @@ connection per peer (reconnected lazily after a failure), used under a per-peer 
 
 Each connection opens with a handshake: the receiver sends CHALLENGE (magic, random nonce), the
 sender answers with HMAC-SHA256(cluster token, nonce), and the receiver ACKs it or refuses and closes
-(cluster_auth.py: the token itself never crosses the wire).
+(cluster_auth.py: the token itself never crosses the wire). Anyone who can reach the port can open a
+connection, so what a connection may cost before it proves anything is bounded: at most
+MAX_UNPROVEN connections wait in their handshake at a time (more are closed at once) and each gets
+HANDSHAKE_TIMEOUT seconds. The accept loop outlives any error (out of file descriptors or threads: it
+waits and goes on); should it end anyway, `healthy()` turns false and the worker reports unhealthy.
 
 Wire format, per message: HEADER (magic, page_bytes, number of runs), the runs as
 (dst_start, pages) pairs, then the runs' bytes back to back; the receiver answers ACK
@@ -22,6 +26,7 @@ CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -40,6 +45,11 @@ HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
 RUN = struct.Struct("!QQ")  # dst_start page, number of pages
 ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
 RECV_TIMEOUT = 60.0  # a sender that stalls mid-message this long is dropped
+HANDSHAKE_TIMEOUT = 5.0  # for a new connection to prove it holds the cluster token
+MAX_UNPROVEN = 16  # connections in their handshake at once; a real cluster opens one per prefill worker
+ACCEPT_RETRY_S = 0.1  # after an accept error (EMFILE, ENOBUFS, ...): a pause, not a spin
+
+log = logging.getLogger(__name__)
 STAGING_BYTES = 8 << 20  # CUDA pools: pinned host chunk per connection end
 
 
@@ -85,9 +95,12 @@ class TcpTransfer(KVTransfer):
     name = "tcp"
 
     def __init__(self, agent_name: str, pool: torch.Tensor, host: str | None = None, port: int = 0,
-                 advertise_host: str | None = None, token: str | None = None) -> None:
+                 advertise_host: str | None = None, token: str | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
         """`token`: the cluster token (default: from the environment; none: any sender is let in)."""
         super().__init__(agent_name, pool)
+        self._handshake_timeout = handshake_timeout
+        self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self._token = token if token is not None else cluster_auth.cluster_token()
         # Receiving side: pages peers may write (1), and pages a message is being written into (1).
         self._open = bytearray(self.num_pages)
@@ -210,24 +223,53 @@ class TcpTransfer(KVTransfer):
             peer.sock = None
 
     # ------------------------------------------------------------ receiving side
+    def healthy(self) -> bool:
+        return self._closed or self._accepter.is_alive()
+
     def _accept_loop(self) -> None:
-        while True:
+        failing = False  # logged once per run of failures
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:  # the listener was closed
-                return
-            if self._closed:
+            except OSError as exc:
+                if self._closed:
+                    return
+                if not failing:
+                    log.warning("KV transfer: accepting connections fails (%s); retrying", exc)
+                failing = True
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            if failing:
+                log.info("KV transfer: accepting connections again")
+                failing = False
+            try:
+                self._start_receiver(conn)
+            except Exception as exc:  # no thread or descriptor to spare: this connection only is dropped
+                log.warning("KV transfer: dropped an incoming connection: %s", exc)
+                self._conns.discard(conn)
                 conn.close()
-                return
+
+    def _start_receiver(self, conn: socket.socket) -> None:
+        if self._closed or not self._unproven.acquire(blocking=False):
+            conn.close()  # closing, or too many connections still owe their proof
+            return
+        try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-recv", daemon=True).start()
+        except BaseException:
+            self._unproven.release()
+            raise
 
     def _serve(self, conn: socket.socket) -> None:
         staging = None
         try:
-            if not self._admit(conn):
+            try:
+                admitted = self._admit(conn)
+            finally:
+                self._unproven.release()
+            if not admitted:
                 return
             while True:
                 conn.settimeout(None)  # idle between messages is normal
@@ -260,7 +302,7 @@ class TcpTransfer(KVTransfer):
     def _admit(self, conn: socket.socket) -> bool:
         """The handshake: whether the sender proved it holds the cluster token."""
         nonce = cluster_auth.challenge()
-        conn.settimeout(RECV_TIMEOUT)
+        conn.settimeout(self._handshake_timeout)
         conn.sendall(CHALLENGE.pack(MAGIC, nonce))
         if not cluster_auth.proves(self._token, nonce, _recv_exact(conn, cluster_auth.PROOF_BYTES)):
             _refuse(conn, f"the sender does not hold this cluster's token ({cluster_auth.TOKEN_ENV})")

@@ -27,15 +27,36 @@ def _serve(backend: str, name: str, num_pages: int, seed: int, device: str, page
     transfer = create_transfer(backend, name, make_pool(num_pages, seed, page_shape).to(device))
     transfer.open_window(list(range(transfer.num_pages)))  # a stand-in receiver: any page may be written
     conn.send(transfer.metadata())
+    held: list[int] = []
     while True:
         if conn.poll(0.001):
             cmd = conn.recv()
             if cmd == "dump":
                 conn.send(transfer.pool.to("cpu", copy=True))  # a copy: pickling shares (moves) storage
+            elif cmd == "exhaust_fds":  # open files until the process has no descriptor left
+                conn.send(_exhaust_fds(held))
+            elif cmd == "release_fds":
+                while held:
+                    os.close(held.pop())
+                conn.send(True)
+            elif cmd == "healthy":
+                conn.send(transfer.healthy())
             elif cmd == "stop":
                 break
         transfer.poll()
     transfer.close()
+
+
+def _exhaust_fds(held: list[int]) -> int:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))  # a bounded number to fill
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        return len(held)
 
 
 class PeerProcess:
