@@ -5,8 +5,10 @@ from the gRPC message (`pdserve.proto.codec`, which derives the message from the
 single place where value ranges are decided; the gateway and the workers both call it, so a bad value is refused
 with the same message wherever it enters. Ranges follow SGLang's sampling parameters and the OpenAI API.
 
-Adding a parameter: a field here, the same name in proto/worker.proto's SamplingParams, and its API spelling in
-the gateway's schemas; tests/shared/test_param_definitions.py fails until all three agree.
+Adding a parameter: a field here with its line in `validate`, the same name in proto/worker.proto's SamplingParams
+(the codec converts by name), and the sampler's code. The gateway's API fields are generated from these, under each
+API's names (services/gateway/dialects.py); tests/shared/test_param_definitions.py fails until the proto agrees,
+and shows a new field reaching every API.
 """
 from __future__ import annotations
 

@@ -9,24 +9,14 @@ server path that was never loaded is refused, so client input never makes a work
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.workers import Worker, WorkerPool
-
-if TYPE_CHECKING:
-    from pdserve.services.gateway.context import Gateway
+from pdserve.services.gateway.workers import Worker
 
 
-def serving_workers(pool: WorkerPool) -> list[Worker]:
-    roles = ("colocated",) if pool.mode == "colocated" else ("prefill", "decode")
-    return [w for role in roles for w in pool.of_role(role)]
-
-
-def loaded_adapters(pool: WorkerPool) -> dict[str, pb.LoraAdapterInfo]:
-    """The adapters every healthy serving worker has loaded at the same version, by name."""
-    infos = [w.info for w in serving_workers(pool) if w.healthy and w.info is not None]
+def loaded_adapters(workers: list[Worker]) -> dict[str, pb.LoraAdapterInfo]:
+    """The adapters every healthy one of the serving `workers` has loaded at the same version, by name."""
+    infos = [w.info for w in workers if w.healthy and w.info is not None]
     if not infos:
         return {}
     common = {a.name: a for a in infos[0].lora_adapters}
@@ -36,56 +26,53 @@ def loaded_adapters(pool: WorkerPool) -> dict[str, pb.LoraAdapterInfo]:
     return common
 
 
-def lora_enabled(pool: WorkerPool) -> bool:
-    infos = [w.info for w in serving_workers(pool) if w.info is not None]
+def lora_enabled(workers: list[Worker]) -> bool:
+    infos = [w.info for w in workers if w.info is not None]
     return bool(infos) and all(info.lora_enabled for info in infos)
 
 
-def adapter_of(gw: Gateway, model: str | None, lora_path: str | None = None) -> str | None:
-    """The adapter a request runs with (None: the base model). 404 for a model that is neither the served one
+def adapter_of(model: str | None, lora_path: str | None, *, served: str, accepted: frozenset[str],
+               workers: list[Worker]) -> str | None:
+    """The adapter a request runs with (None: the base model). `served` is the gateway's model name, `accepted`
+    every name of its base model, `workers` the serving workers. 404 for a model that is neither the served one
     nor a loaded adapter; 400 for an adapter that is not loaded or two that disagree."""
+    adapters = loaded_adapters(workers)
     from_model = None
-    if model is not None and model not in gw.accepted_model_names:
+    if model is not None and model not in accepted:
         base, sep, adapter = model.partition(":")
-        if sep and base in gw.accepted_model_names and adapter:
+        if sep and base in accepted and adapter:
             from_model = adapter
-        elif model in loaded_adapters(gw.backend.pool):
+        elif model in adapters:
             from_model = model
         else:
-            raise ApiError(404, f"The model {model!r} does not exist; this server serves {gw.served_model_name!r}"
-                                f"{_adapter_list(gw)}.", "model")
-    from_path = _by_path(gw, lora_path) if lora_path is not None else None
+            listed = f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}" if adapters else ""
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {served!r}"
+                                f"{listed}.", "model")
+    from_path = _by_path(workers, adapters, lora_path) if lora_path is not None else None
     if from_model is not None and from_path is not None and from_model != from_path:
         raise ApiError(400, f"'model' names LoRA adapter {from_model!r} but 'lora_path' names {from_path!r}.",
                        "lora_path")
-    if from_model is not None and from_model not in loaded_adapters(gw.backend.pool):
-        raise _not_loaded(gw, from_model, "model")
+    if from_model is not None and from_model not in adapters:
+        raise _not_loaded(workers, adapters, from_model, "model")
     return from_model or from_path
 
 
-def _by_path(gw: Gateway, ref: str) -> str:
+def _by_path(workers: list[Worker], adapters: dict[str, pb.LoraAdapterInfo], ref: str) -> str:
     """An adapter named by `lora_path`: its name, or the directory it was loaded from."""
     if not isinstance(ref, str) or not ref:
         raise ApiError(400, "'lora_path' must be the name (or loaded path) of a LoRA adapter.", "lora_path")
-    adapters = loaded_adapters(gw.backend.pool)
     if ref in adapters:
         return ref
     by_path = [a.name for a in adapters.values() if a.path.rstrip("/") == ref.rstrip("/")]
     if by_path:
         return by_path[0]
-    raise _not_loaded(gw, ref, "lora_path")
+    raise _not_loaded(workers, adapters, ref, "lora_path")
 
 
-def _not_loaded(gw: Gateway, name: str, param: str) -> ApiError:
-    pool = gw.backend.pool
-    if not lora_enabled(pool):
+def _not_loaded(workers: list[Worker], adapters: dict[str, pb.LoraAdapterInfo], name: str, param: str) -> ApiError:
+    if not lora_enabled(workers):
         return ApiError(400, f"LoRA adapter {name!r} requested, but LoRA is not enabled on this server (start it "
                              "with --enable-lora or --lora-paths).", param)
-    loaded = ", ".join(map(repr, sorted(loaded_adapters(pool)))) or "none"
+    loaded = ", ".join(map(repr, sorted(adapters))) or "none"
     return ApiError(400, f"LoRA adapter {name!r} is not loaded (loaded: {loaded}); load it with "
                          "POST /load_lora_adapter.", param)
-
-
-def _adapter_list(gw: Gateway) -> str:
-    names = sorted(loaded_adapters(gw.backend.pool))
-    return f" and the LoRA adapters {', '.join(map(repr, names))}" if names else ""

@@ -16,8 +16,8 @@ import time
 
 from aiohttp import web
 
-from pdserve.services.gateway import (expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi, pooling_api,
-                                      status_page, weights_api)
+from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
+                                      pooling_api, status_page, weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
@@ -168,14 +168,15 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
     expert_api.add_routes(app)
     weights_api.add_routes(app)
     pooling_api.add_routes(app, list(extra_models))
+    classify_api.add_routes(app)
     jobs_proxy.add_routes(app)
     status_page.add_routes(app)
     openapi.add_routes(app, OPEN_PATHS)
 
     async def pool_lifecycle(app: web.Application):
-        await gateway.backend.pool.start()
+        await gateway.backend.start()
         yield
-        await gateway.backend.pool.close()
+        await gateway.backend.close()
 
     app.cleanup_ctx.append(pool_lifecycle)
     return app

@@ -1,4 +1,4 @@
-"""Backend: what the HTTP handlers use to reach the workers, in one object.
+"""Backend: what the HTTP handlers use to reach the workers, in one object; no handler touches the worker pool.
 
 It owns admission (how many sequences may be in flight), routing, the generations in flight (by
 request id, for /abort_request) and the worker-wide operations (abort, flush, one-token health probe).
@@ -13,32 +13,30 @@ import asyncio
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.errors import ApiError, Busy
-from pdserve.services.gateway.generation import Generation, Job
+from pdserve.services.gateway.generation import Generation, GenerationSettings, Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import NoWorker, Pair, Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.workers import WorkerPool
+from pdserve.services.gateway.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.gateway")
 
 
+T = TypeVar("T")
 DEFAULT_MAX_QUEUED = 256  # sequences waiting beyond what the workers run at once
 
 
 @dataclass(frozen=True)
-class BackendSettings:
+class BackendSettings(GenerationSettings):
+    """Admission and worker-wide calls; the generations' retries and timeouts come from GenerationSettings."""
+
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED  # sequences waiting beyond the workers' (None: no limit)
-    retry_after_s: int = 2  # what a refused client is told to wait (Retry-After)
-    first_output_timeout_s: float = 300.0  # queueing + prefill on the workers
-    stall_timeout_s: float = 150.0  # between two outputs (the workers give up after 120 s themselves)
-    max_attempts: int = 3  # pairs tried for one generation before its first output (retries, restarts)
-    max_migrations: int = 3  # moves of one generation to another pair mid-stream (generation.py, migration.py)
     rpc_timeout_s: float = 10.0  # Abort, FlushCache and other small calls
 
 
@@ -97,7 +95,7 @@ class Backend:
             raise ApiError(400, f"A request with id {job.rid!r} is already running.", "rid")
         places = job.params.n
         self._check_room(places)
-        gen = Generation(self, job)
+        gen = Generation(job, self, self.tokenizer, self.metrics, self.settings)
         self.generations[job.rid] = gen
         self.in_flight += places
         self._gauges()
@@ -126,16 +124,15 @@ class Backend:
     # ------------------------------------------------------------ worker-wide operations
     async def abort(self, rid: str) -> bool:
         """Abort request `rid` on every worker that streams output (its client sees finish_reason abort)."""
-        workers = self.pool.healthy(self.pool.generate_role)
-        replies = await asyncio.gather(*(w.stub.Abort(pb.AbortRequest(rid=rid), timeout=self.settings.rpc_timeout_s)
-                                         for w in workers), return_exceptions=True)
+        replies = await self.broadcast(self.pool.healthy(self.pool.generate_role), lambda w: w.stub.Abort(
+            pb.AbortRequest(rid=rid), timeout=self.settings.rpc_timeout_s))
         return any(isinstance(r, pb.AbortReply) and r.found for r in replies)
 
     async def flush_cache(self) -> list[tuple[str, bool, str]]:
         """FlushCache on every worker holding a prefix cache: (address, ok, message) each."""
         workers = self.pool.of_role(self.pool.cache_role)
-        replies = await asyncio.gather(*(w.stub.FlushCache(pb.Empty(), timeout=self.settings.rpc_timeout_s)
-                                         for w in workers), return_exceptions=True)
+        replies = await self.broadcast(workers, lambda w: w.stub.FlushCache(pb.Empty(),
+                                                                              timeout=self.settings.rpc_timeout_s))
         out = []
         for w, r in zip(workers, replies):
             if isinstance(r, pb.FlushReply):
@@ -147,3 +144,55 @@ class Backend:
             else:
                 out.append((w.address, False, str(r)))
         return out
+
+    async def broadcast(self, workers: list[Worker], call: Callable[[Worker], Awaitable[T]]) -> list[T | BaseException]:
+        """`call` on every worker at once: its reply, or the exception it raised, for each."""
+        return await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
+
+    # ------------------------------------------------------------ the workers, as the handlers see them
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    @property
+    def mode(self) -> str:
+        """"colocated" or "pd"."""
+        return self.pool.mode
+
+    @property
+    def cache_role(self) -> str:
+        return self.pool.cache_role
+
+    def workers(self) -> list[Worker]:
+        """Every worker known, healthy or not, by role and address."""
+        return sorted(self.pool.workers.values(), key=lambda w: (w.role, w.address))
+
+    def generating_workers(self) -> list[Worker]:
+        """The workers that serve Generate (colocated, or decode in PD mode), healthy or not."""
+        return self.pool.of_role(self.pool.generate_role)
+
+    def serving_workers(self) -> list[Worker]:
+        """The workers that hold the model's weights: the targets of LoRA, weight and expert calls."""
+        roles = ("colocated",) if self.pool.mode == "colocated" else ("prefill", "decode")
+        return [w for role in roles for w in self.pool.of_role(role)]
+
+    def healthy_cache_workers(self) -> list[Worker]:
+        """Healthy workers that hold a prefix cache, where prefill-only calls (Encode) go."""
+        return self.pool.healthy(self.pool.cache_role)
+
+    def has_healthy_pair(self) -> bool:
+        return self.pool.has_healthy_pair()
+
+    async def probe(self, worker: Worker) -> bool:
+        """Check `worker` after a call failed on it; takes it out at once if it is down."""
+        return await self.pool.probe(worker)
+
+    def take_out(self, worker: Worker, reason: str) -> None:
+        """Route nothing to `worker` until it passes a health check (and the admission check) again."""
+        self.pool.take_out(worker, reason)
+
+    def admit_workers_with(self, check: Callable[[Worker], str | None]) -> None:
+        """Ask `check` before a worker (re)joins: None lets it in, a reason holds it back for now."""
+        self.pool.admission = check

@@ -16,8 +16,6 @@ from pdserve.services.gateway.reasoning import PARSERS
 # OpenAI's json_object: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 SGLANG_CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
-# SamplingParams fields the gateway derives (from its reasoning parser), never read from a request.
-GATEWAY_DERIVED = ("think_start_ids", "think_end_ids")
 
 
 def after_reasoning(values: dict, parser: str | None, tokenizer) -> dict:

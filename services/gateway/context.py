@@ -10,14 +10,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
+from pdserve.services.gateway.adapters import adapter_of
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
-from pdserve.shared.grammar import GrammarError, Grammars
-from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+from pdserve.shared.sampling_params import SamplingParams
 
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 # JSON bodies beyond it are a 413. 32 MiB holds a full context of token ids many times over; file uploads
@@ -43,7 +44,7 @@ class Gateway:
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
-    _grammars: Grammars | None = field(default=None, init=False, repr=False)
+    _grammars: Any = field(default=None, init=False, repr=False)  # shared.grammar.Grammars, made at first use
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def check_model(self, name: str | None) -> None:
@@ -55,9 +56,8 @@ class Gateway:
         """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py."""
         if model in self.accepted_model_names and lora_path is None:
             return None
-        from pdserve.services.gateway.adapters import adapter_of
-
-        return adapter_of(self, model, lora_path)
+        return adapter_of(model, lora_path, served=self.served_model_name, accepted=self.accepted_model_names,
+                          workers=self.backend.serving_workers())
 
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, given as text or ids; checked against the vocabulary and the context."""
@@ -90,19 +90,6 @@ class Gateway:
             raise ApiError(400, f"The prompt ({param!r}) has {len(ids)} tokens, which is not shorter than the model's context "
                                 f"length of {limit} tokens.", param)
 
-    def build_params(self, values: dict, names: dict[str, str], prefix: str = "") -> SamplingParams:
-        """SamplingParams from API values; a bad value is a 400 naming the field as the API calls it."""
-        try:
-            params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
-            params.validate(self.tokenizer.vocab_size)
-        except InvalidParam as exc:
-            message = str(exc)
-            for internal, external in names.items():  # speak the API's field names, not the runtime's
-                message = message.replace(internal, external)
-            name = prefix + names.get(exc.field, exc.field)
-            raise ApiError(400, f"Invalid value for {name!r}: {message}", name) from None
-        return params
-
     async def check_constraint(self, params: SamplingParams, names: dict[str, str], prefix: str = "") -> None:
         """Compile params' grammar (cached after the first time): one that does not compile is a 400 here,
         before any worker is asked. Compiling runs in a thread, never on the event loop."""
@@ -110,21 +97,31 @@ class Gateway:
             return
         try:
             async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
-                await asyncio.to_thread(self._compile, params)
-        except GrammarError as exc:
-            name = prefix + names.get(exc.field, exc.field)
-            raise ApiError(400, f"Invalid value for {name!r}: {exc}", name) from None
+                refused = await asyncio.to_thread(self._compile, params)
         except TimeoutError:
             name = prefix + names.get(params.constraint[0], params.constraint[0])
             raise ApiError(400, f"The grammar of {name!r} did not compile within "
                                 f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s.", name) from None
+        if refused is not None:
+            field, reason = refused
+            name = prefix + names.get(field, field)
+            raise ApiError(400, f"Invalid value for {name!r}: {reason}", name)
 
-    def _compile(self, params: SamplingParams) -> None:
+    def _compile(self, params: SamplingParams) -> tuple[str, str] | None:
+        """(field, reason) when params' grammar does not compile, else None."""
+        # xgrammar brings torch with it: a gateway loads both at its first request with a grammar, not at start-up
+        # (most gateways never see one, and torch costs a second and hundreds of MB).
+        from pdserve.shared.grammar import GrammarError, Grammars
+
         with self._grammars_lock:
             if self._grammars is None:
                 vocab = self.model_config.vocab_size or self.tokenizer.vocab_size
                 self._grammars = Grammars(self.tokenizer.tok, vocab, tuple(self.tokenizer.eos_token_ids) or None)
-        self._grammars.compile(params)
+        try:
+            self._grammars.compile(params)
+        except GrammarError as exc:
+            return exc.field, str(exc)
+        return None
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

@@ -15,15 +15,12 @@ import asyncio
 from pathlib import Path
 
 import grpc
-import torch
 from aiohttp import web
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.adapters import serving_workers
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.workers import Worker
-from pdserve.shared.expert_recorder import save_dump
 
 RPC_TIMEOUT_S = 30.0
 
@@ -65,11 +62,16 @@ async def dump_record(request: web.Request) -> web.Response:
 
 
 def _save(total: list[int], layers: int, experts: int, directory: Path) -> Path:
+    # torch only to write SGLang's .pt file, when a dump is asked for: the gateway process never needs it otherwise.
+    import torch
+
+    from pdserve.shared.expert_recorder import save_dump
+
     return save_dump(torch.tensor(total, dtype=torch.int64).view(layers, experts), directory)
 
 
 def _reachable(gw: Gateway) -> list[Worker]:
-    workers = serving_workers(gw.backend.pool)
+    workers = gw.backend.serving_workers()
     down = [w.address for w in workers if not w.healthy or w.info is None]
     if not workers or down:
         raise ApiError(503, f"Workers {', '.join(down) or '(none)'} are not serving; expert distributions are "

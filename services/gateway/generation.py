@@ -19,25 +19,40 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.errors import ApiError, Busy
-from pdserve.services.gateway.metrics import TokenTimer
-from pdserve.services.gateway.migration import continuation, why_not_movable
-from pdserve.services.gateway.stops import StopMatcher
-from pdserve.services.gateway.tokenization import Detokenizer
 from pdserve.proto.codec import params_to_proto
+from pdserve.services.gateway.errors import ApiError, Busy
+from pdserve.services.gateway.metrics import GatewayMetrics, TokenTimer
+from pdserve.services.gateway.migration import continuation, why_not_movable
+from pdserve.services.gateway.router import Pair
+from pdserve.services.gateway.stops import StopMatcher
+from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
+from pdserve.services.gateway.workers import Worker
 from pdserve.shared.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.services.gateway.backend import Backend
-    from pdserve.services.gateway.router import Pair
-    from pdserve.services.gateway.workers import Worker
-
 log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    retry_after_s: int = 2  # what a refused client is told to wait (Retry-After)
+    first_output_timeout_s: float = 300.0  # queueing + prefill on the workers
+    stall_timeout_s: float = 150.0  # between two outputs (the workers give up after 120 s themselves)
+    max_attempts: int = 3  # pairs tried for one generation before its first output (retries, restarts)
+    max_migrations: int = 3  # moves of one generation to another pair mid-stream (migration.py)
+
+
+class Pairs(Protocol):
+    """Where a generation's attempts run (the gateway's Backend): a pair for a prompt, and, after a failure,
+    which workers of the pair are down."""
+
+    def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair: ...
+
+    async def probe_pair(self, pair: Pair) -> set[str]: ...
 
 
 @dataclass
@@ -123,7 +138,7 @@ class _Tries:
 class _Choice:
     def __init__(self, gen: Generation) -> None:
         job = gen.job
-        self.detok = Detokenizer(gen.backend.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
+        self.detok = Detokenizer(gen.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
         self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
         self.finished = False
         # Every token the workers produced, up to the one that ended the choice; a migration resends them.
@@ -136,9 +151,13 @@ class _Choice:
 
 
 class Generation:
-    def __init__(self, backend: Backend, job: Job) -> None:
-        self.backend = backend
+    def __init__(self, job: Job, pairs: Pairs, tokenizer: ModelTokenizer, metrics: GatewayMetrics,
+                 settings: GenerationSettings) -> None:
         self.job = job
+        self.pairs = pairs
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.settings = settings
         self.start = time.perf_counter()
         self.prompt_tokens = len(job.input_ids)
         self.cached_tokens = 0
@@ -184,7 +203,7 @@ class Generation:
         """Attempts on pairs until every choice has finished (see the module docstring for what follows a
         failure). `restartable`: the consumer can take a `Restart` (nothing has reached the client yet)."""
         tries = _Tries()
-        timer = TokenTimer(self.backend.metrics, self.start)
+        timer = TokenTimer(self.metrics, self.start)
         self.choices = self._new_choices()
         while True:
             pair = self._route(tries)
@@ -210,7 +229,7 @@ class Generation:
 
     def _route(self, tries: _Tries) -> Pair:
         try:
-            return self.backend.route(self._input_ids(), frozenset(tries.down))
+            return self.pairs.route(self._input_ids(), frozenset(tries.down))
         except ApiError as exc:
             if not self.produced:
                 raise
@@ -219,7 +238,7 @@ class Generation:
 
     async def _recover(self, pair: Pair, tries: _Tries, restartable: bool) -> str:
         """After `pair` failed: "retry", "migrate" or "restart" (then the next attempt may start), or the 503."""
-        down = await self.backend.probe_pair(pair)
+        down = await self.pairs.probe_pair(pair)
         step, why_not = self._next_step(bool(down), tries, restartable)
         log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, _names(pair),
                     self.completion_tokens, tries.failure, f"; next: {step}" if step else "")
@@ -228,10 +247,10 @@ class Generation:
         tries.down |= down
         if step == "migrate":
             tries.migrations += 1
-            self.backend.metrics.migrations.inc()
+            self.metrics.migrations.inc()
             return step
         tries.fresh += 1
-        self.backend.metrics.retries.inc()
+        self.metrics.retries.inc()
         if step == "restart":
             self.choices = self._new_choices()
         return step
@@ -241,7 +260,7 @@ class Generation:
 
         Only a worker found down makes another attempt worth it: a pair that is alive but failed or stalled
         would most likely fail the same way again."""
-        settings = self.backend.settings
+        settings = self.settings
         if not worker_down:
             return None, ""
         can_start_over = tries.fresh + 1 < settings.max_attempts
@@ -304,7 +323,7 @@ class Generation:
 
     async def _read(self, call, first: bool) -> pb.GenerateResponse:
         """The next message of the stream; a WorkerFailure when the pair fails, stalls or is taken out."""
-        settings = self.backend.settings
+        settings = self.settings
         try:
             async with asyncio.timeout(settings.first_output_timeout_s if first else settings.stall_timeout_s):
                 msg = await call.read()
@@ -344,7 +363,7 @@ class Generation:
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return ApiError(400, details)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return Busy(429, f"The server is busy: {details}", self.backend.settings.retry_after_s)
+            return Busy(429, f"The server is busy: {details}", self.settings.retry_after_s)
         if code == grpc.StatusCode.CANCELLED and self._failure is not None:
             return WorkerFailure(self._failure)
         return WorkerFailure(details)

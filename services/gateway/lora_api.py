@@ -13,7 +13,7 @@ from aiohttp import web
 from pydantic import Field
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.adapters import loaded_adapters, serving_workers
+from pdserve.services.gateway.adapters import loaded_adapters
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.protocol import _Schema, parse
@@ -37,7 +37,7 @@ def adapter_cards(gw: Gateway) -> list[dict]:
     from pdserve.services.gateway.openai_format import model_card
 
     cards = []
-    for name, adapter in sorted(loaded_adapters(gw.backend.pool).items()):
+    for name, adapter in sorted(loaded_adapters(gw.backend.serving_workers()).items()):
         card = model_card(name, gw.created, gw.backend.context_length())
         cards.append({**card, "root": adapter.path, "parent": gw.served_model_name})
     return cards
@@ -74,7 +74,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 
 
 def _reachable(gw: Gateway) -> list[Worker]:
-    workers = serving_workers(gw.backend.pool)
+    workers = gw.backend.serving_workers()
     down = [w.address for w in workers if not w.healthy or w.info is None]
     if not workers or down:
         raise ApiError(503, f"Workers {', '.join(down) or '(none)'} are not serving; adapters change on every "
@@ -105,7 +105,7 @@ async def _call(workers: list[Worker], rpc) -> list[tuple[Worker, str]]:
 
 
 def _success(gw: Gateway) -> web.Response:
-    adapters = loaded_adapters(gw.backend.pool)
+    adapters = loaded_adapters(gw.backend.serving_workers())
     return web.json_response({"success": True, "error_message": None,
                               "loaded_adapters": {name: a.path for name, a in sorted(adapters.items())}})
 

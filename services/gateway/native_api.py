@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import fields
 
 from aiohttp import web
 
+from pdserve.services.gateway import intake
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.dialects import NATIVE
 from pdserve.services.gateway.weights_api import weight_version
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
@@ -15,15 +16,8 @@ from pdserve.services.gateway.served_models import GENERATE, MODELS
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
                                                parse, per_prompt, refuse_unsupported)
-from pdserve.services.gateway.constraints import (GATEWAY_DERIVED, SGLANG_CONSTRAINTS, constraint_values,
-                                                  logit_bias_values)
 from pdserve.shared.sampling_params import SamplingParams
 
-NATIVE_NAMES = {"seed": "sampling_seed", "top_logprobs_num": "top_logprobs_num", "return_logprob": "return_logprob"}
-# The SamplingParams fields that native sampling_params carry (the others are request-level: logprobs).
-FROM_SAMPLING_PARAMS = tuple(f.name for f in fields(SamplingParams)
-                             if f.name not in ("return_logprob", "top_logprobs_num", "logprob_start_len",
-                                               *GATEWAY_DERIVED))
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
     "image_data", "audio_data", "video_data", "input_embeds", "return_hidden_states",
     "custom_logit_processor")}
@@ -31,19 +25,6 @@ VERSION = "0.1.0"
 
 
 # ---------------------------------------------------------------- /generate
-def native_values(sp: NativeSampling, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int,
-                  logprob_start_len: int = -1) -> dict:
-    """SamplingParams values of one prompt: sampling_params' fields under their runtime names (NATIVE_NAMES maps
-    the few spelled differently), plus the request-level logprob fields."""
-    values = {name: getattr(sp, NATIVE_NAMES.get(name, name)) for name in FROM_SAMPLING_PARAMS}
-    constraint, _ = constraint_values(None, {k: values.pop(k) for k in SGLANG_CONSTRAINTS}, "sampling_params.")
-    values.update(constraint, **logit_bias_values(values.pop("logit_bias"), "logit_bias"))
-    values.update(max_new_tokens=max_new_tokens, stop_token_ids=tuple(sp.stop_token_ids or ()),
-                  return_logprob=return_logprob, top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                  logprob_start_len=logprob_start_len)
-    return values
-
-
 async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, list[bool], list[int]]:
     """(one Job per prompt, whether the request is a batch, return_logprob per prompt, stream_interval per
     prompt)."""
@@ -69,13 +50,13 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         if start >= len(ids):
             raise ApiError(400, f"'logprob_start_len' ({start}) must be smaller than the prompt's {len(ids)} tokens.",
                            "logprob_start_len")
-        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else gw.backend.context_length() - len(ids)
-        params = gw.build_params(native_values(sp, max_new, logprob_flags[k], tops[k], start), NATIVE_NAMES, prefix)
-        await gw.check_constraint(params, NATIVE_NAMES, prefix)
+        draft = intake.read(NATIVE, sp, prefix=prefix, return_logprob=logprob_flags[k], top_logprobs_num=tops[k],
+                            logprob_start_len=start)
+        if sp.max_new_tokens is None:  # as many as the context leaves
+            draft.values["max_new_tokens"] = gw.backend.context_length() - len(ids)
         rid = f"{base}-{k}" if batch else base  # the client's rid is only its name for the request (Job)
-        jobs.append(Job(rid, ids, params, sp.stop_list(), sp.skip_special_tokens, sp.no_stop_trim,
-                        sp.spaces_between_special_tokens, lora=loras[k],
-                        public_id=rids[k] if rids is not None else ""))
+        jobs.append(await intake.job(gw, draft, sp, rid, ids, lora=loras[k],
+                                     public_id=rids[k] if rids is not None else ""))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 
@@ -185,19 +166,18 @@ async def get_model_info(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     backend = gw.backend
-    workers = sorted(backend.pool.workers.values(), key=lambda w: (w.role, w.address))
-    generating = [w for w in workers if w.role == backend.pool.generate_role and w.info is not None]
+    generating = [w for w in backend.generating_workers() if w.info is not None]
     return web.json_response({
-        **gw.server_args, "version": VERSION, "mode": backend.pool.mode,
+        **gw.server_args, "version": VERSION, "mode": backend.mode,
         "context_length": backend.context_length(),
         "max_total_num_tokens": sum(w.info.max_total_tokens for w in generating),
         "internal_states": [{"running_requests": backend.in_flight, "queued_requests": backend.queued}],
-        "workers": [w.describe() for w in workers]})
+        "workers": [w.describe() for w in backend.workers()]})
 
 
 async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if not gw.backend.pool.has_healthy_pair():
+    if not gw.backend.has_healthy_pair():
         raise ApiError(503, "No healthy worker is available.")
     return web.Response(text="")
 
@@ -290,7 +270,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    for w in gw.backend.pool.workers.values():
+    for w in gw.backend.workers():
         gw.backend.metrics.workers_healthy.labels(w.role, w.address).set(1 if w.healthy else 0)
     gw.backend.metrics.queued.set(gw.backend.queued)
     return gw.backend.metrics.render()

@@ -1,7 +1,7 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
-Each handler validates (protocol.py), tokenizes, admits, runs one generation per prompt (the worker does
-n > 1) and answers in OpenAI's shape, streamed as SSE or whole.
+Each handler validates (protocol.py), tokenizes, turns the request into one Job per prompt (intake.py), admits,
+runs one generation per prompt (the worker does n > 1) and answers in OpenAI's shape, streamed as SSE or whole.
 """
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import time
 
 from aiohttp import web
 
+from pdserve.services.gateway import intake
 from pdserve.services.gateway import openai_format as fmt
+from pdserve.services.gateway.constraints import after_reasoning
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.dialects import OPENAI_CHAT, OPENAI_COMPLETION
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import Job, Update, merge_updates
 from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse, per_prompt,
@@ -20,30 +23,7 @@ from pdserve.services.gateway.protocol import (ChatCompletionRequest, Completion
 from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.served_models import MODELS
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
-from pdserve.services.gateway.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
-                                                  logit_bias_values)
 from pdserve.services.gateway.tool_calls import ToolPlan, plan_tools, template_messages
-
-CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs",
-              "return_logprob": "logprobs"}
-COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs",
-                    "return_logprob": "logprobs"}
-
-
-def sampling_values(req: OpenAISampling, max_new_tokens: int, return_logprob: bool,
-                    top_logprobs: int, logprob_start_len: int = -1) -> tuple[dict, dict]:
-    """(SamplingParams values, {field: API name} for the fields whose API name is not fixed) of a request."""
-    constraint, names = constraint_values(req.response_format, {k: getattr(req, k) for k in SGLANG_CONSTRAINTS})
-    values = dict(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
-                  top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
-                  presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-                  max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
-                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n,
-                  return_logprob=return_logprob, top_logprobs_num=top_logprobs,
-                  logprob_start_len=logprob_start_len if return_logprob else -1,
-                  **logit_bias_values(req.logit_bias), **constraint)
-    return values, names
-
 
 def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
     return cached if gw.enable_cache_report or req.return_cached_tokens_details else None
@@ -74,16 +54,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true.", "top_logprobs")
     max_new = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
                    gw.backend.context_length() - len(ids))
-    names = dict(CHAT_NAMES, max_new_tokens="max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens")
-    values, constraint_names = sampling_values(req, max_new, req.logprobs, req.top_logprobs or 0)
-    names.update(constraint_names)
-    values, names = tools.constrain(values, names)
+    draft = intake.read(OPENAI_CHAT, req, response_format=req.response_format, max_new_tokens=max_new,
+                        return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
+    if req.max_completion_tokens is not None:
+        draft.names["max_new_tokens"] = "max_completion_tokens"
+    draft.values, draft.names = tools.constrain(draft.values, draft.names)
     parser = gw.reasoning_parser if req.separate_reasoning else None
-    params = gw.build_params(after_reasoning(values, parser, gw.tokenizer), names)
-    await gw.check_constraint(params, names)
-    job = Job(new_id(), ids, params, req.stop_list(), req.skip_special_tokens and not tools.needs_special_tokens,
-              req.no_stop_trim, lora=lora, public_id=req.rid or "")
+    draft.values = after_reasoning(draft.values, parser, gw.tokenizer)
+    job = await intake.job(gw, draft, req, new_id(), ids, lora=lora, public_id=req.rid or "",
+                           skip_special_tokens=req.skip_special_tokens and not tools.needs_special_tokens)
     with gw.backend.admit(), gw.backend.generation(job) as gen:
         if req.stream:
             return await _stream_chat(request, gw, req, job, gen, parser, tools)
@@ -177,13 +156,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     jobs = []
     for k, ids in enumerate(ids_list):
         max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
-        values, constraint_names = sampling_values(req, max_new, req.logprobs is not None, req.logprobs or 0,
-                                                   0 if req.echo else -1)  # echo: the prompt's logprobs too
-        names = dict(COMPLETION_NAMES, **constraint_names)
-        params = gw.build_params(values, names)
-        await gw.check_constraint(params, names)
-        jobs.append(Job(f"{base}-{k}" if many else base, ids, params, req.stop_list(), req.skip_special_tokens,
-                        req.no_stop_trim, lora=loras[k], public_id=rid))
+        draft = intake.read(OPENAI_COMPLETION, req, response_format=req.response_format, max_new_tokens=max_new,
+                            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
+                            logprob_start_len=0 if req.echo else -1)  # echo: the prompt's logprobs too
+        jobs.append(await intake.job(gw, draft, req, f"{base}-{k}" if many else base, ids, lora=loras[k],
+                                     public_id=rid))
     echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
               for p, ids in zip(prompts, ids_list)]
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:

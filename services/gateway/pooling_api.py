@@ -74,7 +74,6 @@ async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] 
                  type_ids: list[list[int]] | None = None) -> Encoded:
     """Run `seqs` on a worker holding the prefix cache; a worker that fails is left out of one retry.
     `type_ids`: segment ids per token, for cross-encoder pairs."""
-    pool = gw.backend.pool
     tried: set[str] = set()
     for _ in range(gw.backend.settings.max_attempts):
         worker = _pick(gw, tried)
@@ -95,17 +94,16 @@ async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] 
                 raise Busy(429, f"The server is busy: {details}.", RETRY_AFTER_S) from None
             if code != grpc.StatusCode.UNAVAILABLE:
                 raise ApiError(503, f"{worker.role} worker {worker.address} failed: {details}.") from None
-            await pool.probe(worker)
+            await gw.backend.probe(worker)
         finally:
             worker.in_flight -= 1
     raise ApiError(503, "No worker could serve the request (tried " + ", ".join(sorted(tried)) + ").")
 
 
 def _pick(gw: Gateway, tried: set[str]) -> Worker:
-    pool = gw.backend.pool
-    workers = [w for w in pool.healthy(pool.cache_role) if w.address not in tried]
+    workers = [w for w in gw.backend.healthy_cache_workers() if w.address not in tried]
     if not workers:
-        raise ApiError(503, f"No healthy {pool.cache_role} worker is available to serve the request.")
+        raise ApiError(503, f"No healthy {gw.backend.cache_role} worker is available to serve the request.")
     return min(workers, key=lambda w: (load_of(w), w.address))
 
 
@@ -289,10 +287,8 @@ async def answer_native(request: web.Request, kind: str, endpoint: str) -> web.R
 
 
 def add_routes(app: web.Application, extra_models: list[Gateway]) -> None:
-    from pdserve.services.gateway import classify_api
-
+    """The routes here; /v1/rerank and /classify, which build on them, are added by classify_api."""
     install(app, extra_models)
     app.router.add_post("/v1/score", score)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/encode", native_encode)
-    classify_api.add_routes(app)

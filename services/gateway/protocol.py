@@ -2,14 +2,16 @@
 
 Unknown fields are ignored, as OpenAI does, except fields that name features this server does not offer
 yet: those are refused with a 400 naming the field, never silently dropped (`refuse_unsupported`).
-Value ranges are checked once, by the runtime's SamplingParams; these schemas check shapes and types.
+Value ranges are checked once, by the runtime's SamplingParams; these schemas check shapes and types. The
+sampling fields of each API are built from SamplingParams through the API's dialect table (dialects.py).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model, field_validator
 
+from pdserve.services.gateway.dialects import NATIVE, OPENAI_CHAT, sampling_fields
 from pdserve.services.gateway.errors import ApiError, from_validation_error, unsupported
 
 StopField = Union[str, list[str], None]
@@ -72,24 +74,16 @@ class _Schema(BaseModel):
 
 
 # ---------------------------------------------------------------- shared sampling fields
-class OpenAISampling(_Schema):
-    """Sampling fields common to /v1/chat/completions and /v1/completions (SGLang's extensions included)."""
+_OpenAISamplingFields = create_model("_OpenAISamplingFields", __base__=_Schema, **sampling_fields(OPENAI_CHAT))
+
+
+class OpenAISampling(_OpenAISamplingFields):
+    """Fields common to /v1/chat/completions and /v1/completions (SGLang's extensions included): SamplingParams'
+    under their OpenAI names (generated), and what shapes the text."""
 
     model: str | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter by name or loaded path (a list: one per prompt)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: int = 1
     stop: StopField = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -97,13 +91,8 @@ class OpenAISampling(_Schema):
     rid: str | None = None
     user: str | None = None
     return_cached_tokens_details: bool = False
-    logit_bias: dict[str, float] | None = None
     # Structured output: OpenAI's response_format, or one of SGLang's constraint fields (constraints.py).
     response_format: ResponseFormat | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: str | None = None
-    structural_tag: str | None = None
 
     _check_stop_count = field_validator("stop")(check_stop_count)
 
@@ -243,34 +232,22 @@ UNSUPPORTED_NATIVE_SAMPLING = {
 }
 
 
-class NativeSampling(BaseModel):
-    """SGLang's sampling_params; unknown names are refused (they are most likely typos)."""
-
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
+
+_NativeSamplingFields = create_model("_NativeSamplingFields", __base__=_Strict, **sampling_fields(NATIVE))
+
+
+class NativeSampling(_NativeSamplingFields):
+    """SGLang's sampling_params: SamplingParams' fields under their native names (generated), and what shapes the
+    text. Unknown names are refused (they are most likely typos)."""
+
     stop: StopField = None
-    stop_token_ids: list[int] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
-    sampling_seed: int | None = None
     stream_interval: int | None = Field(None, ge=1)  # new tokens per streamed event
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    logit_bias: dict[str, float] | None = None
     custom_params: Any = None  # accepted by name so that the refusal above can name it
 
     _check_stop_count = field_validator("stop")(check_stop_count)

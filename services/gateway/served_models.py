@@ -185,10 +185,10 @@ def install(app: web.Application, extra: list[Gateway]) -> ServedModels:
 
     async def pools(app: web.Application):
         for gw in extra:
-            await gw.backend.pool.start()
+            await gw.backend.start()
         yield
         for gw in extra:
-            await gw.backend.pool.close()
+            await gw.backend.close()
 
     if extra:
         app.cleanup_ctx.append(pools)

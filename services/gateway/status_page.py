@@ -126,11 +126,11 @@ async def batches_in_flight(request: web.Request) -> dict | None:
 
 async def status_json(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    backend, pool = gw.backend, gw.backend.pool
+    backend = gw.backend
     workers: dict[str, list[dict]] = {}
-    for w in sorted(pool.workers.values(), key=lambda w: (w.role, w.address)):
+    for w in backend.workers():
         workers.setdefault(w.role, []).append(describe_worker(w))
-    body = {"model": gw.served_model_name, "mode": pool.mode, "time": time.time(), "workers": workers,
+    body = {"model": gw.served_model_name, "mode": backend.mode, "time": time.time(), "workers": workers,
             "requests": {"running": backend.in_flight - backend.queued, "queued": backend.queued},
             "samples": {"interval_s": request.app[SAMPLER].interval_s,
                         "points": [asdict(s) for s in request.app[SAMPLER].samples]}}

@@ -71,15 +71,28 @@ def template_names(template: str | dict | None) -> TemplateNames:
     return TemplateNames(frozenset(variables), frozenset(functions))
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer AutoTokenizer would load, without torch: AutoTokenizer's module imports the models'
+    configuration code, which imports torch, while the class that tokenizer_config.json names needs only
+    `tokenizers`. A directory that names no class known to transformers goes through AutoTokenizer."""
+    import transformers
+
+    config = Path(path) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(path))
+
+
 class ModelTokenizer:
     """The model's tokenizer and chat template (transformers), with helpers the APIs share."""
 
     def __init__(self, path: str | Path, chat_template_file: str | Path | None = None) -> None:
-        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.tok = load_tokenizer(path)
         if chat_template_file is not None:
             self.tok.chat_template = Path(chat_template_file).read_text()
         self.eos_token_ids: frozenset[int] = frozenset(

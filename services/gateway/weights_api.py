@@ -35,7 +35,6 @@ from aiohttp import web
 from pydantic import Field
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.adapters import serving_workers
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.protocol import _Schema, parse
@@ -137,7 +136,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return _answer(False, f"Failed to get model loader: load_format {req.load_format!r} is not supported "
                               "(supported: auto, safetensors, gguf).")
     async with gate.lock:
-        workers = serving_workers(gw.backend.pool)
+        workers = gw.backend.serving_workers()
         down = [w.address for w in workers if not w.healthy or w.info is None]
         if not workers or down:
             return _answer(False, f"Failed to update weights: workers {', '.join(down) or '(none)'} are not serving; "
@@ -216,10 +215,10 @@ class CatchUp:
         if "model_path" in self.gw.server_args:
             self.gw.server_args["model_path"] = path
         log.info("the workers serve weights version %d from %s", number, path)
-        for worker in self.gw.backend.pool.workers.values():  # admitted before: they rejoin through the check
+        for worker in self.gw.backend.workers():  # admitted before: they rejoin through the check
             if worker.healthy and worker.info is not None and worker.info.weights.number < number:
-                self.gw.backend.pool.take_out(worker, f"serves weights version {worker.info.weights.number}, "
-                                                      f"older than version {number}")
+                self.gw.backend.take_out(worker, f"serves weights version {worker.info.weights.number}, "
+                                                 f"older than version {number}")
 
     async def _bring_up(self, worker: Worker, number: int, path: str) -> None:
         async with self.gate.lock:  # never beside an update
@@ -294,6 +293,6 @@ def _answer(success: bool, message: str, status: int | None = None) -> web.Respo
 
 def add_routes(app: web.Application) -> None:
     app[GATE] = UpdateGate()
-    app[GATEWAY].backend.pool.admission = CatchUp(app[GATEWAY], app[GATE])
+    app[GATEWAY].backend.admit_workers_with(CatchUp(app[GATEWAY], app[GATE]))
     app.middlewares.append(hold_during_update)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)

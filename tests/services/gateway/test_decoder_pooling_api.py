@@ -3,6 +3,8 @@ answering /classify, and a bare Qwen2 embedding checkpoint beside it answering /
 colocated worker; checked against transformers on the same tiny random weights."""
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import requests
@@ -29,6 +31,12 @@ def pooling_decoders(tmp_path_factory):
         system.gateways.append(gw)
         for proc in (rm, emb, gw.proc):
             proc.wait_healthy(240)
+        # The gateway's /health speaks for its primary model only, and it checks workers once a second: the
+        # embedding worker may be up a moment before the gateway has seen it.
+        deadline = time.monotonic() + 30
+        while requests.post(gw.url + "/v1/embeddings", json={"model": "embedder", "input": "x"},
+                            timeout=30).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
         yield reward, embedder, gw
     finally:
         system.stop()
