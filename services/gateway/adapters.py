@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 
 
 def loaded_adapters(workers: list[Worker]) -> dict[str, pb.LoraAdapterInfo]:

@@ -23,7 +23,7 @@ from pdserve.services.gateway.generation import Generation, GenerationSettings, 
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import NoWorker, Pair, Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.workers import Worker, WorkerPool
+from pdserve.services.gateway.worker_pool import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.gateway")
 

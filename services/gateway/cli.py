@@ -100,7 +100,7 @@ def build(args: argparse.Namespace):
     from pdserve.services.gateway.metrics import GatewayMetrics
     from pdserve.services.gateway.router import Router
     from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
-    from pdserve.services.gateway.workers import HealthSettings, WorkerPool
+    from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
     from pdserve.shared.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
     model_dir = resolve_model_path(args.model_path, quiet=True)

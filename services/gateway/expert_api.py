@@ -20,7 +20,7 @@ from aiohttp import web
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 
 RPC_TIMEOUT_S = 30.0
 

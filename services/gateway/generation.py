@@ -31,7 +31,7 @@ from pdserve.services.gateway.migration import continuation, why_not_movable
 from pdserve.services.gateway.router import Pair
 from pdserve.services.gateway.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 from pdserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")

@@ -17,7 +17,7 @@ from pdserve.services.gateway.adapters import loaded_adapters
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.protocol import _Schema, parse
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 
 RPC_TIMEOUT_S = 60.0  # an adapter load reads and checks its files on the worker's engine thread
 

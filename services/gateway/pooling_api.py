@@ -25,7 +25,7 @@ from pdserve.services.gateway.errors import ApiError, Busy, read_json
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.router import load_of
 from pdserve.services.gateway.served_models import EMBED, GENERATE, MODELS, ServedModel, install
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 
 ENCODE_TIMEOUT_S = 300.0
 RETRY_AFTER_S = 2  # what a client refused because the encoder workers are full is told to wait

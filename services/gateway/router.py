@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
 
-from pdserve.services.gateway.workers import Worker, WorkerPool
+from pdserve.services.gateway.worker_pool import Worker, WorkerPool
 
 POLICIES = ("cache_aware", "round_robin")
 

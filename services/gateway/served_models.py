@@ -155,7 +155,7 @@ def build_embedding_gateway(args: argparse.Namespace, primary: Gateway) -> Gatew
     from pdserve.services.gateway.backend import Backend, BackendSettings
     from pdserve.services.gateway.router import Router
     from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
-    from pdserve.services.gateway.workers import HealthSettings, WorkerPool
+    from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
     from pdserve.shared.model_files import resolve_model_path
 
     model_dir = resolve_model_path(args.embedding_model, quiet=True)

@@ -38,7 +38,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.protocol import _Schema, parse
-from pdserve.services.gateway.workers import Worker
+from pdserve.services.gateway.worker_pool import Worker
 
 log = logging.getLogger("pdserve.gateway")
 

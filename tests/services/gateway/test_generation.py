@@ -17,7 +17,7 @@ from pdserve.services.gateway.generation import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.workers import WorkerPool
+from pdserve.services.gateway.worker_pool import WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
 from harness import ScriptedWorker
 

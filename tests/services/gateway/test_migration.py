@@ -22,7 +22,7 @@ from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.migration import continuation, why_not_movable
 from pdserve.services.gateway.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.workers import WorkerPool
+from pdserve.services.gateway.worker_pool import WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The runtime workers the gateway talks to: gRPC clients, health checks, DNS discovery.
+"""WorkerPool: the gateway's client records of the runtime workers, with their health checks and DNS discovery.
 
 `WorkerPool` owns one `Worker` per address. A background loop asks every worker for Health and Load about
 once a second with a short deadline; a worker whose address refuses the call (its process is gone) is taken
