@@ -57,10 +57,11 @@ class Sampler:
         if penalised or bans or biased:
             x = logits.to(torch.float32, copy=True)  # [B, V]
             if biased:
-                rows = [i for i in biased for _ in params[i].logit_bias]
-                ids = [token for i in biased for token, _ in params[i].logit_bias]
-                bias = torch.tensor([b for i in biased for _, b in params[i].logit_bias], device=x.device)
-                x[_index(rows, x.device), _index(ids, x.device)] += bias
+                entries = [_bias_entries(params[i]) for i in biased]
+                ids = torch.cat([e[0] for e in entries]).to(x.device)
+                counts = torch.tensor([len(e[0]) for e in entries], device=x.device)
+                rows = _index(biased, x.device).repeat_interleave(counts)
+                x.index_put_((rows, ids), torch.cat([e[1] for e in entries]).to(x.device), accumulate=True)
             if penalised:
                 _apply_penalties(x, penalised, params, prompt_ids, output_ids)
             if bans:
@@ -97,6 +98,18 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     best = blocks.amax(-1).argmax(-1)  # [R] first block holding the maximum
     inner = blocks[torch.arange(rows, device=x.device), best].argmax(-1)  # [R]
     return best * block + inner
+
+
+def _bias_entries(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """p.logit_bias as (token ids [E] int64, biases [E] fp32), built once per params object: a request keeps its
+    params for every step, and rebuilding them from Python pairs each step made a step's cost grow with the
+    entries (16 requests biasing the whole vocabulary: 0.7 s a step)."""
+    cached = p.__dict__.get("_bias_tensors")
+    if cached is None:
+        cached = (torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64),
+                  torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32))
+        object.__setattr__(p, "_bias_tensors", cached)  # a cache beside the frozen fields, not one of them
+    return cached
 
 
 def _index(values, device: torch.device) -> torch.Tensor:
