@@ -112,7 +112,7 @@ def test_volumes_hold_the_models_and_redis_data(project):
     redis = services["redis"]
     assert "--appendonly" in redis["command"] and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
     assert [(v["type"], v["source"], v["target"]) for v in redis["volumes"]] == [
-        ("volume", "redis-data", "/data"), ("volume", "secrets", "/run/pdserve-secrets")]
+        ("volume", "redis-data", "/data"), ("volume", "redis-secrets", "/run/pdserve-secrets")]
     for name in ("model-init", "prefill", "decode", "gateway"):
         mounts = [(v["type"], v["source"], v["target"]) for v in services[name]["volumes"]]
         assert ("volume", "models", services[name]["environment"]["PDSERVE_CACHE_DIR"]) in mounts, name

@@ -142,3 +142,44 @@ def test_workers_and_the_gateway_get_the_generated_cluster_token_from_its_secret
     assert not any(d["kind"] == "Secret" and d["metadata"]["name"] == f"{FULL}-cluster-token" for d in mine.docs)
     assert env_of(mine.container("decode"))["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == \
         {"name": "fleet-token", "key": "t"}
+
+
+def secrets_read(spec: dict) -> dict[str, set[str]]:
+    """Secret name -> the env variables (or "volume") through which a pod's containers can read it."""
+    read: dict[str, set[str]] = {}
+    for c in spec["containers"] + spec.get("initContainers", []):
+        for e in c.get("env", []):
+            if ref := e.get("valueFrom", {}).get("secretKeyRef"):
+                read.setdefault(ref["name"], set()).add(e["name"])
+        for source in c.get("envFrom", []):
+            if ref := source.get("secretRef"):
+                read.setdefault(ref["name"], set()).add("envFrom")
+    for volume in spec.get("volumes", []):
+        sources = [volume] + volume.get("projected", {}).get("sources", [])
+        for source in sources:
+            if name := source.get("secret", {}).get("secretName") or source.get("secret", {}).get("name"):
+                read.setdefault(name, set()).add("volume")
+    return read
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_each_pod_can_read_only_the_secrets_its_service_uses(render, value_set):
+    """Workers get the cluster token and nothing else: neither the API key nor the Redis URL or password."""
+    external = value_set == "external-redis"
+    api_key = "pdserve-api" if external else f"{FULL}-api-key"
+    redis = "pdserve-redis" if external else f"{FULL}-redis-auth"
+    token = f"{FULL}-cluster-token"
+    expected = {"gateway": {api_key: {"PDSERVE_API_KEY"}, token: {"PDSERVE_CLUSTER_TOKEN"}},
+                "jobs": {api_key: {"PDSERVE_API_KEY"}, redis: {"PDSERVE_REDIS_URL"}},
+                "redis": {redis: {"REDISCLI_AUTH", "volume"}}}
+    r = render(*VALUE_SETS[value_set])
+    seen = set()
+    for d in r.docs:
+        if d["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        component = d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        seen.add(component)
+        want = expected.get(component, {token: {"PDSERVE_CLUSTER_TOKEN"}})  # every worker role
+        assert secrets_read(d["spec"]["template"]["spec"]) == want, d["metadata"]["name"]
+    assert {"gateway", "jobs", "prefill", "decode"} <= seen
+    assert ("redis" in seen) != external and ("embedding" in seen) == (value_set == "embedding")
