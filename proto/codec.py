@@ -50,9 +50,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             values[name] = _from_float32(getattr(msg, name))
         else:
             values[name] = getattr(msg, name)
-    params = SamplingParams(**values)
-    params.validate()
-    return params
+    # Not validated here: the worker's edge is Engine.add_request, which validates once, against the model too.
+    return SamplingParams(**values)
 
 
 def _is_map(field: FieldDescriptor) -> bool:

@@ -138,8 +138,8 @@ def test_proto_defaults_round_trip():
 
 
 def test_proto_message_with_unset_fields_is_refused_not_read_as_defaults():
-    with pytest.raises(InvalidParam) as info:
-        from_proto(pb.SamplingParams(temperature=1.0))  # top_p left at proto3's 0
+    with pytest.raises(InvalidParam) as info:  # as the worker's edge (Engine.add_request) validates it
+        from_proto(pb.SamplingParams(temperature=1.0)).validate()  # top_p left at proto3's 0
     assert info.value.field == "top_p"
 
 
@@ -147,4 +147,4 @@ def test_proto_message_out_of_range_is_refused():
     msg = to_proto(SamplingParams())
     msg.n = 500
     with pytest.raises(InvalidParam, match=r"n must be in \[1, 128\], got 500"):
-        from_proto(msg)
+        from_proto(msg).validate()
