@@ -177,6 +177,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
         await gateway.backend.start()
         yield
         await gateway.backend.close()
+        gateway.close()
 
     app.cleanup_ctx.append(pool_lifecycle)
     return app

@@ -4,19 +4,17 @@ Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from pdserve.services.gateway.adapters import adapter_of
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -44,8 +42,8 @@ class Gateway:
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
-    _grammars: Any = field(default=None, init=False, repr=False)  # shared.grammar.Grammars, made at first use
-    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
+    _grammars: GrammarChecker | None = field(default=None, init=False, repr=False)  # started at first use
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this gateway does not serve (no name means the served model; a loaded LoRA adapter,
@@ -91,37 +89,28 @@ class Gateway:
                                 f"length of {limit} tokens.", param)
 
     async def check_constraint(self, params: SamplingParams, names: dict[str, str], prefix: str = "") -> None:
-        """Compile params' grammar (cached after the first time): one that does not compile is a 400 here,
-        before any worker is asked. Compiling runs in a thread, never on the event loop."""
+        """Compile params' grammar, in a child process (grammar_check.py): one that does not compile, or not
+        within the budget, is a 400 here, before any worker is asked."""
         if params.constraint is None:
             return
+        if self._grammars is None:
+            vocab = self.model_config.vocab_size or self.tokenizer.vocab_size
+            source = GrammarSource(self.tokenizer_path, vocab, tuple(self.tokenizer.eos_token_ids) or None)
+            self._grammars = GrammarChecker(source, self.grammar_timeout_s)
         try:
-            async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
-                refused = await asyncio.to_thread(self._compile, params)
-        except TimeoutError:
+            refused = await self._grammars.check(params)
+        except CompileTimeout:
             name = prefix + names.get(params.constraint[0], params.constraint[0])
             raise ApiError(400, f"The grammar of {name!r} did not compile within "
-                                f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s.", name) from None
+                                f"{self.grammar_timeout_s:g} s.", name) from None
         if refused is not None:
             field, reason = refused
             name = prefix + names.get(field, field)
             raise ApiError(400, f"Invalid value for {name!r}: {reason}", name)
 
-    def _compile(self, params: SamplingParams) -> tuple[str, str] | None:
-        """(field, reason) when params' grammar does not compile, else None."""
-        # xgrammar brings torch with it: a gateway loads both at its first request with a grammar, not at start-up
-        # (most gateways never see one, and torch costs a second and hundreds of MB).
-        from pdserve.shared.grammar import GrammarError, Grammars
-
-        with self._grammars_lock:
-            if self._grammars is None:
-                vocab = self.model_config.vocab_size or self.tokenizer.vocab_size
-                self._grammars = Grammars(self.tokenizer.tok, vocab, tuple(self.tokenizer.eos_token_ids) or None)
-        try:
-            self._grammars.compile(params)
-        except GrammarError as exc:
-            return exc.field, str(exc)
-        return None
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -135,3 +136,43 @@ def test_with_a_reasoning_parser_the_grammar_waits_for_the_end_of_thinking(defau
     assert opened["think_start_ids"] == tuple(tok.encode("<think>", add_special_tokens=False))
     assert after_reasoning({"regex": "a+"}, None, tok) == {"regex": "a+"}
     assert after_reasoning({"regex": None}, "qwen3", tok) == {"regex": None}  # no grammar: nothing to wait for
+
+
+def test_the_gateway_process_never_loads_torch_even_after_compiling_a_grammar(colocated):
+    """Grammars compile in the gateway's child processes: the gateway itself stays without torch or xgrammar."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "user_info", "schema": USER}}
+    r = chat(colocated.open, response_format=fmt, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError):
+        chat(colocated.open, extra_body={"regex": "[a-"}, temperature=0)
+    maps = Path(f"/proc/{colocated.open.proc.popen.pid}/maps").read_text()
+    assert "libtorch" not in maps and "xgrammar" not in maps
+
+
+def test_a_grammar_past_its_compile_budget_is_cut_off_and_the_next_one_compiles(default_model_dir):
+    import asyncio
+
+    from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
+    from pdserve.services.gateway.tokenization import ModelTokenizer
+    from pdserve.shared.sampling_params import SamplingParams
+
+    tok = ModelTokenizer(default_model_dir)
+    checker = GrammarChecker(GrammarSource(str(default_model_dir), tok.vocab_size, tuple(tok.eos_token_ids)),
+                             timeout_s=60, size=1)
+    slow = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "(a|b)*c{2,40}(d|e)+" * 8}
+                                             for i in range(60)}}
+
+    async def run():
+        assert await checker.check(SamplingParams(regex="a+b")) is None  # the child is up: budgets count compiles
+        checker.timeout_s = 0.01
+        with pytest.raises(CompileTimeout):
+            await checker.check(SamplingParams(json_schema=json.dumps(slow)))
+        checker.timeout_s = 60
+        assert await checker.check(SamplingParams(regex="[0-9]+")) is None  # a fresh child took over
+        field, reason = await checker.check(SamplingParams(regex="[a-"))
+        assert field == "regex" and "not valid" in reason
+
+    try:
+        asyncio.run(run())
+    finally:
+        checker.close()
