@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_SEQUENCES = 1024  # Generate sequences a worker holds beyond its --max-running-requests
 WEIGHTS_BUILD_TIMEOUT_S = 600.0  # for the engine thread to build new weights (a step's worth per layer or so)
 WEIGHTS_DRAIN_S = 60.0  # for the requests running here to finish before new weights are swapped in
+# Grammars compile here, not in the default executor that KV-page release and DNS share: a slow compile (the
+# gateway refuses those past its budget first) holds one of these threads, nothing else.
+GRAMMAR_THREADS = ThreadPoolExecutor(2, thread_name_prefix="grammar")
 UPDATE_ABORT_REASON = "aborted: the model weights are being updated (update_weights_from_disk, abort_all_requests)"
 
 
@@ -88,8 +91,10 @@ async def grammar_of(engine: Engine, params, context, timeout: float) -> Constra
     """The request's grammar state, compiled in a thread: the engine's step loop never waits for it."""
     if params.constraint is None:
         return None
+    loop = asyncio.get_running_loop()
     try:
-        compiled = await asyncio.wait_for(asyncio.to_thread(engine.compile_grammar, params), timeout)
+        compiled = await asyncio.wait_for(loop.run_in_executor(GRAMMAR_THREADS, engine.compile_grammar, params),
+                                          timeout)
     except GrammarError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     except asyncio.TimeoutError:
