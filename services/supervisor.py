@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pdserve.services.jobs.cli import without_password  # the Redis health URL holds a password
+
 LAST_LINES = 20  # lines of a failed child's log shown to the user
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 2.0
@@ -69,6 +71,9 @@ class Service:
     health_url: str  # http://.../health or redis://...
     ports: list[PortUse]
     env: dict[str, str] = field(default_factory=dict)
+    # Variables of the supervisor's own environment the child does not inherit (secrets it has no use for;
+    # those it uses are in `env`).
+    withheld: frozenset[str] = frozenset()
 
     @property
     def argv(self) -> list[str]:
@@ -124,7 +129,8 @@ class Child:
         self._console = console
         # A restart appends: the lines that explain the previous exit stay in the log.
         self._log = open(self.log_path, "ab" if append else "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
+        inherited = {k: v for k, v in os.environ.items() if k not in service.withheld}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **service.env}
         try:
             # Own session: Ctrl-C reaches only `up`, which stops the children in order.
             self.proc = subprocess.Popen(service.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -184,6 +190,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._force = threading.Event()
         self.reason = ""
+        self.startup_failure: Child | None = None  # the child whose exit during start-up stopped everything
 
     def request_stop(self, reason: str) -> None:
         """Ask for an orderly stop; asked again while stopping, kill at once (signal-handler safe)."""
@@ -225,12 +232,13 @@ class Supervisor:
                 return 0
             dead = next((c for c in self.children if c.exited()), None)
             if dead is not None:
+                self.startup_failure = dead
                 self._report(dead, f"{dead.describe_exit()} before the system was ready")
                 return 1
             if time.monotonic() > deadline:
                 child = pending[0]
                 self._report(child, f"did not become healthy within {self.startup_timeout:g} s "
-                                    f"(checked {child.service.health_url})")
+                                    f"(checked {without_password(child.service.health_url)})")
                 return 1
             for child in list(pending):
                 if self.health(child.service.health_url):

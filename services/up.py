@@ -6,6 +6,15 @@ healthy before the next (redis; prefill workers and jobs; decode workers; gatewa
 Ctrl-C/SIGTERM, restarting any service that dies meanwhile -> stop in reverse stage order (SIGTERM to each
 child's process group, SIGKILL after a grace period).
 
+Ports: the gateway, jobs and Redis ports are the user's (a busy one is an error naming its flag). Unless
+--worker-port is given, the workers' block (each gRPC port, +1000 HTTP, +2000 KV) is chosen at start-up
+outside the kernel's ephemeral range, where an outgoing connection cannot take one as its local port, and
+free; a worker that still loses its port to a race during start-up makes `up` start again on the next block.
+
+Secrets: the Redis `up` starts requires a password generated per run, in a 0600 config file in the state dir;
+the jobs service gets the URL holding it in its environment. Beyond loopback the gateway needs an API key
+(or --allow-insecure).
+
 Invariant: `up` never leaves a half-started system running. A child that exits during start-up, or that
 does not turn healthy in time, is reported with its last log lines, everything else is stopped, and `up`
 exits non-zero. Once serving, a child that dies is restarted with backoff (supervisor.RestartPolicy: 1 s,
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import os
 import secrets
 import shlex
@@ -27,12 +37,13 @@ import shutil
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
-from pdserve.services.supervisor import Console, PortUse, Service, Supervisor, UpError, probe
-from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token
+from pdserve.services.supervisor import Child, Console, PortUse, Service, Supervisor, UpError, probe
+from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token
 
 CHAT_EXAMPLE = "What is the capital of France?"
 CHILDREN = ("colocated", "prefill", "decode", "gateway", "jobs")  # the commands whose flags `up` passes through
@@ -41,6 +52,20 @@ PLANNED = frozenset({"--http-port", "--transfer-port", "--worker", "--jobs-url",
                      "--gateway-url"})
 # Of the workers' flags, those the --embedding-model worker (an encoder) takes too; the rest are about generation.
 EMBEDDING_FLAGS = frozenset({"--device", "--dtype", "--log-level", "--log-format"})
+# The first worker's gRPC port unless --worker-port is given: with its +1000 and +2000 ports below Linux's
+# default ephemeral range (32768-60999), so an outgoing connection never holds one of them a moment before
+# the worker binds it.
+DEFAULT_WORKER_PORT = 20051
+WORKER_PORT_OFFSETS = (0, 1000, 2000)  # gRPC, HTTP, KV transfer (a decode worker's)
+WORKER_BASE_STEP = 100  # the next block tried when one is taken
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Where the kernel does not say: Linux's default and the IANA range (macOS, BSD) together.
+FALLBACK_EPHEMERAL = range(32768, 65536)
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+# Secrets `up` may have in its own environment: each child gets those it uses in its Service.env, never the
+# rest by inheritance (a worker has no use for the API key or the Redis URL).
+SECRET_VARIABLES = frozenset({"PDSERVE_API_KEY", "PDSERVE_REDIS_URL", TOKEN_ENV, TOKEN_FILE_ENV})
+BIND_ATTEMPTS = 3  # starts of the whole system when a worker loses its chosen port to a race
 
 
 @dataclass
@@ -49,6 +74,8 @@ class Plan:
     base_url: str  # the OpenAI base URL users talk to
     model_name: str
     api_key: str | None
+    # Files `up` writes (mode 0600) before starting anything and removes after the last stop: Redis's password.
+    private_files: dict[Path, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- plan
@@ -71,19 +98,31 @@ def loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "", "localhost") else host
 
 
+def redis_config_path(state: Path) -> Path:
+    return state / "redis.conf"
+
+
 def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
-    """Every child's command line, stage, health URL and ports. Pure: starts and checks nothing."""
+    """Every child's command line, stage, health URL and ports. Pure but for the secrets it generates: starts and
+    checks nothing (a --worker-port left to `up` is DEFAULT_WORKER_PORT here; `prepare` chooses it)."""
     pdserve = [sys.executable, "-m", "pdserve"]
     local = "127.0.0.1"
     state = Path(args.state_dir).expanduser()
+    worker_port = DEFAULT_WORKER_PORT if args.worker_port is None else args.worker_port
     services: list[Service] = []
+    private: dict[Path, str] = {}
     if args.redis_url:
         redis_url = args.redis_url
     else:
-        redis_url = f"redis://{local}:{args.redis_port}/0"
+        # A password per run, in a config file only this user can read: never on redis-server's command line
+        # (`ps`), and only in the environment of jobs, the one service that uses Redis.
+        password = secrets.token_urlsafe(32)
+        redis_url = f"redis://:{password}@{local}:{args.redis_port}/0"
+        config = redis_config_path(state)
+        private[config] = f'requirepass "{password}"\n'
         services.append(Service(
             "redis", ["redis-server"],
-            ["--bind", local, "--port", str(args.redis_port), "--daemonize", "no",
+            [str(config), "--bind", local, "--port", str(args.redis_port), "--daemonize", "no",
              "--dir", str(state / "redis"), "--appendonly", "yes", "--appendfsync", "always"],
             0, redis_url, [PortUse(args.redis_port, local, "redis port", "--redis-port")]))
 
@@ -106,7 +145,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     index = 0
     for role, count in roles:
         for i in range(count):
-            port = args.worker_port + index
+            port = worker_port + index
             index += 1
             name = role if count == 1 else f"{role}-{i}"
             workers.setdefault(role, []).append(f"{local}:{port}")
@@ -128,7 +167,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
 
     embedding_targets: list[str] = []
     if args.embedding_model:
-        service, embedding_targets = embedding_worker(args, args.worker_port + index, pdserve, cpus,
+        service, embedding_targets = embedding_worker(args, worker_port + index, pdserve, cpus,
                                                       given["embedding"])
         service.env.update(cluster)
         services.append(service)
@@ -157,7 +196,15 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
          *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *given["gateway"]],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")],
         {**quiet, **secret, **cluster}))
-    return Plan(services, f"{gateway_url}/v1", model_name, args.api_key)
+    for service in services:
+        service.withheld = SECRET_VARIABLES
+    return Plan(services, f"{gateway_url}/v1", model_name, args.api_key, private)
+
+
+def worker_count(args: argparse.Namespace) -> int:
+    """Worker processes `up` starts, the --embedding-model worker included: each takes a gRPC port in turn."""
+    runtimes = 1 if args.colocated else (args.prefill or 1) + (args.decode or 1)
+    return runtimes + (1 if args.embedding_model else 0)
 
 
 def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str], cpus: int,
@@ -307,6 +354,44 @@ def check_ports(services: list[Service]) -> None:
                           f"with {use.flag}")
 
 
+def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> range:
+    """The local ports the kernel hands to outgoing connections (`ip_local_port_range`)."""
+    try:
+        low, high = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return FALLBACK_EPHEMERAL
+    return range(low, high + 1)
+
+
+def worker_block(base: int, count: int) -> list[int]:
+    return [base + i + offset for i in range(count) for offset in WORKER_PORT_OFFSETS]
+
+
+def choose_worker_base(count: int, ephemeral: range, reserved: set[int], is_free: Callable[[int], bool],
+                       start: int = DEFAULT_WORKER_PORT) -> int:
+    """The first worker gRPC port, from `start` up in steps of WORKER_BASE_STEP (then below `start`, down), whose
+    block of `count` workers (each port, +1000, +2000) lies outside `ephemeral`, holds none of `reserved` (the
+    gateway, jobs and Redis ports) and is free now."""
+    top = 65535 - max(WORKER_PORT_OFFSETS) - count + 1
+    upward = range(start, top + 1, WORKER_BASE_STEP)
+    downward = range(start - WORKER_BASE_STEP, 1024, -WORKER_BASE_STEP)
+    for base in (*upward, *downward):
+        block = worker_block(base, count)
+        if any(p in ephemeral or p in reserved for p in block):
+            continue
+        if all(is_free(p) for p in block):
+            return base
+    raise UpError(f"no free block of {count} worker ports (each +1000 and +2000) outside the ephemeral range "
+                  f"{ephemeral.start}-{ephemeral.stop - 1}: choose one with --worker-port")
+
+
+def choose_ports(args: argparse.Namespace, start: int = DEFAULT_WORKER_PORT) -> None:
+    """Sets args.worker_port when the user left it to `up` (see choose_worker_base)."""
+    reserved = {args.port, args.jobs_port} | (set() if args.redis_url else {args.redis_port})
+    args.worker_port = choose_worker_base(worker_count(args), ephemeral_range(), reserved,
+                                          lambda port: not port_in_use("127.0.0.1", port), start)
+
+
 def check_executables(services: list[Service]) -> None:
     for service in services:
         exe = service.launcher[0]
@@ -343,14 +428,19 @@ def add_own_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY; prefer "
                              "the variable: a flag shows in `ps`). Services get it through their environment")
+    parser.add_argument("--allow-insecure", action="store_true",
+                        help="let the gateway listen beyond loopback (--host) with no API key: anyone who can "
+                             "reach the port may use it")
     parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,
                         help="use this Redis instead of starting redis-server (default: $PDSERVE_REDIS_URL; give a "
                              "URL with a password in the variable: a flag shows in `ps`)")
     parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
     parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")
-    parser.add_argument("--worker-port", type=int, default=50051,
+    parser.add_argument("--worker-port", type=int, default=None,
                         help="gRPC port of the first worker; the next workers count up from it; each worker's "
-                             "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000")
+                             "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000 "
+                             f"(default: from {DEFAULT_WORKER_PORT}, the first free block outside the kernel's "
+                             "ephemeral port range)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: decode and colocated workers share all cores, "
                              "prefill workers get an equal share of them)")
@@ -373,6 +463,23 @@ def validate(args: argparse.Namespace) -> None:
             raise UpError(f"{flag} must be between 1 and 64, got {value}")
     if args.threads is not None and args.threads < 1:
         raise UpError(f"--threads must be at least 1, got {args.threads}")
+    if not args.api_key and not args.allow_insecure and not is_loopback(args.host):
+        raise UpError(f"--host {args.host} serves the API beyond this machine with no API key: set one "
+                      "(PDSERVE_API_KEY, or --api-key) or pass --allow-insecure to serve it to anyone who can "
+                      "reach the port")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposed_without_key(args: argparse.Namespace) -> bool:
+    return not args.api_key and not is_loopback(args.host)
 
 
 def banner(plan: Plan, log_dir: Path) -> str:
@@ -396,6 +503,8 @@ def prepare(args: argparse.Namespace) -> Plan:
     from pdserve.shared.model_files import resolve_model_path
 
     validate(args)
+    if args.worker_port is None:
+        choose_ports(args)
     draft = build_plan(args, Path(args.model_path or "."), available_cpus())
     substitute(draft, args.substitute)
     check_executables(draft.services)
@@ -404,35 +513,95 @@ def prepare(args: argparse.Namespace) -> Plan:
         from pdserve.services.jobs.cli import without_password
 
         raise UpError(f"cannot reach Redis at {without_password(args.redis_url)} (--redis-url): is it running?")
-    model_dir = resolve_model_path(args.model_path)  # converts on first use, with a progress bar
-    plan = build_plan(args, model_dir, available_cpus())
+    args.model_path = str(resolve_model_path(args.model_path))  # converts on first use, with a progress bar
+    return replan(args)
+
+
+def replan(args: argparse.Namespace) -> Plan:
+    """The plan for a resolved model (args.model_path) and the ports now in args, checked free."""
+    plan = build_plan(args, Path(args.model_path), available_cpus())
     substitute(plan, args.substitute)
+    check_ports(plan.services)
     return plan
+
+
+def lost_its_port(child: Child) -> bool:
+    """Whether a child that died during start-up is a worker that could not bind one of its ports."""
+    if not any(use.flag == "--worker-port" for use in child.service.ports):
+        return False
+    return any("cannot listen on" in line or "address already in use" in line.lower() for line in child.last_lines())
+
+
+def plan_elsewhere(args: argparse.Namespace, failed: Child | None, console: Console) -> Plan | None:
+    """After a start-up that failed because a worker lost one of the ports `up` chose for it: a plan on the next
+    free block. None when the failure was another one (or no block is left)."""
+    if failed is None or not lost_its_port(failed):
+        return None
+    try:
+        choose_ports(args, start=args.worker_port + WORKER_BASE_STEP)
+        plan = replan(args)
+    except UpError as exc:
+        console.print(f"error: {exc}", err=True)
+        return None
+    console.print(f"[up] {failed.name} lost a port to another process as it started: starting again with worker "
+                  f"ports from {args.worker_port}", err=True)
+    return plan
+
+
+def write_private(files: dict[Path, str]) -> None:
+    """Each file readable by this user only, from its creation on."""
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # one left by an earlier run may have had another mode
+            f.write(text)
 
 
 def main(args: argparse.Namespace, command: str) -> int:
     from pdserve.shared.model_files import ModelNotFound
 
     console = Console()
+    chosen = args.worker_port is None  # `up` picks the worker ports, so it may pick again
     try:
         plan = prepare(args)
     except (UpError, ModelNotFound) as exc:
         console.print(f"error: {exc}", err=True)
         return 1
+    if exposed_without_key(args):
+        console.print(f"[up] warning: the gateway listens on {args.host} with no API key (--allow-insecure): "
+                      f"anyone who can reach port {args.port} can use it", err=True)
     state = Path(args.state_dir).expanduser()
     log_dir = state / "logs"
     for path in (log_dir, state / "redis"):
         path.mkdir(parents=True, exist_ok=True)
-    supervisor = Supervisor(plan.services, console, log_dir, args.startup_timeout, args.stop_timeout)
+    current: list[Supervisor] = []
+    stopped: list[str] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        supervisor.request_stop(signal.Signals(signum).name)
+        stopped.append(signal.Signals(signum).name)
+        if current:
+            current[-1].request_stop(stopped[-1])
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = supervisor.run(on_ready=lambda: console.print(banner(plan, log_dir)))
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            write_private(plan.private_files)
+            supervisor = Supervisor(plan.services, console, log_dir, args.startup_timeout, args.stop_timeout)
+            current.append(supervisor)
+            if stopped:
+                supervisor.request_stop(stopped[-1])
+            code = supervisor.run(on_ready=lambda: console.print(banner(plan, log_dir)))
+            if code == 0 or stopped or not chosen or attempt == BIND_ATTEMPTS:
+                break
+            retry = plan_elsewhere(args, supervisor.startup_failure, console)
+            if retry is None:
+                break
+            plan = retry
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for path in plan.private_files:
+            path.unlink(missing_ok=True)
     console.print("[up] stopped" if code == 0 else "[up] stopped after a failure", err=code != 0)
     return code

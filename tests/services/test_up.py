@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -32,6 +33,7 @@ own.add_argument("--exit-code", type=int, default=3)
 own.add_argument("--lines", type=int, default=0)
 own.add_argument("--no-health", action="store_true")
 own.add_argument("--ignore-term", action="store_true")
+own.add_argument("--lose-port-once", help="the first time (this file absent) fail as a worker whose port is taken")
 mine, rest = own.parse_known_args()
 svc = argparse.ArgumentParser()
 svc.add_argument("--port", type=int)
@@ -40,6 +42,10 @@ ports, _ = svc.parse_known_args(rest)
 if mine.ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("argv:", " ".join(rest), flush=True)
+if mine.lose_port_once and not os.path.exists(mine.lose_port_once):
+    open(mine.lose_port_once, "w").close()
+    print(f"cannot listen on 127.0.0.1:{ports.port} (port in use? pass --port)", flush=True)
+    sys.exit(1)
 for i in range(mine.lines):
     print(f"line {i}", flush=True)
 
@@ -118,8 +124,11 @@ def pids_alive(pids: list[int]) -> list[int]:
 class UpRun:
     """`pdserve up` as a real subprocess, its merged output collected line by line."""
 
-    def __init__(self, tmp_path: Path, *extra: str, substitute: dict[str, str], workers: int = 2) -> None:
+    def __init__(self, tmp_path: Path, *extra: str, substitute: dict[str, str], workers: int = 2,
+                 worker_port: bool = True) -> None:
         self.ports = free_ports(workers)
+        if not worker_port:  # `up` chooses the worker ports
+            del self.ports["worker_port"]
         model = tmp_path / "model"  # only the stand-ins receive it; `up` checks it is an HF directory
         model.mkdir(exist_ok=True)
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -129,8 +138,9 @@ class UpRun:
         self.state = tmp_path / "state"
         argv = [sys.executable, "-m", "pdserve", "up", "--model-path", str(model), "--state-dir", str(self.state),
                 "--port", str(self.ports["port"]), "--jobs-port", str(self.ports["jobs_port"]),
-                "--redis-port", str(self.ports["redis_port"]), "--worker-port", str(self.ports["worker_port"]),
-                "--startup-timeout", "60", *extra]
+                "--redis-port", str(self.ports["redis_port"]), "--startup-timeout", "60", *extra]
+        if worker_port:
+            argv += ["--worker-port", str(self.ports["worker_port"])]
         for name, options in substitute.items():
             argv += ["--substitute", f"{name}={sys.executable} {script} {options}".rstrip()]
         self.lines: list[str] = []
@@ -180,8 +190,8 @@ class UpRun:
 def run_up(tmp_path):
     runs: list[UpRun] = []
 
-    def start(*extra: str, substitute: dict[str, str], workers: int = 2) -> UpRun:
-        runs.append(UpRun(tmp_path, *extra, substitute=substitute, workers=workers))
+    def start(*extra: str, substitute: dict[str, str], workers: int = 2, worker_port: bool = True) -> UpRun:
+        runs.append(UpRun(tmp_path, *extra, substitute=substitute, workers=workers, worker_port=worker_port))
         return runs[-1]
 
     yield start
@@ -212,18 +222,24 @@ def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
         assert s[name].argv[:4] == [sys.executable, "-m", "pdserve", name]
     for name in ("prefill", "decode", "gateway"):
         assert flag_values(s[name].args, "--model-path") == [str(tmp_path / "SmolLM2")]
-    assert flag_values(s["prefill"].args, "--port") == ["50051"]
-    assert flag_values(s["prefill"].args, "--http-port") == ["51051"]
-    assert s["prefill"].health_url == "http://127.0.0.1:51051/health"
-    assert flag_values(s["decode"].args, "--port") == ["50052"]
-    assert flag_values(s["decode"].args, "--transfer-port") == ["52052"]
-    assert flag_values(s["decode"].args, "--prefill") == ["127.0.0.1:50051"]
-    assert flag_values(s["gateway"].args, "--prefill") == ["127.0.0.1:50051"]
-    assert flag_values(s["gateway"].args, "--decode") == ["127.0.0.1:50052"]
+    # The default worker block (before `prepare` checks it is free), below the ephemeral range.
+    assert flag_values(s["prefill"].args, "--port") == ["20051"]
+    assert flag_values(s["prefill"].args, "--http-port") == ["21051"]
+    assert s["prefill"].health_url == "http://127.0.0.1:21051/health"
+    assert flag_values(s["decode"].args, "--port") == ["20052"]
+    assert flag_values(s["decode"].args, "--transfer-port") == ["22052"]
+    assert flag_values(s["decode"].args, "--prefill") == ["127.0.0.1:20051"]
+    assert flag_values(s["gateway"].args, "--prefill") == ["127.0.0.1:20051"]
+    assert flag_values(s["gateway"].args, "--decode") == ["127.0.0.1:20052"]
     assert flag_values(s["gateway"].args, "--jobs-url") == ["http://127.0.0.1:30010"]
     assert flag_values(s["gateway"].args, "--port") == ["30000"]
     assert flag_values(s["gateway"].args, "--served-model-name") == ["SmolLM2"]
-    assert flag_values(s["jobs"].args, "--redis-url") == ["redis://127.0.0.1:6379/0"]
+    # Redis requires a password of this run, which reaches jobs in its environment only.
+    password = urlsplit(s["jobs"].env["PDSERVE_REDIS_URL"]).password
+    assert len(password) >= 32 and flag_values(s["jobs"].args, "--redis-url") == []
+    assert s["jobs"].env["PDSERVE_REDIS_URL"] == f"redis://:{password}@127.0.0.1:6379/0"
+    assert plan.private_files == {tmp_path / "redis.conf": f'requirepass "{password}"\n'}
+    assert s["redis"].args[0] == str(tmp_path / "redis.conf")
     assert flag_values(s["jobs"].args, "--gateway-url") == ["http://127.0.0.1:30000"]
     assert s["gateway"].health_url == "http://127.0.0.1:30000/health"
     assert s["jobs"].health_url == "http://127.0.0.1:30010/health"
@@ -253,7 +269,7 @@ def test_plan_colocated_runs_one_worker_that_the_gateway_uses(tmp_path):
     assert [x for x in s if x not in ("redis", "jobs", "gateway")] == ["colocated"]
     assert s["colocated"].args[0] == "colocated"
     assert "--transfer-port" not in s["colocated"].args and "--transfer-backend" not in s["colocated"].args
-    assert flag_values(s["gateway"].args, "--worker") == ["127.0.0.1:50051"]
+    assert flag_values(s["gateway"].args, "--worker") == ["127.0.0.1:20051"]
     assert "--prefill" not in s["gateway"].args and "--decode" not in s["gateway"].args
 
 
@@ -288,7 +304,7 @@ def test_plan_with_external_redis_and_api_key(tmp_path):
 
 
 def test_gateway_on_all_interfaces_is_reached_over_loopback(tmp_path):
-    plan = up.build_plan(parse("--host", "0.0.0.0", "--port", "8080"), tmp_path / "m", cpus=2)
+    plan = up.build_plan(parse("--host", "0.0.0.0", "--port", "8080", "--api-key", "k"), tmp_path / "m", cpus=2)
     s = by_name(plan)
     assert flag_values(s["gateway"].args, "--host") == ["0.0.0.0"]
     assert plan.base_url == "http://127.0.0.1:8080/v1"
@@ -442,8 +458,14 @@ def test_up_starts_in_stages_prefixes_logs_and_stops_everything_on_signal(run_up
     # Every service is up and reachable where the plan put it; redis is the real one.
     assert get(f"http://127.0.0.1:{p['port']}/health") == 200
     assert get(f"http://127.0.0.1:{p['jobs_port']}/health") == 200
-    assert up.probe(f"redis://127.0.0.1:{p['redis_port']}/0")
+    # Redis answers only with the password of this run, from a config file only this user can read.
+    config = run.state / "redis.conf"
+    assert oct(config.stat().st_mode & 0o777) == "0o600"
+    password = re.fullmatch(r'requirepass "(\S+)"\n', config.read_text()).group(1)
+    assert not up.probe(f"redis://127.0.0.1:{p['redis_port']}/0")
+    assert up.probe(f"redis://:{password}@127.0.0.1:{p['redis_port']}/0")
     out = run.output
+    assert password not in out
     assert re.search(rf"^\[decode\] argv: decode .*--prefill 127\.0\.0\.1:{p['worker_port']}", out, re.M)
     assert re.search(r"^\[gateway\] argv: gateway .*--decode 127\.0\.0\.1:\d+ --jobs-url", out, re.M)
     assert re.search(r"^\[redis\] .*Ready to accept connections", out, re.M)
@@ -463,6 +485,7 @@ def test_up_starts_in_stages_prefixes_logs_and_stops_everything_on_signal(run_up
     assert port_is_free(p["port"]) and port_is_free(p["redis_port"])
     assert (run.state / "logs" / "gateway.log").read_text().startswith("argv: gateway")
     assert any((run.state / "redis").rglob("*.aof")), "redis ran without its append-only file in the state dir"
+    assert not config.exists()
 
 
 def test_a_child_that_dies_during_start_up_stops_the_rest_and_nothing_more_starts(run_up):
