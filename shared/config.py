@@ -265,10 +265,18 @@ class RuntimeConfig:
     lora: LoraConfig | None = None  # None: LoRA disabled (no slots allocated, adapter requests refused)
     # --is-embedding on a decoder: the model's last hidden state is the output (pooled by the caller), no LM head.
     is_embedding: bool = False
+    # Decode steps on static buffers bucketed by batch size (shared/decode_graphs.py): "auto" captures them as
+    # CUDA graphs on a GPU and is off on the CPU; "static" runs the same padded path without capture (the CPU mode
+    # it is tested in); "off" (--disable-cuda-graph) runs every step as it comes.
+    decode_graphs: str = "auto"
+    cuda_graph_max_bs: int = 256  # the largest bucket; larger decode batches run without a graph
+    cuda_graph_bs: tuple[int, ...] = ()  # the buckets themselves (default: shared/decode_graphs.bucket_sizes)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.decode_graphs not in ("auto", "static", "off"):
+            raise ValueError(f"decode_graphs must be auto, static or off, got {self.decode_graphs!r}")
         if self.attention_backend not in ("auto", "native", "torch", "triton"):
             raise ValueError("--kernels (--attention-backend) must be auto, native, torch or triton, "
                              f"got {self.attention_backend!r}")

@@ -28,9 +28,13 @@ class KVLayout:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu", scratch_page: bool = False) -> None:
+        """`scratch_page`: one page beyond `num_pages`, never handed out, that padding rows of a static decode
+        batch read and write (shared/decode_graphs.py)."""
         self.layout = layout
-        shape = (layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        self.scratch_page = layout.num_pages if scratch_page else None
+        shape = (layout.num_pages + scratch_page, layout.num_layers, 2, layout.page_size, layout.num_kv_heads,
+                 layout.head_dim)
         self.buffer = torch.zeros(shape, dtype=layout.dtype, device=device)
         # Each layer's views made once: slicing the buffer anew twice per layer and step cost ~5 % of a
         # batch-1 decode step's time on the CPU.

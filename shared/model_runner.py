@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
+from pdserve.shared.decode_graphs import DecodeGraphs, bucket_sizes
 from pdserve.shared.host_memory import keep_freed_memory
 from pdserve.shared.kernel_ops import get_kernel_ops, resolve_kernel_set
 from pdserve.shared.kv_pool import KVLayout, KVPool
@@ -71,8 +72,14 @@ class ModelRunner:
             num_pages = int(free_memory_bytes(self.device) * config.cache.mem_fraction) // layout.page_bytes
             if num_pages < 1:
                 raise ValueError(f"--mem-fraction {config.cache.mem_fraction} leaves no room for one KV page")
-        self.pool = KVPool(replace(layout, num_pages=num_pages), self.device)
-
+        graphs = config.decode_graphs == "static" or (config.decode_graphs == "auto" and self.device.type == "cuda")
+        self.pool = KVPool(replace(layout, num_pages=num_pages), self.device, scratch_page=graphs)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.pool, self.ops,
+                                       bucket_sizes(config.cuda_graph_max_bs, config.cuda_graph_bs),
+                                       max_pages=-(-self.context_length // self.pool.page_size),
+                                       capture=self.device.type == "cuda")
 
     @property
     def page_size(self) -> int:
@@ -99,11 +106,16 @@ class ModelRunner:
     def swap_weights(self, staged: LlamaForCausalLM) -> None:
         """Serve `staged`'s weights from the next forward on (engine thread, between two steps)."""
         self.model.take_weights(staged)
+        if self.graphs is not None and self.graphs.graphs:
+            self.graphs.capture()  # the graphs read the old weights' addresses
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch; the logits of the
         prompt positions whose logprobs are asked for go to batch.prompt_logits."""
-        logits = self.model.forward(self.prepare(batch), self.pool, self.ops)
+        fb = self.prepare(batch)
+        if self.graphs is not None and self.graphs.why_not(fb) is None:
+            return self.graphs.run(fb)  # a decode batch: no prompt rows
+        logits = self.model.forward(fb, self.pool, self.ops)
         if not batch.prompt_rows:
             return logits
         batch.prompt_logits = logits[len(batch.reqs):]

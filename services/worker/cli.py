@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="greedy output bit-identical for a prompt whatever it is batched, cached or chunked with "
                              "(CPU, native kernels)")
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="run every decode step as it comes, without captured CUDA graphs (GPU)")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=RuntimeConfig.cuda_graph_max_bs,
+                        help="largest decode batch captured as a CUDA graph; larger ones run without")
+    parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="N",
+                        help="the decode batch sizes to capture (default: 1, 2, 4, 8, then steps of 8, 16 and 32 "
+                             "up to --cuda-graph-max-bs)")
     parser.add_argument("--context-length", type=int, default=None, help="longest sequence (default: the model's)")
     parser.add_argument("--page-size", type=int, default=cache.page_size, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=cache.max_total_tokens, help="KV pool capacity in tokens")
@@ -119,6 +126,8 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
 def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
     return RuntimeConfig(
         model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        decode_graphs="off" if args.disable_cuda_graph else "auto", cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=tuple(args.cuda_graph_bs or ()),
         context_length=args.context_length, deterministic=args.enable_deterministic_inference,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           mem_fraction=args.mem_fraction),
