@@ -177,6 +177,11 @@ def bf16_computes_faster() -> bool:
     return amx_usable() or (_cpu_vendor() == "AuthenticAMD" and _has_avx512_bf16())
 
 
+def cpu_has_bf16() -> bool:
+    """The CPU multiplies bf16 with instructions of its own (AVX512-BF16 or AMX) rather than emulating them."""
+    return amx_usable() or _has_avx512_bf16()
+
+
 def amx_usable() -> bool:
     """The CPU has AMX tiles and the kernel lets this process use them."""
     cpu = torch.cpu

@@ -192,3 +192,15 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(tiny_models, tmp_path)
             assert torch.equal(a.mlp.experts.w13, b.mlp.experts.w13) and torch.equal(a.mlp.experts.w2, b.mlp.experts.w2)
             checked += 1
     assert checked == 2
+
+
+@pytest.mark.parametrize("has_bf16, checkpoint, expected", [
+    (True, "bfloat16", torch.bfloat16), (False, "bfloat16", torch.float32), (True, "float16", torch.bfloat16),
+    (False, "float16", torch.float32), (False, "float32", torch.float32)])
+def test_dtype_auto_picks_what_this_cpu_computes_fastest(monkeypatch, has_bf16, checkpoint, expected):
+    from pdserve.shared import model_runner
+
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: has_bf16)
+    assert model_runner.resolve_dtype("auto", checkpoint, "cpu") == expected
+    assert model_runner.resolve_dtype("bfloat16", checkpoint, "cpu") == torch.bfloat16  # asked for: kept
+    assert model_runner.resolve_dtype("auto", checkpoint, "cuda") == getattr(torch, checkpoint)
