@@ -20,6 +20,12 @@ GREEDY_TEMPERATURE = 1e-6
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+# Token lists are checked at every generated token: 4M stop ids took 8 s to accept and stalled neighbours.
+MAX_STOP_TOKEN_IDS = 256
+# A score call's answer is an items x labels array of Python floats (~32 bytes each): 8 items x 4M labels took
+# 1.5 GB of a worker. shared/scoring.py refuses more at the worker's edge.
+MAX_SCORE_LABELS = 1024
+MAX_SCORE_VALUES = 1 << 20  # items x labels of one call: ~32 MB as Python floats
 # The grammar constraints; at most one per request (pdserve.shared.grammar compiles it).
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _TOKEN_LISTS = ("stop_token_ids", "think_start_ids", "think_end_ids")
@@ -173,6 +179,8 @@ class SamplingParams:
         ids = getattr(self, name)
         if not isinstance(ids, tuple):
             raise InvalidParam(name, f"{name} must be a list of token ids, got {ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParam(name, f"{name} must hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}")
         hi = _INT32_MAX if vocab_size is None else vocab_size - 1
         for token in ids:
             if not _is_int(token) or not 0 <= token <= hi:

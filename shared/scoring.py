@@ -6,8 +6,11 @@ pages for the rest -> one prefill forward -> log-softmax of each last row, read 
 hand the full pages to the radix cache and free the rest. Nothing is sampled, nothing is transferred and
 no page outlives the call, so the pool's integrity check holds between any two engine steps.
 
-A request with many items is cut into groups of at most `max_prefill_tokens` new tokens (`plan_groups`);
-the caller submits one group per call, so running generations get decode steps in between.
+A request with many items is cut into groups of at most one prefill chunk of tokens (`step_budget`: the
+scheduler's --chunked-prefill-size, as a generation's prompt is cut; `plan_groups`); the caller submits one
+group per call, so running generations get decode steps in between. A sequence longer than a chunk is
+computed chunk by chunk (`prefill_prefix`, one call each): each chunk's full pages go to the radix cache, and
+the next call starts from them.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.shared.req import Req
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.sampling_params import MAX_SCORE_LABELS, MAX_SCORE_VALUES, SamplingParams
 from pdserve.shared.scheduler import Batch
 
 _NO_SAMPLING = SamplingParams(max_new_tokens=0)
@@ -60,6 +63,13 @@ class ScoreResult:
     cached_tokens: int
 
 
+def step_budget(scheduler_config) -> int:
+    """New tokens one scoring call may compute: what one prefill step of a generation computes at most."""
+    chunk = scheduler_config.chunked_prefill_size
+    budget = scheduler_config.max_prefill_tokens
+    return min(budget, chunk) if chunk > 0 else budget
+
+
 def plan_groups(lengths: list[int], max_tokens: int) -> list[range]:
     """Consecutive groups of sequence indices holding at most `max_tokens` tokens (a longer one goes alone)."""
     groups, start, total = [], 0, 0
@@ -77,6 +87,11 @@ def check_inputs(seqs: list[list[int]], label_ids: list[int], vocab_size: int, c
     """ValueError for inputs the runtime cannot score (the gateway checks the same, in the API's words)."""
     if not label_ids:
         raise ValueError("label_token_ids is empty")
+    if len(label_ids) > MAX_SCORE_LABELS:
+        raise ValueError(f"label_token_ids holds {len(label_ids)} ids, more than the limit of {MAX_SCORE_LABELS}")
+    if len(seqs) * len(label_ids) > MAX_SCORE_VALUES:
+        raise ValueError(f"{len(seqs)} items x {len(label_ids)} labels is more than the limit of {MAX_SCORE_VALUES} "
+                         "scores per call")
     bad = next((t for t in label_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"label token id {bad} is outside the vocabulary (size {vocab_size})")
@@ -114,6 +129,12 @@ def pool_group(engine, seqs: list[list[int]], normalize: bool) -> ScoreResult:
     if normalize:
         out = torch.nn.functional.normalize(out, dim=-1)
     return ScoreResult(out.tolist(), sum(len(s) for s in seqs), cached)
+
+
+def prefill_prefix(engine, seq: list[int]) -> None:
+    """Engine thread only. Compute `seq` into the radix cache, reading no output: one chunk of a sequence
+    longer than a step's budget, so that the call that scores it computes only what is left."""
+    _last_rows(engine, [seq])
 
 
 def _last_rows(engine, seqs: list[list[int]]) -> tuple[torch.Tensor, int]:

@@ -2,7 +2,8 @@
 
 Middlewares, outermost first: observation (the request id, which the response carries in X-Request-Id;
 then, with every final status, the request count and the access line), error mapping (every exception
-becomes an OpenAI-shaped error), body size limit, API key check, and with --log-requests the body log.
+becomes an OpenAI-shaped error), body size limit, API key check, the body read (within --body-timeout), and with
+--log-requests the body log. A request head must arrive within --header-timeout (aiohttp's keep-alive timer).
 The worker pool starts with the app and stops with it. Handlers are cancelled when their client
 disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
 After observation, the drain check answers 503 once the gateway is stopping (see `Drain`).
@@ -19,6 +20,7 @@ from aiohttp import web
 from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
                                       pooling_api, status_page, weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
+from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
@@ -97,6 +99,24 @@ async def limit_body(request: web.Request, handler):
 
 
 @web.middleware
+async def read_body(request: web.Request, handler):
+    """An authorised request's body, read here once within --body-timeout (408 after: a client cannot hold a
+    connection and its handler by sending a body slowly); handlers get it from aiohttp's cache. Uploads that
+    the jobs proxy streams through are not read."""
+    if request.body_exists and request.match_info.handler is not jobs_proxy.forward:
+        timeout_s = request.app[GATEWAY].limits.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await request.read()
+        except TimeoutError:
+            response = ApiError(408, f"The request body did not arrive within {timeout_s:g} s "
+                                     "(--body-timeout).").response()
+            response.force_close()
+            return response
+    return await handler(request)
+
+
+@web.middleware
 async def check_api_key(request: web.Request, handler):
     key = request.app[GATEWAY].api_key
     if key and request.path not in OPEN_PATHS:
@@ -155,12 +175,13 @@ async def drain_requests(request: web.Request, handler):
 
 def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
-    middlewares = [observe, drain_requests, error_middleware, limit_body, check_api_key]
+    middlewares = [observe, drain_requests, error_middleware, limit_body, check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
     app = web.Application(middlewares=middlewares, client_max_size=gateway.max_body_bytes)
     app.on_response_prepare.append(send_request_id)
     app[GATEWAY] = gateway
+    app[CPU_POOL] = gateway.cpu
     app[DRAIN] = Drain()
     openai_api.add_routes(app)
     native_api.add_routes(app)
@@ -177,6 +198,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
         await gateway.backend.start()
         yield
         await gateway.backend.close()
+        gateway.cpu.close()
         gateway.close()
 
     app.cleanup_ctx.append(pool_lifecycle)
@@ -186,7 +208,12 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
 async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_s: float = 30.0) -> None:
     """Serve until `stop` (an asyncio.Event) is set, then drain for up to `drain_timeout_s` and close."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the worker request.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=END_GRACE_S)
+    # keepalive_timeout: a connection that has not sent a whole request head within it (a new one, or one idle
+    # after its last answer) is closed; aiohttp's default holds a half-sent request for an hour. lingering_time:
+    # how long the rest of a body answered early (413, 408) is read before the connection closes.
+    header_timeout_s = app[GATEWAY].limits.header_timeout_s
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=END_GRACE_S,
+                           keepalive_timeout=header_timeout_s, lingering_time=min(10.0, header_timeout_s))
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

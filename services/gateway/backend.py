@@ -3,7 +3,8 @@
 It owns admission (how many sequences may be in flight), routing, the generations in flight (by
 request id, for /abort_request) and the worker-wide operations (abort, flush, one-token health probe).
 
-Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends.
+Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends, a
+prefill-only call (score, embeddings) one place while it runs.
 Beyond what the healthy workers run at once plus `max_queued_requests`, a request is refused at once with
 429 and Retry-After rather than left to queue for minutes.
 """
@@ -65,6 +66,20 @@ class Backend:
             raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
         self._check_room(count)
         yield
+
+    @contextmanager
+    def encoding(self) -> Iterator[None]:
+        """A prefill-only call (score, embeddings, rerank, classify) holds one place while it runs, under the
+        same limit as generations: 429 when it would queue beyond it. (A worker runs one such call's groups one
+        after another, between its decode steps.)"""
+        self._check_room(1)
+        self.in_flight += 1
+        self._gauges()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._gauges()
 
     def _check_room(self, sequences: int) -> None:
         limit = self.settings.max_queued_requests

@@ -12,6 +12,7 @@ import math
 
 from aiohttp import web
 
+from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.pooling_api import Schema, answer_native, encode, truncation
 from pdserve.services.gateway.protocol import parse
@@ -28,7 +29,9 @@ class RerankRequest(Schema):
 
 
 async def rerank(request: web.Request) -> web.Response:
-    req = parse(RerankRequest, await read_json(request))
+    body = await read_json(request)
+    request.app[GATEWAY].limits.count(body.get("documents"), "max_list_items", "documents")
+    req = parse(RerankRequest, body)
     served = request.app[MODELS].require(req.model, CLASSIFY, "/v1/rerank")
     if served.num_labels != 1:
         raise ApiError(400, f"The model {served.name!r} has {served.num_labels} labels: /v1/rerank needs a "
@@ -42,18 +45,16 @@ async def rerank(request: web.Request) -> web.Response:
     gw = served.gateway
     limit = gw.backend.context_length()
     keep = truncation(req.truncate_prompt_tokens, limit)
-    seqs, types = [], []
+    gw.check_text_size(req.query, "query")
     for k, doc in enumerate(req.documents):
         if not doc:
             raise ApiError(400, f"Document {k} is empty.", f"documents.{k}")
-        pair = gw.tokenizer.tok(req.query, doc, truncation=keep is not None, max_length=keep)
-        ids = list(pair["input_ids"])
-        if len(ids) > limit:
-            raise ApiError(400, f"The query with document {k} has {len(ids)} tokens, more than the model's context "
-                                f"length of {limit} tokens; set 'truncate_prompt_tokens' to cut it.",
-                           f"documents.{k}")
-        seqs.append(ids)
-        types.append(list(pair.get("token_type_ids") or []))
+        gw.check_chars(len(req.query) + len(doc), f"documents.{k}")
+    chars = len(req.query) * len(req.documents) + sum(map(len, req.documents))
+    gw.limits.chars_total(chars, "documents", gw.tokenizer.max_token_chars)
+    seqs, types = await gw.cpu.run(chars, _pairs, gw, req, keep, limit)
+    if keep is None:
+        gw.limits.tokens_total(seqs, "documents")
     result = await encode(gw, seqs, type_ids=types if any(any(t) for t in types) else None)
     ranked = sorted(((_sigmoid(out[0]), k) for k, out in enumerate(result.outputs)), key=lambda r: (-r[0], r[1]))
     answer = []
@@ -63,6 +64,21 @@ async def rerank(request: web.Request) -> web.Response:
             item["document"] = req.documents[k]
         answer.append(item)
     return web.json_response(answer)
+
+
+def _pairs(gw, req: RerankRequest, keep: int | None, limit: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(token ids, segment ids) of each (query, document) pair, by the tokenizer's pair template."""
+    seqs, types = [], []
+    for k, doc in enumerate(req.documents):
+        pair = gw.tokenizer.tok(req.query, doc, truncation=keep is not None, max_length=keep)
+        ids = list(pair["input_ids"])
+        if len(ids) > limit:
+            raise ApiError(400, f"The query with document {k} has {len(ids)} tokens, more than the model's context "
+                                f"length of {limit} tokens; set 'truncate_prompt_tokens' to cut it.",
+                           f"documents.{k}")
+        seqs.append(ids)
+        types.append(list(pair.get("token_type_ids") or []))
+    return seqs, types
 
 
 def _sigmoid(x: float) -> float:

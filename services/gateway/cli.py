@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from pdserve.services.gateway import limits as request_limits
 from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
@@ -65,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--is-embedding", action="store_true",
                         help="the model is served for embeddings (/v1/embeddings, /encode), as its workers are "
                              "(`colocated --is-embedding`); encoders and sequence classifiers are recognised alone")
+    request_limits.add_arguments(parser)
     add_log_arguments(parser)
     parser.add_argument("--log-requests", action="store_true",
                         help="log each request's body (at debug level, under pdserve.requests, whatever "
@@ -103,6 +105,7 @@ def build(args: argparse.Namespace):
     from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
     from pdserve.shared.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
+    limits = request_limits.from_args(args)
     model_dir = resolve_model_path(args.model_path, quiet=True)
     given = args.model_path if args.model_path not in (None, "", "default") else DEFAULT_MODEL_NAME
     tokenizer_dir = args.tokenizer_path or str(model_dir)
@@ -124,7 +127,7 @@ def build(args: argparse.Namespace):
                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                       enable_cache_report=args.enable_cache_report,
                       api_key=args.api_key or None, jobs_url=args.jobs_url, server_args=public_args,
-                      accepted_model_names=frozenset(names), is_embedding=args.is_embedding)
+                      accepted_model_names=frozenset(names), is_embedding=args.is_embedding, limits=limits)
     from pdserve.services.gateway.served_models import build_embedding_gateway
 
     extra = build_embedding_gateway(args, gateway)

@@ -4,6 +4,7 @@ Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -13,7 +14,9 @@ from aiohttp import web
 
 from pdserve.services.gateway.adapters import adapter_of
 from pdserve.services.gateway.backend import Backend
+from pdserve.services.gateway.cpu_pool import CpuPool
 from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.shared.sampling_params import SamplingParams
@@ -42,6 +45,8 @@ class Gateway:
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
+    limits: Limits = field(default_factory=Limits)  # what one request may ask (limits.py)
+    cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing and rendering of large inputs, off the event loop
     grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
     _grammars: GrammarChecker | None = field(default=None, init=False, repr=False)  # started at first use
 
@@ -71,13 +76,33 @@ class Gateway:
         self.check_length(ids, param)
         return ids
 
+    async def prompts_ids(self, prompts: list[str | list[int]], params: list[str], list_param: str,
+                          add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each prompt of a request (`params`: the field of each), with the request's total held to
+        --max-request-tokens. Sizes are checked first, in characters and ids; large inputs are tokenized on the
+        gateway's thread pool, never on the event loop."""
+        size = 0
+        for prompt, param in zip(prompts, params):
+            if isinstance(prompt, str):
+                self.check_text_size(prompt, param)
+            size += len(prompt)
+        self.limits.text_total(prompts, list_param, self.tokenizer.max_token_chars)
+        self.limits.tokens_total([p for p in prompts if not isinstance(p, str)], list_param)
+        ids = await self.cpu.run(size, lambda: [self.prompt_ids(p, param, add_special_tokens)
+                                                for p, param in zip(prompts, params)])
+        self.limits.tokens_total(ids, list_param)
+        return ids
+
     def check_text_size(self, text: str, param: str) -> None:
         """400 for a text with more characters than the context holds even in the vocabulary's longest tokens:
         it cannot fit, and tokenizing megabytes would stall every other request on the event loop."""
+        self.check_chars(len(text), param)
+
+    def check_chars(self, chars: int, param: str) -> None:
         limit = self.backend.context_length()
         max_chars = limit * self.tokenizer.max_token_chars
-        if len(text) > max_chars:
-            raise ApiError(400, f"The prompt ({param!r}) has {len(text)} characters, more than the model's context "
+        if chars > max_chars:
+            raise ApiError(400, f"The prompt ({param!r}) has {chars} characters, more than the model's context "
                                 f"length of {limit} tokens can hold (at most {max_chars} characters).", param)
 
     def check_length(self, ids: list[int], param: str) -> None:
@@ -124,7 +149,9 @@ class SSE:
     """A Server-Sent Events response: `data: <json>` events, then `data: [DONE]`.
 
     Headers go out with the first event, so a request that fails before producing anything (no worker,
-    worker refused it) still gets a plain HTTP error status.
+    worker refused it) still gets a plain HTTP error status. A client that stops reading is cut off once a
+    write has waited --stream-write-timeout for it: the handler ends as if the client had left (its generation
+    is aborted and its admission places freed), where before it held them as long as the connection lived.
     """
 
     def __init__(self, request: web.Request) -> None:
@@ -139,7 +166,18 @@ class SSE:
     async def send(self, obj: dict) -> None:
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def _write(self, data: bytes) -> None:
+        timeout_s = self.request.app[GATEWAY].limits.stream_write_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.response.write(data)
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # what it has not read is dropped; the connection closes now
+            raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
     async def fail(self, exc: ApiError) -> web.StreamResponse:
         """End the stream with an error event; before anything was sent, answer with the error status instead."""
@@ -151,6 +189,6 @@ class SSE:
     async def done(self) -> web.StreamResponse:
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self.response.write(b"data: [DONE]\n\n")
+        await self._write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response

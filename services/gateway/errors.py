@@ -17,6 +17,8 @@ import re
 from aiohttp import web
 from pydantic import ValidationError
 
+from pdserve.services.gateway.cpu_pool import CPU_POOL
+
 log = logging.getLogger("pdserve.gateway")
 
 ERROR_TYPES = {
@@ -24,6 +26,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -101,15 +104,49 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+LARGE_BODY = 1 << 20  # bytes of JSON from which it is parsed on the gateway's CPU pool
+_PARSED = "pdserve.parsed_body"
+
+
+async def parse_body(request: web.Request) -> tuple[object, str | None]:
+    """(the body's JSON value, None), or (None, why it is not JSON); parsed once per request (middlewares and
+    the handler share it). A large body is parsed on the gateway's CPU pool, with a Python hook per object and
+    number so that the event loop gets the interpreter back every switch interval: parsing 100k small objects
+    holds it for a few hundred milliseconds otherwise."""
+    if _PARSED not in request:
+        raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
+        pool = request.app.get(CPU_POOL)
+        if len(raw) >= LARGE_BODY and pool is not None:
+            request[_PARSED] = await pool.run(len(raw), _loads, raw, True)
+        else:
+            request[_PARSED] = _loads(raw)
+    return request[_PARSED]
+
+
+def _loads(raw: bytes, yielding: bool = False) -> tuple[object, str | None]:
+    hooks = {"object_hook": _same, "parse_int": _int} if yielding else {}
+    try:
+        return json.loads(raw or b"null", **hooks), None
+    except (ValueError, UnicodeDecodeError):
+        return None, "The request body is not valid JSON."
+    except RecursionError:
+        return None, "The request body is nested too deeply."
+
+
+def _same(value: dict) -> dict:
+    return value
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object; 400 when it is not one, 413 when it is over the size limit."""
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
-    try:
-        body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("The request body is not valid JSON.") from None
-    except RecursionError:
-        raise bad_request("The request body is nested too deeply.") from None
+    body, problem = await parse_body(request)
+    if problem is not None:
+        raise bad_request(problem)
+    raw = await request.read()  # aiohttp's cached copy
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     where = lone_surrogate(body) if _SURROGATE_ESCAPE.search(raw) else None

@@ -40,25 +40,39 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         raise ApiError(400, "'rid' must be different for every prompt.", "rid")
     base = new_id()
     jobs, intervals = [], []
-    for k, prompt in enumerate(prompts):
+    params = [f"text.{k}" if batch and req.text is not None else ("input_ids" if req.text is None else "text")
+              for k in range(count)]
+    ids_list = await gw.prompts_ids(prompts, params, "text" if req.text is not None else "input_ids")
+    for k, (prompt, ids) in enumerate(zip(prompts, ids_list)):
         prefix = f"sampling_params.{k}." if isinstance(req.sampling_params, list) else "sampling_params."
         refuse_unsupported(sps[k], UNSUPPORTED_NATIVE_SAMPLING, prefix)
         sp = parse(NativeSampling, sps[k], prefix.rstrip("."))
-        param = f"text.{k}" if batch and req.text is not None else ("input_ids" if req.text is None else "text")
-        ids = gw.prompt_ids(prompt, param)
         start = -1 if starts[k] is None or not logprob_flags[k] else starts[k]
         if start >= len(ids):
             raise ApiError(400, f"'logprob_start_len' ({start}) must be smaller than the prompt's {len(ids)} tokens.",
                            "logprob_start_len")
         draft = intake.read(NATIVE, sp, prefix=prefix, return_logprob=logprob_flags[k], top_logprobs_num=tops[k],
                             logprob_start_len=start)
-        if sp.max_new_tokens is None:  # as many as the context leaves
-            draft.values["max_new_tokens"] = gw.backend.context_length() - len(ids)
+        # None: as many as the context leaves; more than it leaves is capped there
+        draft.values["max_new_tokens"] = gw.limits.new_tokens(sp.max_new_tokens, len(ids), gw.backend.context_length())
         rid = f"{base}-{k}" if batch else base  # the client's rid is only its name for the request (Job)
         jobs.append(await intake.job(gw, draft, sp, rid, ids, lora=loras[k],
                                      public_id=rids[k] if rids is not None else ""))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
+
+
+def _check_limits(gw: Gateway, body: dict) -> None:
+    """The request's limits, on the raw body: its prompts and each prompt's sampling_params."""
+    gw.limits.list_of_prompts(body.get("text"), "text")
+    gw.limits.list_of_prompts(body.get("input_ids"), "input_ids")
+    sps = body.get("sampling_params")
+    if isinstance(sps, list):
+        gw.limits.count(sps, "max_list_items", "sampling_params")
+        for k, sp in enumerate(sps):
+            gw.limits.sampling(sp, f"sampling_params.{k}.")
+    else:
+        gw.limits.sampling(sps, "sampling_params.")
 
 
 def _finish(r: ChoiceResult, tokens: int) -> dict | None:
@@ -113,6 +127,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     body = await read_json(request)
     refuse_unsupported(body, UNSUPPORTED_GENERATE)
+    _check_limits(gw, body)
     req = parse(GenerateRequest, body)
     jobs, batch, logprob_flags, intervals = await _jobs(gw, req)
     with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
@@ -227,11 +242,14 @@ async def tokenize(request: web.Request) -> web.Response:
     limit = gw.backend.context_length()
     if isinstance(req.prompt, str):
         gw.check_text_size(req.prompt, "prompt")
-        tokens = encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = await gw.cpu.run(len(req.prompt), encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
+    gw.limits.count(req.prompt, "max_list_items", "prompt")
     for k, p in enumerate(req.prompt):
         gw.check_text_size(p, f"prompt.{k}")
-    lists = [encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
+    gw.limits.text_total(req.prompt, "prompt", gw.tokenizer.max_token_chars)
+    lists = await gw.cpu.run(sum(map(len, req.prompt)), lambda: [
+        encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt])
     return web.json_response({"tokens": lists, "count": [len(t) for t in lists], "max_model_len": limit})
 
 
@@ -242,12 +260,15 @@ async def detokenize(request: web.Request) -> web.Response:
     tok = gw.tokenizer
     single = not (req.tokens and isinstance(req.tokens[0], list))
     lists = [req.tokens] if single else req.tokens
+    if not single:
+        gw.limits.count(lists, "max_list_items", "tokens")
+    gw.limits.tokens_total(lists, "tokens")
     for ids in lists:
         bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"Token id {bad} in 'tokens' is outside the vocabulary (size {tok.vocab_size}).",
                            "tokens")
-    texts = [tok.decode(ids, req.skip_special_tokens) for ids in lists]
+    texts = await gw.cpu.run(sum(map(len, lists)), lambda: [tok.decode(ids, req.skip_special_tokens) for ids in lists])
     return web.json_response({"text": texts[0] if single else texts})
 
 

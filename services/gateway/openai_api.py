@@ -34,26 +34,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     body = await read_json(request)
     refuse_unsupported(body)
+    gw.limits.chat(body)  # before anything is parsed or rendered
     req = parse(ChatCompletionRequest, body)
     if isinstance(req.lora_path, list):
         raise ApiError(400, "'lora_path' of a chat completion is one adapter, not a list.", "lora_path")
     lora = gw.adapter_of(req.model, req.lora_path)
     tools = plan_tools(req, gw.tool_call_parser)
     messages = template_messages(req.template_messages())
+    # The rendered prompt holds every message's text: more than the context can hold is refused unrendered.
+    chars = sum(len(m["content"]) for m in messages)
+    gw.check_chars(chars, "messages")
     try:
-        text = gw.tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                        continue_final_message=req.continue_final_message,
-                                        template_kwargs=req.chat_template_kwargs, tools=tools.template_tools)
+        ids = await gw.cpu.run(chars + 64 * len(messages), _render_ids, gw, req, messages, tools)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages") from None
-    # The rendered template already holds any special tokens it wants (BOS included): add none.
-    ids = gw.prompt_ids(text, "messages", add_special_tokens=False)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true.", "top_logprobs")
-    max_new = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None),
-                   gw.backend.context_length() - len(ids))
+    asked = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), None)
+    max_new = gw.limits.new_tokens(asked, len(ids), gw.backend.context_length())
     draft = intake.read(OPENAI_CHAT, req, response_format=req.response_format, max_new_tokens=max_new,
                         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
     if req.max_completion_tokens is not None:
@@ -86,6 +86,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                       reasoning_tokens)
     return web.json_response(fmt.chat_completion(job.public_id, int(time.time()), req.model or gw.served_model_name,
                                                  choices, usage))
+
+
+def _render_ids(gw: Gateway, req: ChatCompletionRequest, messages: list[dict], tools: ToolPlan) -> list[int]:
+    """The prompt's token ids: the chat template rendered, then tokenized (on the gateway's pool when large)."""
+    text = gw.tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
+                                    template_kwargs=req.chat_template_kwargs, tools=tools.template_tools)
+    # The rendered template already holds any special tokens it wants (BOS included): add none.
+    return gw.prompt_ids(text, "messages", add_special_tokens=False)
 
 
 async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionRequest, job: Job, gen,
@@ -146,16 +155,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     body = await read_json(request)
     refuse_unsupported(body)
+    gw.limits.list_of_prompts(body.get("prompt"), "prompt")
+    gw.limits.sampling(body)
     req = parse(CompletionRequest, body)
     prompts = req.prompts()
     many = len(prompts) > 1
     loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, len(prompts), "lora_path")]
-    ids_list = [gw.prompt_ids(p, f"prompt.{k}" if many else "prompt") for k, p in enumerate(prompts)]
+    ids_list = await gw.prompts_ids(prompts, [f"prompt.{k}" if many else "prompt" for k in range(len(prompts))],
+                                    "prompt")
     rid = req.rid or new_id()  # the answer's id; each prompt's job has its own server-side id
     base = new_id()
     jobs = []
     for k, ids in enumerate(ids_list):
-        max_new = req.max_tokens if req.max_tokens is not None else gw.backend.context_length() - len(ids)
+        max_new = gw.limits.new_tokens(req.max_tokens, len(ids), gw.backend.context_length())
         draft = intake.read(OPENAI_COMPLETION, req, response_format=req.response_format, max_new_tokens=max_new,
                             return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
                             logprob_start_len=0 if req.echo else -1)  # echo: the prompt's logprobs too

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.gateway.context import Gateway, new_id
+from pdserve.services.gateway.context import GATEWAY, Gateway, new_id
 from pdserve.services.gateway.errors import ApiError, Busy, read_json
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.router import load_of
@@ -72,8 +72,15 @@ class Encoded:
 
 async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] = (),
                  type_ids: list[list[int]] | None = None) -> Encoded:
-    """Run `seqs` on a worker holding the prefix cache; a worker that fails is left out of one retry.
-    `type_ids`: segment ids per token, for cross-encoder pairs."""
+    """Run `seqs` on a worker holding the prefix cache, holding one admission place meanwhile (429 when the
+    workers are full); a worker that fails is left out of one retry. `type_ids`: segment ids per token, for
+    cross-encoder pairs."""
+    with gw.backend.encoding():
+        return await _encode(gw, seqs, label_token_ids, type_ids)
+
+
+async def _encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int],
+                  type_ids: list[list[int]] | None) -> Encoded:
     tried: set[str] = set()
     for _ in range(gw.backend.settings.max_attempts):
         worker = _pick(gw, tried)
@@ -123,9 +130,27 @@ def truncation(truncate_prompt_tokens: int | None, limit: int) -> int | None:
     return k
 
 
+async def input_ids(gw: Gateway, inputs: list[str | list[int]], params: list[str], list_param: str, limit: int,
+                    keep: int | None = None) -> list[list[int]]:
+    """Token ids of each input (`params`: the field of each), checked against the vocabulary and `limit` (inputs
+    may fill the context), their total against --max-request-tokens. Sizes are checked before anything is
+    tokenized; large inputs are tokenized on the gateway's thread pool. `keep`: truncate to the first `keep`
+    tokens; text is cut by the tokenizer, which keeps its special tokens."""
+    size = 0
+    for x, param in zip(inputs, params):
+        if isinstance(x, str):
+            gw.check_text_size(x, param)
+        size += len(x)
+    gw.limits.text_total(inputs, list_param, gw.tokenizer.max_token_chars)
+    if keep is None:
+        gw.limits.tokens_total([x for x in inputs if not isinstance(x, str)], list_param)
+    seqs = await gw.cpu.run(size, lambda: [_ids(gw, x, param, limit, keep) for x, param in zip(inputs, params)])
+    gw.limits.tokens_total(seqs, list_param)
+    return seqs
+
+
 def _ids(gw: Gateway, prompt: str | list[int], param: str, limit: int, keep: int | None = None) -> list[int]:
-    """Token ids of one input, checked against the vocabulary and `limit` (inputs may fill the context).
-    `keep`: truncate to the first `keep` tokens; text is cut by the tokenizer, which keeps its special tokens."""
+    """Token ids of one input, checked against the vocabulary and `limit`."""
     if isinstance(prompt, str):
         if keep is None:
             ids = gw.tokenizer.encode(prompt)
@@ -151,7 +176,11 @@ def _usage(tokens: int) -> dict:
 
 # ---------------------------------------------------------------- /v1/score
 async def score(request: web.Request) -> web.Response:
-    req = parse(ScoreRequest, await read_json(request))
+    body = await read_json(request)
+    limits = request.app[GATEWAY].limits
+    limits.count(body.get("items"), "max_list_items", "items")
+    limits.count(body.get("label_token_ids"), "max_score_labels", "label_token_ids")
+    req = parse(ScoreRequest, body)
     gw = request.app[MODELS].require(req.model, GENERATE, "/v1/score").gateway
     if req.query is None:
         raise ApiError(400, "Field 'query' is required.", "query")
@@ -165,13 +194,25 @@ async def score(request: web.Request) -> web.Response:
                             f"(size {gw.tokenizer.vocab_size}).", "label_token_ids")
     items = [req.items] if isinstance(req.items, str) else req.items
     limit = gw.backend.context_length()
-    seqs = []
+    # Each item is tokenized with the query: measured before the joined inputs are made.
+    size = len(req.query) * len(items) + sum(len(x) for x in items)
+    if isinstance(req.query, str):
+        gw.check_text_size(req.query, "query")
+        gw.limits.chars_total(size, "items", gw.tokenizer.max_token_chars)
+    else:
+        if len(req.query) >= limit:
+            raise ApiError(400, f"The input 'query' has {len(req.query)} tokens, more than the model's context "
+                                f"length of {limit} tokens.", "query")
+        gw.limits.tokens_count(size, "items")
+    joined = []
     for k, item in enumerate(items):
         if isinstance(req.query, str) != isinstance(item, str):
             raise ApiError(400, "'query' and 'items' must both be text or both be token ids.", f"items.{k}")
+        if isinstance(item, str):
+            gw.check_chars(len(req.query) + len(item), f"items.{k}")
         # Text is joined before tokenizing, so the tokenizer sees the boundary as it would see one prompt.
-        joined = item + req.query if req.item_first else req.query + item
-        seqs.append(_ids(gw, joined, f"items.{k}", limit))
+        joined.append(item + req.query if req.item_first else req.query + item)
+    seqs = await input_ids(gw, joined, [f"items.{k}" for k in range(len(items))], "items", limit)
     result = await encode(gw, seqs, req.label_token_ids)
     scores = [_probabilities(lps, req.apply_softmax) for lps in result.outputs]
     return web.json_response({"scores": scores, "model": req.model or gw.served_model_name,
@@ -190,7 +231,9 @@ def _probabilities(logprobs: list[float], renormalise: bool) -> list[float]:
 
 # ---------------------------------------------------------------- /v1/embeddings
 async def embeddings(request: web.Request) -> web.Response:
-    req = parse(EmbeddingRequest, await read_json(request))
+    body = await read_json(request)
+    request.app[GATEWAY].limits.list_of_prompts(body.get("input"), "input")
+    req = parse(EmbeddingRequest, body)
     served = request.app[MODELS].require(req.model, EMBED, "/v1/embeddings")
     gw = served.gateway
     if req.encoding_format not in ENCODING_FORMATS:
@@ -203,7 +246,8 @@ async def embeddings(request: web.Request) -> web.Response:
     limit = gw.backend.context_length()
     keep = truncation(req.truncate_prompt_tokens, limit)
     many = not isinstance(req.input, str) and not (req.input and isinstance(req.input[0], int))
-    seqs = [_ids(gw, x, f"input.{k}" if many else "input", limit, keep) for k, x in enumerate(inputs)]
+    params = [f"input.{k}" if many else "input" for k in range(len(inputs))]
+    seqs = await input_ids(gw, inputs, params, "input", limit, keep)
     result = await encode(gw, seqs)
     data = []
     for k, vector in enumerate(result.outputs):
@@ -262,7 +306,11 @@ async def native_encode(request: web.Request) -> web.Response:
 
 async def answer_native(request: web.Request, kind: str, endpoint: str) -> web.Response:
     """/encode and /classify: one output vector per input, in SGLang's native shape (one object for one input)."""
-    req = parse(NativeEncodeRequest, await read_json(request))
+    body = await read_json(request)
+    limits = request.app[GATEWAY].limits
+    limits.list_of_prompts(body.get("text"), "text")
+    limits.list_of_prompts(body.get("input_ids"), "input_ids")
+    req = parse(NativeEncodeRequest, body)
     gw = request.app[MODELS].require(req.model, kind, endpoint).gateway
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "Give exactly one of 'text' and 'input_ids'.", "text")
@@ -274,7 +322,8 @@ async def answer_native(request: web.Request, kind: str, endpoint: str) -> web.R
         raise ApiError(400, f"'{param}' must hold at least one item.", param)
     limit = gw.backend.context_length()
     keep = truncation(req.truncate_prompt_tokens, limit)
-    seqs = [_ids(gw, x, f"{param}.{k}" if batch else param, limit, keep) for k, x in enumerate(inputs)]
+    seqs = await input_ids(gw, inputs, [f"{param}.{k}" if batch else param for k in range(len(inputs))], param,
+                           limit, keep)
     start = time.perf_counter()
     result = await encode(gw, seqs)
     rid = req.rid or new_id()

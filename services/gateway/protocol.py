@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from pdserve.services.gateway.dialects import NATIVE, OPENAI_CHAT, sampling_fields
 from pdserve.services.gateway.errors import ApiError, from_validation_error, unsupported
+from pdserve.services.gateway.limits import Limits
 
 StopField = Union[str, list[str], None]
-# OpenAI takes up to 4 stop strings; SGLang sets no bound. Every generated piece of text is matched against
-# each of them, so thousands would slow every token of the request: 64 is generous for any real use.
-MAX_STOP_STRINGS = 64
+# How many stop strings a request may give is a limit (limits.py, --max-stop-strings), checked on the raw body
+# of chat, completions and /generate. `check_stop_count` holds a schema to the default for other request types.
+MAX_STOP_STRINGS = Limits.max_stop_strings
 
 
 def check_stop_count(v: StopField) -> StopField:
@@ -93,8 +94,6 @@ class OpenAISampling(_OpenAISamplingFields):
     return_cached_tokens_details: bool = False
     # Structured output: OpenAI's response_format, or one of SGLang's constraint fields (constraints.py).
     response_format: ResponseFormat | None = None
-
-    _check_stop_count = field_validator("stop")(check_stop_count)
 
     @field_validator("stop")
     @classmethod
@@ -249,8 +248,6 @@ class NativeSampling(_NativeSamplingFields):
     no_stop_trim: bool = False
     stream_interval: int | None = Field(None, ge=1)  # new tokens per streamed event
     custom_params: Any = None  # accepted by name so that the refusal above can name it
-
-    _check_stop_count = field_validator("stop")(check_stop_count)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdserve.services.gateway.context import GATEWAY, Gateway
-from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.errors import ApiError, parse_body
 from pdserve.shared.config import ENCODER_MODEL_TYPES
 
 GENERATE, EMBED, CLASSIFY = "generate", "embed", "classify"
@@ -137,10 +137,7 @@ async def refuse_wrong_kind(request: web.Request, handler):
 
 
 async def _named_model(request: web.Request) -> str | None:
-    try:
-        body = json.loads(await request.read() or b"null")  # aiohttp keeps the body for the handler
-    except (ValueError, UnicodeDecodeError):
-        return None
+    body, _ = await parse_body(request)  # parsed once: the handler gets the same (a body that is not JSON: None)
     name = body.get("model") if isinstance(body, dict) else None
     return name if isinstance(name, str) else None
 
@@ -174,7 +171,7 @@ def build_embedding_gateway(args: argparse.Namespace, primary: Gateway) -> Gatew
                       default_context_length=config.max_position_embeddings)
     return Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
                    tokenizer_path=str(model_dir), model_config=config, api_key=primary.api_key,
-                   accepted_model_names=frozenset(names), is_embedding=True)
+                   accepted_model_names=frozenset(names), is_embedding=True, limits=primary.limits, cpu=primary.cpu)
 
 
 def install(app: web.Application, extra: list[Gateway]) -> ServedModels:

@@ -1,8 +1,8 @@
 """gRPC adapter of the Pooling service: prefill-only requests (scores, embeddings, classifier outputs).
 
 On a generative worker (colocated or prefill) `Encode` scores: each input is prefilled through the engine's
-runtime, in groups of at most --max-prefill-tokens tokens, one engine call per group so running generations
-keep stepping in between. A pooling decoder (--is-embedding on a decoder, or a sequence classifier) is served
+runtime, in groups of at most one prefill chunk (--chunked-prefill-size) of tokens, one engine call per group
+(and per chunk of a longer input) so running generations keep stepping in between. A pooling decoder (--is-embedding on a decoder, or a sequence classifier) is served
 the same way, its output being the last token's hidden state or scores instead of label log-probabilities.
 On an encoder worker (--is-embedding) it queues the inputs on the Encoder, which batches them with whatever
 else is queued. A decode worker refuses: these requests never need one.
@@ -19,7 +19,7 @@ from pdserve.shared.config import Role
 from pdserve.shared.encoder import Encoder
 from pdserve.shared.engine import Engine
 from pdserve.shared.scoring import (DecoderPooling, PoolBusy, ScoreResult, check_inputs, check_sequences,
-                                    plan_groups, pool_group, score_group)
+                                    plan_groups, pool_group, prefill_prefix, score_group, step_budget)
 
 
 class PoolingService(pb_grpc.PoolingServicer):
@@ -69,26 +69,25 @@ class PoolingService(pb_grpc.PoolingServicer):
     async def _score(self, seqs: list[list[int]], labels: list[int]) -> pb.EncodeReply:
         engine = self.engine
         check_inputs(seqs, labels, engine.model_config.vocab_size, engine.runner.context_length)
-        budget = engine.config.scheduler.max_prefill_tokens
-        logprobs: list[list[float]] = []
-        prompt = cached = 0
-        for group in plan_groups([len(s) for s in seqs], budget):
-            part = [seqs[i] for i in group]
-            result: ScoreResult = await self._wait(engine.call(lambda part=part: score_group(engine, part, labels)))
-            logprobs += result.logprobs
-            prompt += result.prompt_tokens
-            cached += result.cached_tokens
-        return _reply(logprobs, prompt, cached)
+        return await self._groups(seqs, lambda part: score_group(engine, part, labels))
 
     async def _pool(self, seqs: list[list[int]]) -> pb.EncodeReply:
         engine = self.engine
         check_sequences(seqs, engine.model_config.vocab_size, engine.runner.context_length)
+        return await self._groups(seqs, lambda part: pool_group(engine, part, self.pooled.normalize))
+
+    async def _groups(self, seqs: list[list[int]], run) -> pb.EncodeReply:
+        """`run` on each group of `seqs`, one engine call per group of at most one prefill chunk of tokens; a
+        longer sequence goes alone, its leading chunks computed into the prefix cache by calls of their own."""
+        engine = self.engine
+        budget = step_budget(engine.config.scheduler)
         vectors: list[list[float]] = []
         prompt = cached = 0
-        for group in plan_groups([len(s) for s in seqs], engine.config.scheduler.max_prefill_tokens):
+        for group in plan_groups([len(s) for s in seqs], budget):
             part = [seqs[i] for i in group]
-            result: ScoreResult = await self._wait(engine.call(
-                lambda part=part: pool_group(engine, part, self.pooled.normalize)))
+            for end in range(budget, len(part[0]), budget) if len(part) == 1 else ():
+                await self._wait(engine.call(lambda end=end, seq=part[0]: prefill_prefix(engine, seq[:end])))
+            result: ScoreResult = await self._wait(engine.call(lambda part=part: run(part)))
             vectors += result.logprobs
             prompt += result.prompt_tokens
             cached += result.cached_tokens

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import params_from_proto as from_proto, params_to_proto as to_proto
-from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+from pdserve.shared.sampling_params import MAX_STOP_TOKEN_IDS, InvalidParam, SamplingParams
 
 VOCAB = 49152
 
@@ -148,3 +148,12 @@ def test_proto_message_out_of_range_is_refused():
     msg.n = 500
     with pytest.raises(InvalidParam, match=r"n must be in \[1, 128\], got 500"):
         from_proto(msg).validate()
+
+
+def test_token_lists_are_capped_at_the_workers_edge():
+    # Checked at every generated token: a worker refuses more ids than MAX_STOP_TOKEN_IDS, whoever sends them.
+    SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))).validate(50_000)
+    for name in ("stop_token_ids", "think_end_ids"):
+        with pytest.raises(InvalidParam, match=f"at most {MAX_STOP_TOKEN_IDS}") as exc:
+            SamplingParams(**{name: tuple(range(MAX_STOP_TOKEN_IDS + 1))}).validate(50_000)
+        assert exc.value.field == name

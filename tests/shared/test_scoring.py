@@ -6,7 +6,8 @@ import torch
 
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig
 from pdserve.shared.engine import Engine
-from pdserve.shared.scoring import PoolBusy, check_inputs, plan_groups, score_group
+from pdserve.shared.sampling_params import MAX_SCORE_LABELS, MAX_SCORE_VALUES
+from pdserve.shared.scoring import PoolBusy, check_inputs, plan_groups, prefill_prefix, score_group, step_budget
 
 QUERY = [5, 17, 99, 3, 250, 8, 8, 41, 300, 7, 66, 12, 13]
 ITEMS = [[40, 41], [100, 7, 9, 21, 22], [3]]
@@ -66,3 +67,34 @@ def test_groups_respect_the_token_budget():
 def test_bad_inputs_are_refused(seqs, labels, message):
     with pytest.raises(ValueError, match=message):
         check_inputs(seqs, labels, vocab_size=512, context_length=512)
+
+
+def test_a_long_sequence_is_scored_chunk_by_chunk(tiny_models):
+    # The worker computes a sequence longer than one prefill chunk one chunk per engine call: each call's full
+    # pages go to the radix cache and the next starts there. The answer is the one-forward answer.
+    engine = make_engine(tiny_models["qwen2"], page_size=4)
+    seq = (QUERY * 4)[:48]
+    want = hf_label_logprobs(tiny_models["qwen2"], [seq], LABELS)
+    prefill_prefix(engine, seq[:16])
+    prefill_prefix(engine, seq[:32])
+    result = score_group(engine, [seq], LABELS)
+    assert result.cached_tokens == 32 and result.prompt_tokens == 48
+    assert torch.allclose(torch.tensor(result.logprobs), want, atol=1e-4)
+    report = engine.scheduler.check_integrity()
+    assert report.ok and report.held == 0, report.message
+
+
+def test_the_step_budget_is_one_prefill_chunk():
+    assert step_budget(SchedulerConfig(max_prefill_tokens=8192, chunked_prefill_size=2048)) == 2048
+    assert step_budget(SchedulerConfig(max_prefill_tokens=1024, chunked_prefill_size=2048)) == 1024
+    assert step_budget(SchedulerConfig(max_prefill_tokens=8192, chunked_prefill_size=0)) == 8192
+
+
+def test_labels_are_capped_at_the_workers_edge():
+    # items x labels is the answer's size: a gRPC client with the cluster token cannot ask for gigabytes.
+    check_inputs([[1, 2]], list(range(MAX_SCORE_LABELS)), 50_000, 64)
+    with pytest.raises(ValueError, match=f"limit of {MAX_SCORE_LABELS}"):
+        check_inputs([[1, 2]], [1] * (MAX_SCORE_LABELS + 1), 50_000, 64)
+    items = MAX_SCORE_VALUES // MAX_SCORE_LABELS + 1
+    with pytest.raises(ValueError, match="scores per call"):
+        check_inputs([[1]] * items, [1] * MAX_SCORE_LABELS, 50_000, 64)
