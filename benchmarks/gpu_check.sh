@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# One GPU check (issue 27): kernel tests, runtime figures and serving figures on one CUDA machine, each
+# target of the issue printed beside its figure.
+#
+#     benchmarks/gpu_wheels.sh wheels              # where PyPI is reachable: the packages the GPU machine lacks
+#     benchmarks/gpu_check.sh [WHEELS_DIR]         # on the GPU machine, from the checkout; six minutes or less
+#
+# Made for a bare CUDA machine with torch, triton and transformers but no network and no registry
+# (../shared/notes/gpu.md): what else pdserve imports comes from WHEELS_DIR, installed into a scratch folder
+# with --no-index --no-deps; the package is laid out from the checkout without installing (the mapping
+# pyproject.toml makes), and the model is random weights of SmolLM2-135M's shape beside its real tokenizer
+# (benchmarks/gpu_model_files), since no model can be downloaded there.
+#
+# Runs, in order: (a) the CUDA kernel tests and the decode-graph tests; (b) benchmarks/gpu_runtime.py (step
+# times with graphs on and off, GPU-busy fraction, kernels per step, greedy parity, transformers with a static
+# cache + torch.compile timed in the same run); (c) `pdserve bench` against a colocated worker, then against
+# prefill + decode on the same GPU with TCP transfer, at 1, 64 and 256 streams of 128 tokens after ~200-token
+# prompts (workers and gateway started directly: there is no redis-server there); then the targets table.
+# Everything lands in $OUT (the device tool brings that folder back) or in a scratch folder it names.
+#
+# GPU_CHECK_DEVICE=cpu runs the script itself on a CPU (tiny model, tiny loads, no kernel tests): a smoke
+# test of its plumbing, not a measurement. Exit status: 0 when every step ran (targets may still be missed).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=${1:-}
+PY=${PYTHON:-python3}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+if [ "$DEVICE" = cpu ]; then
+  # Small enough for a shared 2-core machine; one compute thread per worker so the processes do not thrash.
+  LEVELS=(1 4) OUTPUT_LEN=8 PROMPT_LEN=40 RUNTIME_ARGS=(--device cpu --dry-run) MODEL_ARGS=(--dry-run)
+  export OMP_NUM_THREADS=1
+else
+  LEVELS=(1 64 256) OUTPUT_LEN=128 PROMPT_LEN=200 RUNTIME_ARGS=() MODEL_ARGS=()
+fi
+
+# The device first: nothing else is worth doing without one (torch is the machine's own).
+"$PY" - "$DEVICE" <<'EOF' || exit 2
+import sys
+import torch
+if sys.argv[1] == "cuda" and not torch.cuda.is_available():
+    sys.exit("gpu_check: torch.cuda.is_available() is false on this machine: run it on a CUDA GPU "
+             "(GPU_CHECK_DEVICE=cpu checks the script's plumbing only)")
+EOF
+
+# Scratch (wheels, package layout, a 269 MB model) goes when the script ends; results stay.
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+RESULTS=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_results.XXXXXX")}
+LOGS=$RESULTS/logs
+mkdir -p "$LOGS"
+STARTED=$SECONDS
+PIDS=()  # services this script started
+FAILED=()  # steps that did not finish cleanly, for the exit status and the report
+
+log() { echo "[gpu_check +$((SECONDS - STARTED))s] $*" >&2; }
+failed() { FAILED+=("$1"); log "step failed: $1"; }
+start() {  # NAME pdserve-ARGS...: a service in the background, its output in logs/NAME.log
+  local name=$1; shift
+  "$PY" -m pdserve "$@" >"$LOGS/$name.log" 2>&1 &
+  PIDS+=($!)
+  log "started $name (pid $!)"
+}
+
+stop_all() {  # SIGTERM to what this script started, then SIGKILL to what is left after 30 s
+  [ ${#PIDS[@]} -gt 0 ] || return 0
+  kill "${PIDS[@]}" 2>/dev/null
+  for _ in $(seq 60); do
+    kill -0 "${PIDS[@]}" 2>/dev/null || break
+    sleep 0.5
+  done
+  kill -9 "${PIDS[@]}" 2>/dev/null
+  wait "${PIDS[@]}" 2>/dev/null
+  PIDS=()
+}
+
+cleanup() { stop_all; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+# ---------------------------------------------------------------- environment
+# Wheels go into a scratch folder ahead of the system's packages; --no-deps because the wheel list is already
+# the whole closure beyond what the machine has (benchmarks/gpu_wheels.sh).
+SITE=$WORK/site
+if [ -n "$WHEELS" ]; then
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  [ ${#wheels[@]} -gt 0 ] || { log "no wheels in $WHEELS"; exit 2; }
+  log "installing ${#wheels[@]} wheels from $WHEELS into $SITE"
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$SITE" "${wheels[@]}" \
+    || { log "pip could not install the wheels"; exit 2; }
+fi
+
+# The package without installing it: pdserve/ holds the entry points; shared/, kernels/, proto/ and services/
+# become its subpackages, as pyproject.toml's package-dir maps them.
+PKG=$WORK/pd/pdserve
+mkdir -p "$PKG"
+cp "$REPO"/pdserve/*.py "$PKG"/
+for sub in shared kernels proto services; do cp -r "$REPO/$sub" "$PKG/$sub"; done
+export PYTHONPATH=$WORK/pd${WHEELS:+:$SITE}
+# No native CPU kernel build: the GPU runs Triton, and the CPU fall-back ops need no compiler.
+export PDSERVE_NATIVE_KERNELS=0
+# Nothing can be downloaded there: fail at once instead of waiting on the hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+# Run from the scratch folder, so `pdserve` resolves to the layout above and not to the checkout's pdserve/.
+cd "$WORK" || exit 2
+"$PY" - <<'EOF' || { log "the layout does not import: are the wheels from benchmarks/gpu_wheels.sh given?"; exit 2; }
+import sys
+import torch
+import grpc, google.protobuf, pydantic  # what the wheels bring, imported before any step needs them
+import pdserve.services.gateway.app, pdserve.shared.engine  # noqa: F401
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+print(f"[gpu_check] {name}; torch {torch.__version__}, grpcio {grpc.__version__}, "
+      f"protobuf {google.protobuf.__version__}, pydantic {pydantic.VERSION}", file=sys.stderr)
+EOF
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$RESULTS/gpu.txt" 2>/dev/null || true
+
+MODEL=$WORK/model
+log "building the random-weight model in $MODEL"
+"$PY" "$REPO/benchmarks/gpu_runtime.py" --save-model "$MODEL" "${MODEL_ARGS[@]}" >"$LOGS/model.log" 2>&1 \
+  || { tail -20 "$LOGS/model.log"; log "could not build the model"; exit 2; }
+
+# ---------------------------------------------------------------- (a) tests
+# --rootdir/-c keep the project's pytest settings while running from outside the checkout.
+pytest_run() {  # NAME ARGS...
+  local name=$1; shift
+  log "tests: $name"
+  timeout 240 "$PY" -m pytest --rootdir "$REPO" -c "$REPO/pyproject.toml" -p no:cacheprovider -q "$@" \
+    >"$LOGS/tests_$name.log" 2>&1 || failed "tests_$name"
+  tail -1 "$LOGS/tests_$name.log" >&2
+}
+if [ "$DEVICE" = cuda ]; then
+  pytest_run kernels "$REPO/tests/kernels" -k "cuda or triton"
+fi
+pytest_run decode_graphs "$REPO/tests/shared/test_decode_graphs.py"
+
+# ---------------------------------------------------------------- (b) the runtime
+log "gpu_runtime.py"
+timeout 300 "$PY" "$REPO/benchmarks/gpu_runtime.py" --model-path "$MODEL" --json "$RESULTS/runtime.json" \
+  "${RUNTIME_ARGS[@]}" 2>&1 | tee "$LOGS/runtime.log" | grep -v "Loading weights\|Writing model" >&2
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed runtime
+
+# ---------------------------------------------------------------- (c) serving
+# Fixed loopback ports below the kernel's ephemeral range; HTTP ports are gRPC + 1000, TCP KV ports + 2000.
+GATEWAY_PORT=30000 COLOCATED_PORT=21051 PREFILL_PORT=21061 DECODE_PORT=21071
+WORKER_ARGS=(--model-path "$MODEL" --device "$DEVICE" --dtype bfloat16 --host 127.0.0.1)
+if [ "$DEVICE" = cuda ]; then
+  # Two workers share the GPU in the PD run: each takes 30 % of the memory free after its weights.
+  WORKER_ARGS+=(--mem-fraction 0.3)
+else
+  WORKER_ARGS+=(--max-total-tokens 16384)
+fi
+wait_ready() {  # until the gateway generates a token (the workers compile their kernels first), at most 180 s
+  local deadline=$((SECONDS + 180)) pid
+  until "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$GATEWAY_PORT/health_generate', timeout=30)" \
+      2>/dev/null; do
+    for pid in "${PIDS[@]}"; do
+      if ! kill -0 "$pid" 2>/dev/null; then log "a service exited while starting (pid $pid)"; return 1; fi
+    done
+    if [ $SECONDS -ge $deadline ]; then log "not ready after 180 s"; return 1; fi
+    sleep 1
+  done
+  log "serving"
+}
+
+bench() {  # DEPLOYMENT: one `pdserve bench` per level, two waves of requests each (at least 8)
+  local c n
+  for c in "${LEVELS[@]}"; do
+    n=$((c * 2 > 8 ? c * 2 : 8))
+    timeout 240 "$PY" -m pdserve bench --base-url "http://127.0.0.1:$GATEWAY_PORT/v1" --concurrency "$c" \
+      --num-requests "$n" --output-len "$OUTPUT_LEN" --prompt-len "$PROMPT_LEN" --timeout 120 --no-progress \
+      --json "$RESULTS/bench_$1_$c.json" >"$LOGS/bench_$1_$c.log" 2>&1 || failed "bench_$1_$c"
+    grep -A3 "^ *concurrency\|conc" "$LOGS/bench_$1_$c.log" | head -4 >&2
+  done
+}
+
+serve_logs_on_failure() {  # NAMES...: the last lines of each service's log, where something went wrong
+  local name
+  for name in "$@"; do echo "--- $name" >&2; tail -15 "$LOGS/$name.log" >&2; done
+}
+
+log "serving: colocated"
+start colocated colocated "${WORKER_ARGS[@]}" --port $COLOCATED_PORT --max-running-requests 256
+start gateway_colocated gateway --model-path "$MODEL" --host 127.0.0.1 --port $GATEWAY_PORT \
+  --worker 127.0.0.1:$COLOCATED_PORT
+if wait_ready; then bench colocated; else failed serve_colocated; serve_logs_on_failure colocated gateway_colocated; fi
+stop_all
+
+log "serving: prefill + decode on one device, TCP transfer"
+start prefill prefill "${WORKER_ARGS[@]}" --port $PREFILL_PORT --transfer-backend tcp
+start decode decode "${WORKER_ARGS[@]}" --port $DECODE_PORT --prefill 127.0.0.1:$PREFILL_PORT \
+  --transfer-backend tcp --max-running-requests 256
+start gateway_pd gateway --model-path "$MODEL" --host 127.0.0.1 --port $GATEWAY_PORT \
+  --prefill 127.0.0.1:$PREFILL_PORT --decode 127.0.0.1:$DECODE_PORT
+if wait_ready; then
+  bench pd
+  # The prefill worker's KV transfer counters (bytes, seconds) for the GB/s of the PD row.
+  "$PY" -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$((PREFILL_PORT + 1000))/metrics" >"$RESULTS/prefill_metrics.txt" 2>/dev/null || true
+else
+  failed serve_pd; serve_logs_on_failure prefill decode gateway_pd
+fi
+stop_all
+
+# ---------------------------------------------------------------- the targets
+report=(--runtime "$RESULTS/runtime.json" --json "$RESULTS/gpu_check.json" --elapsed $((SECONDS - STARTED)))
+for f in "$RESULTS"/bench_colocated_*.json; do [ -e "$f" ] && report+=(--colocated "$f"); done
+for f in "$RESULTS"/bench_pd_*.json; do [ -e "$f" ] && report+=(--pd "$f"); done
+[ -s "$RESULTS/prefill_metrics.txt" ] && report+=(--kv-metrics "$RESULTS/prefill_metrics.txt")
+[ -s "$RESULTS/gpu.txt" ] && report+=(--gpu "$(head -1 "$RESULTS/gpu.txt")")
+for step in "${FAILED[@]}"; do report+=(--failed "$step"); done
+"$PY" "$REPO/benchmarks/gpu_report.py" "${report[@]}" | tee "$RESULTS/targets.txt" || failed report
+log "done in $((SECONDS - STARTED)) s; results in $RESULTS${FAILED[*]:+; failed: ${FAILED[*]}}"
+[ ${#FAILED[@]} -eq 0 ]
