@@ -169,7 +169,7 @@ bench() {  # DEPLOYMENT: one `pdserve bench` per level, two waves of requests ea
     timeout 240 "$PY" -m pdserve bench --base-url "http://127.0.0.1:$GATEWAY_PORT/v1" --concurrency "$c" \
       --num-requests "$n" --output-len "$OUTPUT_LEN" --prompt-len "$PROMPT_LEN" --timeout 120 --no-progress \
       --json "$RESULTS/bench_$1_$c.json" >"$LOGS/bench_$1_$c.log" 2>&1 || failed "bench_$1_$c"
-    grep -A3 "^ *concurrency\|conc" "$LOGS/bench_$1_$c.log" | head -4 >&2
+    grep -A1 "^conc " "$LOGS/bench_$1_$c.log" >&2  # the table's header and its row
   done
 }
 
