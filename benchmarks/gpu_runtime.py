@@ -304,7 +304,8 @@ def measure(model_dir: str, setup: Setup, result: dict) -> None:
     """Greedy bf16 with graphs on and off, step times, profiles, the transformers baseline, a raw copy."""
     count = 12 if setup.device == "cuda" else 5
     prompts = [[1] + [(13 * k + 7 * i) % 40000 + 50 for k in range(5 + 9 * i)] for i in range(count)]
-    new = [(16 + 8 * i) if setup.device == "cuda" else 4 + i for i in range(count)]  # the batch shrinks bucket by bucket
+    # Outputs of different lengths: the batch shrinks bucket by bucket as requests finish.
+    new = [(16 + 8 * i) if setup.device == "cuda" else 4 + i for i in range(count)]
     decode_ms: dict[str, dict[str, float]] = {}
     profiles: dict[str, dict[str, dict]] = {}
     tokens = {}
