@@ -22,6 +22,8 @@ from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
+from pdserve.services.gateway import responses_api
+from pdserve.services.gateway.responses_store import ResponseStore
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")
@@ -173,8 +175,10 @@ async def drain_requests(request: web.Request, handler):
             drain.idle.set()
 
 
-def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Application:
-    """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model)."""
+def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
+               responses: ResponseStore | None = None) -> web.Application:
+    """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model); `responses`: where
+    /v1/responses keeps stored responses (default: this process's memory)."""
     middlewares = [observe, drain_requests, error_middleware, limit_body, check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
@@ -184,6 +188,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = ()) -> web.Applic
     app[CPU_POOL] = gateway.cpu
     app[DRAIN] = Drain()
     openai_api.add_routes(app)
+    responses_api.add_routes(app, responses)
     native_api.add_routes(app)
     lora_api.add_routes(app)
     expert_api.add_routes(app)

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="report usage.prompt_tokens_details.cached_tokens in every response")
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
     parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
+    parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,
+                        help="Redis that keeps /v1/responses stored responses, shared by every gateway replica and "
+                             "kept across restarts (default: $PDSERVE_REDIS_URL; without one they are kept in this "
+                             "gateway's memory); give a URL with a password in the variable: a flag shows in `ps`")
+    parser.add_argument("--responses-ttl", type=float, default=7 * 24 * 3600, metavar="SECONDS",
+                        help="stored responses expire this long after their last change (default: 7 days)")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker checks")
     parser.add_argument("--embedding-model", default=os.environ.get("PDSERVE_EMBEDDING_MODEL") or None,
                         metavar="PATH",
@@ -131,7 +137,11 @@ def build(args: argparse.Namespace):
     from pdserve.services.gateway.served_models import build_embedding_gateway
 
     extra = build_embedding_gateway(args, gateway)
-    return create_app(gateway, [extra] if extra else [])
+    from pdserve.services.gateway.responses_store import open_store
+
+    if args.responses_ttl <= 0:
+        raise ValueError("--responses-ttl must be > 0")
+    return create_app(gateway, [extra] if extra else [], open_store(args.redis_url, args.responses_ttl))
 
 
 async def _serve(app, args: argparse.Namespace) -> int:

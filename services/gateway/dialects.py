@@ -53,6 +53,11 @@ OPENAI_CHAT = Dialect(
 # /v1/completions carries the same sampling fields as chat; only its logprobs field is spelled otherwise.
 OPENAI_COMPLETION = dataclasses.replace(OPENAI_CHAT, name="openai-completion",
                                         renamed={**OPENAI_CHAT.renamed, "top_logprobs_num": "logprobs"})
+# /v1/responses: chat's sampling fields (SGLang's extensions included), the length named max_output_tokens and null
+# by default (as many as the context leaves); no n (a response has one output), logprobs through top_logprobs.
+OPENAI_RESPONSES = dataclasses.replace(
+    OPENAI_CHAT, name="openai-responses", renamed={**OPENAI_CHAT.renamed, "max_new_tokens": "max_output_tokens"},
+    elsewhere=LOGPROB_FIELDS | GATEWAY_DERIVED | {"n"}, nullable=OPENAI_CHAT.nullable | {"max_new_tokens"})
 NATIVE = Dialect(
     "native",
     renamed={"seed": "sampling_seed"},

@@ -17,6 +17,7 @@ from pdserve.services.gateway.classify_api import RerankRequest
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.lora_api import LoadLoraRequest, UnloadLoraRequest
 from pdserve.services.gateway.native_api import VERSION
+from pdserve.services.gateway.responses_items import ResponsesRequest
 from pdserve.services.gateway.pooling_api import EmbeddingRequest, NativeEncodeRequest, ScoreRequest
 from pdserve.services.gateway.protocol import (AbortRequestBody, ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, GenerateRequest, TokenizeRequest)
@@ -25,6 +26,7 @@ from pdserve.services.gateway.protocol import (AbortRequestBody, ChatCompletionR
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/score": ScoreRequest,
     "/v1/rerank": RerankRequest,
