@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from pdserve.services.jobs import batches, files
 from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invalid_id, not_found
 from pdserve.services.jobs.metrics import JobsMetrics
-from pdserve.services.jobs.store import BATCH_ID, FILE_ID, Store, dump, is_id, new_id, now
+from pdserve.services.jobs.store import BATCH_ID, FILE_ID, QuotaExceeded, Store, dump, is_id, new_id, now
 
 log = logging.getLogger("pdserve.jobs")
 
@@ -27,6 +27,8 @@ class Settings:
     api_key: str | None
     max_file_size: int
     completion_window_s: int | None = None  # overrides every window's length (for tests of expiry)
+    files_quota: int = 0  # bytes all files together may take in Redis (0: no limit)
+    min_expiry_s: int = files.MIN_EXPIRY_S  # the least `expires_after[seconds]` (lowered by tests of expiry)
 
 
 STORE = web.AppKey("store", Store)
@@ -36,7 +38,7 @@ OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers hold no API key; nei
 
 
 def error_response(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
 @web.middleware
@@ -116,12 +118,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def create_file(request: web.Request) -> web.Response:
-    writer = request.app[STORE].writer(new_id(FILE_ID))
+    settings: Settings = request.app[SETTINGS]
+    writer = request.app[STORE].writer(new_id(FILE_ID), settings.files_quota)
     try:
-        upload = await files.read_upload(request, request.app[SETTINGS].max_file_size, writer)
-        meta = await writer.commit(upload.filename, upload.purpose)
-    except BaseException:  # refused, the client went away, Redis failed: nothing of it stays
+        upload = await files.read_upload(request, settings.max_file_size, writer, settings.min_expiry_s)
+        meta = await writer.commit(upload.filename, upload.purpose, upload.expires_after_s)
+    except BaseException as exc:  # refused, the client went away, Redis failed: nothing of it stays
         await asyncio.shield(writer.discard())
+        if isinstance(exc, QuotaExceeded):
+            log.warning("upload refused: files use %d of their %d-byte quota", exc.used, exc.quota)
+            raise files.quota_full(exc) from None
         raise
     return web.json_response(files.render(meta))
 
@@ -173,7 +179,7 @@ async def file_content(request: web.Request) -> web.StreamResponse:
 async def delete_file(request: web.Request) -> web.Response:
     file_id = path_file_id(request)
     outcome = await request.app[STORE].delete_file(file_id)
-    if outcome == "missing":
+    if outcome in ("missing", "expired"):
         raise not_found("file", file_id, "file_id")
     if outcome.startswith("in_use:"):
         batch_id = outcome.split(":", 1)[1]
@@ -192,15 +198,16 @@ async def create_batch(request: web.Request) -> web.Response:
         raise bad_request("The request body is not valid JSON.") from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
-    params = batches.parse_create(body)
     settings: Settings = request.app[SETTINGS]
+    params = batches.parse_create(body, settings.min_expiry_s)
     created = now()
     window = settings.completion_window_s or batches.COMPLETION_WINDOWS[params.completion_window]
     batch_id = new_id(BATCH_ID)
     fields: dict[str, str | int] = {
         "id": batch_id, "status": "validating", "endpoint": params.endpoint, "input_file_id": params.input_file_id,
         "completion_window": params.completion_window, "created_at": created, "expires_at": created + window,
-        "total": 0, "metadata": dump(params.metadata) if params.metadata is not None else ""}
+        "total": 0, "metadata": dump(params.metadata) if params.metadata is not None else "",
+        "output_expires_after": params.output_expires_after_s or ""}
     store: Store = request.app[STORE]
     outcome = await store.create_batch(batch_id, params.input_file_id, fields)
     if outcome == "missing":
@@ -245,7 +252,7 @@ def build_app(store: Store, settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=4 << 20)
     app[STORE] = store
     app[SETTINGS] = settings
-    app[METRICS] = JobsMetrics()
+    app[METRICS] = JobsMetrics(settings.files_quota)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/files", create_file)

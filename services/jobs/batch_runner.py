@@ -81,6 +81,7 @@ class BatchRunner:
                  self.settings.lease_s)
         try:
             await self.with_redis(self.queue.ensure_groups)
+            await self.with_redis(self.store.count_usage)  # before this worker writes output files counted in it
         except TRANSIENT:
             return  # stopped before Redis was ever reachable
         await self.executor.start()

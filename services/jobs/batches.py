@@ -3,17 +3,22 @@ stored batch renders as OpenAI's `batch` object.
 
 Request parameters are checked when the batch is created (400/404, nothing stored). The input file is
 checked by a batch worker while the batch is `validating`; problems make the batch `failed`, with `errors`
-naming each bad line (1-based), and no items are queued.
+naming each bad line (1-based), and no items are queued. Checking a line needs only that line: uniqueness of
+custom_ids across the file is checked in Redis (unique_ids.py), so memory stays bounded whatever the file.
 """
 from __future__ import annotations
 
 import codecs
+import heapq
+import itertools
 import json
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.services.jobs.errors import bad_request, invalid_id
+from pdserve.services.jobs.errors import bad_request, invalid_id, shown
+from pdserve.services.jobs.files import MIN_EXPIRY_S, expiry_seconds
 from pdserve.services.jobs.store import FILE_ID, is_id
 
 # OpenAI's batch endpoints. A batch's endpoint and its lines' urls may name each with or without its "/v1"
@@ -41,9 +46,10 @@ class CreateParams:
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None
+    output_expires_after_s: int | None = None  # the output and error files expire this long after creation
 
 
-def parse_create(body: object) -> CreateParams:
+def parse_create(body: object, min_expiry_s: int = MIN_EXPIRY_S) -> CreateParams:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     file_id = body.get("input_file_id")
@@ -69,7 +75,15 @@ def parse_create(body: object) -> CreateParams:
             if not (is_text(key) and is_text(value)):
                 raise bad_request("'metadata' holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
                                   "escape), which is not text.", "metadata")
-    return CreateParams(file_id, endpoint, window, metadata)
+    expiry = body.get("output_expires_after")
+    output_expires_after_s = None
+    if expiry is not None:
+        if not isinstance(expiry, dict):
+            raise bad_request("'output_expires_after' must be an object: {\"anchor\": \"created_at\", "
+                              "\"seconds\": N}.", "output_expires_after")
+        output_expires_after_s = expiry_seconds(expiry.get("anchor"), expiry.get("seconds"), "output_expires_after",
+                                                min_expiry_s)
+    return CreateParams(file_id, endpoint, window, metadata, output_expires_after_s)
 
 
 def is_text(value: str) -> bool:
@@ -88,19 +102,31 @@ class Item:
     body: dict
 
 
-@dataclass
 class LineErrors:
-    errors: list[dict]
-    dropped: int = 0
+    """The MAX_ERRORS errors of the earliest lines (file-wide ones, line None, after them), in line order; the
+    rest are counted. Errors may be added a little out of line order (duplicates are found a chunk late)."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[float, int, dict]] = []  # a max-heap on (line, arrival): (-line, -arrival, error)
+        self._arrival = itertools.count()
+        self.dropped = 0
 
     def add(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
-        if len(self.errors) < MAX_ERRORS:
-            self.errors.append({"code": code, "message": message, "param": param, "line": line})
-        else:
-            self.dropped += 1
+        entry = (-(line if line is not None else math.inf), -next(self._arrival),
+                 {"code": code, "message": message, "param": param, "line": line})
+        if len(self._kept) < MAX_ERRORS:
+            heapq.heappush(self._kept, entry)
+            return
+        self.dropped += 1
+        if entry[:2] > self._kept[0][:2]:  # earlier than the latest kept: keep it instead
+            heapq.heapreplace(self._kept, entry)
+
+    @property
+    def errors(self) -> list[dict]:
+        return [error for *_, error in sorted(self._kept, key=lambda e: e[:2], reverse=True)]
 
     def as_object(self) -> dict:
-        data = list(self.errors)
+        data = self.errors
         if self.dropped:
             data.append({"code": "too_many_errors", "message": f"{self.dropped} more errors not listed",
                          "param": None, "line": None})
@@ -152,30 +178,29 @@ async def numbered_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[in
 
 
 class InputChecker:
-    """Checks an input file's requests line by line (`feed`), keeping only what the checks need: each custom_id
-    and its line (for duplicates), and the errors. A batch reads its file once to check it, then again to queue
-    the items it found and, at the end, to write its output in input order."""
+    """Checks an input file's requests line by line (`feed`), keeping only the errors (at most MAX_ERRORS) and
+    a count. Whether each custom_id is unique is for the caller to find out (UniqueIds, or a dict for a small
+    file) and to report with `duplicate`. A batch reads its file once to check it, then again to queue the items
+    it found and, at the end, to write its output in input order."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.errors = LineErrors([])
-        self.count = 0  # requests found: the index of the next one
-        self._first_line: dict[str, int] = {}
+        self.errors = LineErrors()
+        self.count = 0  # requests found (duplicates reported so far excepted): the index of the next one
 
     def feed(self, number: int, line: str) -> Item | None:
         if not line.strip():
             return None
         item = parse_line(line, number, self.endpoint, self.count, self.errors)
-        if item is None:
-            return None
-        if item.custom_id in self._first_line:
-            self.errors.add(number, "duplicate_custom_id", f"Line {number}: custom_id {item.custom_id!r} is "
-                            f"already used on line {self._first_line[item.custom_id]}; each request needs its own.",
-                            "custom_id")
-            return None
-        self._first_line[item.custom_id] = number
-        self.count += 1
+        if item is not None:
+            self.count += 1
         return item
+
+    def duplicate(self, number: int, custom_id: str, first_line: int) -> None:
+        """The request on line `number` reuses the custom_id of line `first_line`: it is not a request."""
+        self.count -= 1
+        self.errors.add(number, "duplicate_custom_id", f"Line {number}: custom_id {shown(custom_id)} is already "
+                        f"used on line {first_line}; each request needs its own.", "custom_id")
 
     def not_text(self, exc: NotText) -> None:
         self.errors.add(None, "invalid_encoding", str(exc))
@@ -193,11 +218,14 @@ class InputChecker:
 def parse_input(content: bytes, endpoint: str) -> tuple[list[Item], LineErrors]:
     """Every request of a JSONL input file held in memory (a small one: see InputChecker for the streaming
     form), or the errors that make the batch fail (then no items)."""
-    checker, items = InputChecker(endpoint), []
+    checker, items, first_line = InputChecker(endpoint), [], {}
     try:
         for number, line in LineSplitter().feed(content, final=True):
             item = checker.feed(number, line)
-            if item is not None:
+            if item is not None and item.custom_id in first_line:
+                checker.duplicate(number, item.custom_id, first_line[item.custom_id])
+            elif item is not None:
+                first_line[item.custom_id] = number
                 items.append(item)
     except NotText as exc:
         checker.not_text(exc)
@@ -227,11 +255,12 @@ def parse_line(line: str, number: int, endpoint: str, index: int, errors: LineEr
         return None
     method = request.get("method", "POST")
     if method != "POST":
-        errors.add(number, "invalid_method", f"Line {number}: 'method' must be 'POST', not {method!r}.", "method")
+        errors.add(number, "invalid_method", f"Line {number}: 'method' must be 'POST', not {shown(method)}.",
+                   "method")
         return None
     url = request.get("url")
     if endpoint_path(url) != endpoint:
-        errors.add(number, "mismatched_url", f"Line {number}: 'url' is {url!r} but the batch endpoint is "
+        errors.add(number, "mismatched_url", f"Line {number}: 'url' is {shown(url)} but the batch endpoint is "
                    f"{endpoint!r}; every request must use the batch endpoint.", "url")
         return None
     body = request.get("body")

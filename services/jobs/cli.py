@@ -16,6 +16,10 @@ from pdserve.services.signals import install_signal_handlers
 from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_MAX_FILE_SIZE = 100 << 20
+# Sized for the chart's Redis (1 GiB of memory and of disk): files, plus a running batch's results beside them,
+# plus the append-only file's rewrite, stay within it.
+DEFAULT_FILES_QUOTA = 256 << 20
+SWEEP_EVERY_S = 1.0
 log = logging.getLogger("pdserve.jobs")
 
 
@@ -43,8 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="batch worker processes to run as children (0: run them separately)")
         parser.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE,
                             help="largest file upload in bytes (larger ones get 413)")
+        parser.add_argument("--files-quota-bytes", type=int, default=DEFAULT_FILES_QUOTA,
+                            help="bytes all files together may take in Redis, batch output files included "
+                                 f"(default {DEFAULT_FILES_QUOTA >> 20} MiB; an upload that would pass it gets "
+                                 "507; 0: no quota)")
         # Shortens every batch's completion window (tests of expiry); not a user setting.
         parser.add_argument("--completion-window-seconds", type=int, default=None, help=argparse.SUPPRESS)
+        # Lowers the least expires_after[seconds] below OpenAI's 3600 (tests of file expiry); not a user setting.
+        parser.add_argument("--min-file-expiry-seconds", type=int, default=None, help=argparse.SUPPRESS)
     else:
         parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -57,8 +67,9 @@ def main(args: argparse.Namespace, command: str) -> int:
             print(f"error: {name} must be at least {low}", file=sys.stderr, flush=True)
             return 2
     if command == "jobs":
-        if args.batch_workers < 0 or args.max_file_size < 1:
-            print("error: --batch-workers must be >= 0 and --max-file-size >= 1", file=sys.stderr, flush=True)
+        if args.batch_workers < 0 or args.max_file_size < 1 or args.files_quota_bytes < 0:
+            print("error: --batch-workers must be >= 0, --max-file-size >= 1 and --files-quota-bytes >= 0",
+                  file=sys.stderr, flush=True)
             return 2
         return asyncio.run(serve_jobs(args))
     return asyncio.run(serve_worker(args))
@@ -91,8 +102,14 @@ async def serve_jobs(args: argparse.Namespace) -> int:
     from pdserve.services.jobs.children import WorkerChildren
     from pdserve.services.jobs.store import Store
 
+    from pdserve.services.jobs.files import MIN_EXPIRY_S
+
     store = Store(args.redis_url)
-    app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds))
+    app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds,
+                                    args.files_quota_bytes, args.min_file_expiry_seconds or MIN_EXPIRY_S))
+    if 0 < args.files_quota_bytes < args.max_file_size:
+        log.warning("--files-quota-bytes %d is below --max-file-size %d: the largest files cannot be stored",
+                    args.files_quota_bytes, args.max_file_size)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -106,13 +123,37 @@ async def serve_jobs(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_signal_handlers(stop)
     children = WorkerChildren(args.batch_workers, worker_flags(args), worker_env(args)).start()
+    sweeper = asyncio.create_task(sweep_files(store, stop))
     try:
         await children.supervise(stop)
     finally:
+        sweeper.cancel()
         children.stop()
         await runner.cleanup()
         await store.close()
     return 0
+
+
+async def sweep_files(store, stop: asyncio.Event) -> None:
+    """Count the storage of files kept from before the quota (once), then remove expired files and release
+    abandoned uploads every SWEEP_EVERY_S, riding out Redis restarts. Every jobs process may run it: each
+    removal is one script."""
+    from redis.exceptions import RedisError
+
+    counted = False
+    while not stop.is_set():
+        try:
+            if not counted:
+                log.info("files use %d bytes of storage", await store.count_usage())
+                counted = True
+            removed, released = await store.sweep_files()
+            if removed or released:
+                log.info("removed %d expired files, released %d abandoned uploads", removed, released)
+        except RedisError as exc:
+            log.debug("file sweep: %s", exc)
+        except Exception:
+            log.exception("file sweep failed")
+        await asyncio.sleep(SWEEP_EVERY_S)
 
 
 async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:

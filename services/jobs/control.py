@@ -4,8 +4,9 @@ validate: read the input file once to check it: -> `failed` with `errors` and no
 again and queue its items in chunks, the first of which enters `in_progress` (see `_queue`). Every step is
 guarded by WATCH, so a cancel or expiry that lands first wins.
 finalize: freeze the results, write them as output/error Files in input order, enter the terminal status.
-Neither task holds a whole file: both stream it from Redis. Each step is idempotent, so a task re-run after a
-crash at any point ends in the same state.
+Neither task holds a whole file, nor anything per request: both stream it from Redis (custom_ids are checked
+for uniqueness in Redis, see unique_ids.py). Each step is idempotent, so a task re-run after a crash at any
+point ends in the same state. Output files count against the storage quota but are never refused by it.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import logging
 
 from redis.exceptions import WatchError
 
-from pdserve.services.jobs.batches import InputChecker, Item, LineErrors, NotText, numbered_lines
+from pdserve.services.jobs.batches import MAX_REQUESTS, InputChecker, Item, LineErrors, NotText, numbered_lines
 from pdserve.services.jobs.files import OUTPUT_PURPOSE
 from pdserve.services.jobs.store import FILE_ID, Store, dump, new_id, now
+from pdserve.services.jobs.unique_ids import UniqueIds
 from pdserve.services.jobs.workqueue import Queue
 
 log = logging.getLogger("pdserve.jobs.control")
@@ -31,14 +33,7 @@ async def validate(store: Store, batch_id: str) -> None:
         return
     if record["status"] == "in_progress" and int(record.get("queued", record.get("total", 0))) >= int(record["total"]):
         return  # a re-run of a task that completed (or a batch queued whole, before `queued` was kept)
-    checker = InputChecker(record["endpoint"])
-    first_item: Item | None = None
-    try:
-        async for number, line in numbered_lines(store.iter_content(record["input_file_id"])):
-            item = checker.feed(number, line)
-            first_item = first_item or item
-    except NotText as exc:
-        checker.not_text(exc)
+    checker, first_item = await _check(store, batch_id, record)
     errors = checker.finish()
     if errors.errors:
         await _fail(store, batch_id, record["input_file_id"], errors)
@@ -48,6 +43,32 @@ async def validate(store: Store, batch_id: str) -> None:
              "model": model if isinstance(model, str) else ""}
     if await _queue(store, batch_id, record, start):
         log.info("batch %s in progress: %d requests", batch_id, checker.count)
+
+
+async def _check(store: Store, batch_id: str, record: dict) -> tuple[InputChecker, Item | None]:
+    """One streaming pass over the input file: each line parsed, and custom_ids checked for uniqueness in Redis
+    a chunk at a time (only the first MAX_REQUESTS: a file with more fails anyway). Returns the checker (its
+    errors and count) and the first request."""
+    checker, ids = InputChecker(record["endpoint"]), UniqueIds(store, batch_id)
+    first_item: Item | None = None
+
+    async def report() -> None:
+        for dup in await ids.flush():
+            checker.duplicate(dup.line, dup.custom_id, dup.first_line)
+
+    try:
+        try:
+            async for number, line in numbered_lines(store.iter_content(record["input_file_id"])):
+                item = checker.feed(number, line)
+                first_item = first_item or item
+                if item is not None and checker.count <= MAX_REQUESTS and ids.add(number, item.custom_id):
+                    await report()
+        except NotText as exc:
+            checker.not_text(exc)
+        await report()
+    finally:
+        await ids.close()
+    return checker, first_item
 
 
 async def _fail(store: Store, batch_id: str, input_file_id: str, errors: LineErrors) -> None:
@@ -128,6 +149,7 @@ async def finalize(store: Store, queue: Queue, batch_id: str) -> None:
     if not record.get("input_file_id") or frozen is None:
         return
     final_status, output_id, error_id = frozen
+    expires_after_s = int(record["output_expires_after"]) if record.get("output_expires_after") else None
     out, err = store.writer(output_id), store.writer(error_id)
     for writer in (out, err):
         await writer.start()
@@ -152,7 +174,7 @@ async def finalize(store: Store, queue: Queue, batch_id: str) -> None:
     written: list[str | None] = []
     for writer, count, kind in ((out, counts[0], "output"), (err, counts[1], "error")):
         if count:
-            await writer.commit(f"{batch_id}_{kind}.jsonl", OUTPUT_PURPOSE)
+            await writer.commit(f"{batch_id}_{kind}.jsonl", OUTPUT_PURPOSE, expires_after_s)
         else:
             await writer.discard()
         written.append(writer.file_id if count else None)

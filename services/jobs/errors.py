@@ -9,9 +9,10 @@ from __future__ import annotations
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.param = param
         self.code = code
@@ -21,14 +22,19 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def shown(value: object, limit: int = 100) -> str:
+    """`repr(value)` cut to about `limit` characters, for quoting what a client sent in an error."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
 
 
 def invalid_id(what: str, value: object, prefix: str, param: str) -> ApiError:
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    return ApiError(400, f"Invalid {what} id {shown} in {param!r}: {what} ids look like '{prefix}...' as this "
-                         "service issues them.", param, "invalid_id")
+    return ApiError(400, f"Invalid {what} id {shown(value, 80)} in {param!r}: {what} ids look like '{prefix}...' "
+                         "as this service issues them.", param, "invalid_id")
 
 
 def not_found(what: str, id_: str, param: str | None = None) -> ApiError:

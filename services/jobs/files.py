@@ -1,7 +1,10 @@
-"""File uploads: reading a multipart `file` + `purpose` within the size limit, and the OpenAI `file` object.
+"""File uploads: reading a multipart `file` + `purpose` (+ OpenAI's optional `expires_after`) within the size
+limit and the deployment's storage quota, and the OpenAI `file` object.
 
 An upload is read as a stream and written to Redis chunk by chunk as it arrives (store.FileWriter): no process
-holds a whole file. It is refused (413) as soon as it passes the limit, and what it wrote is then deleted.
+holds a whole file. It is refused as soon as it passes the per-file limit (413) or would take the files'
+storage past the quota (507; each chunk is counted in Redis before it is stored), and what it wrote is then
+deleted and its bytes given back.
 """
 from __future__ import annotations
 
@@ -9,23 +12,53 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pdserve.services.jobs.errors import ApiError, bad_request
-from pdserve.services.jobs.store import FileWriter
+from pdserve.services.jobs.errors import ApiError, bad_request, shown
+from pdserve.services.jobs.store import FileWriter, QuotaExceeded
 
 UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
 MAX_FIELD_BYTES = 1024  # the `purpose` form field
 CHUNK = 1 << 16
+EXPIRY_ANCHORS = ("created_at",)
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's bounds on `expires_after[seconds]`
 
 
 @dataclass(frozen=True)
 class Upload:
     filename: str
     purpose: str
+    expires_after_s: int | None = None
 
 
 def size_text(n: int) -> str:
     return f"{n} bytes ({n / (1 << 20):.1f} MiB)" if n >= 1 << 20 else f"{n} bytes"
+
+
+def quota_full(exc: QuotaExceeded) -> ApiError:
+    """507 for an upload refused by the storage quota; `x-should-retry: false` keeps OpenAI's clients from
+    sending it again at once (they retry 5xx replies by default)."""
+    return ApiError(507, f"The deployment's file storage is full: {size_text(exc.used)} of its quota of "
+                         f"{size_text(exc.quota)} are in use by other files, and this upload needs at least "
+                         f"{size_text(exc.needed)} where {size_text(max(0, exc.quota - exc.used))} are left. Delete "
+                         "files (or upload them with expires_after), or raise the server's --files-quota-bytes.",
+                    "file", "files_quota_exceeded", type="insufficient_storage", headers={"x-should-retry": "false"})
+
+
+def expiry_seconds(anchor: object, seconds: object, param: str, min_s: int = MIN_EXPIRY_S) -> int:
+    """The seconds of an OpenAI `expires_after` ({"anchor": "created_at", "seconds": N}); `param` names it in
+    errors (e.g. "expires_after" makes "expires_after[seconds]")."""
+    if anchor not in EXPIRY_ANCHORS:
+        raise bad_request(f"Invalid {param}[anchor] {shown(anchor)}: the only anchor is 'created_at'.",
+                          f"{param}[anchor]")
+    if seconds is None:
+        raise bad_request(f"{param}[seconds] is required with {param}[anchor]: an integer from {min_s} to "
+                          f"{MAX_EXPIRY_S} (30 days).", f"{param}[seconds]")
+    if isinstance(seconds, str) and seconds.strip().lstrip("-").isdigit():
+        seconds = int(seconds)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not min_s <= seconds <= MAX_EXPIRY_S:
+        raise bad_request(f"{param}[seconds] must be an integer from {min_s} to {MAX_EXPIRY_S} (30 days), not "
+                          f"{shown(seconds, 40)}.", f"{param}[seconds]")
+    return seconds
 
 
 def too_large(limit: int, seen: str) -> ApiError:
@@ -33,20 +66,32 @@ def too_large(limit: int, seen: str) -> ApiError:
                          "server's --max-file-size.", "file", "file_too_large")
 
 
-async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter) -> Upload:
+async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
+                      min_expiry_s: int = MIN_EXPIRY_S) -> Upload:
     """Stream the form's `file` into `writer` (started here, left to the caller to commit or discard)."""
     if not request.content_type.startswith("multipart/"):
         raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.", "file")
     if request.content_length is not None and request.content_length > max_bytes + (1 << 20):
         # Clearly over, whatever the form overhead: refuse before reading it.
         raise too_large(max_bytes, f"the upload is {size_text(request.content_length)}")
+    if writer.quota and request.content_length is not None:
+        used, least = await writer.store.usage(), max(1, request.content_length - (1 << 20))  # less its form
+        if used + least > writer.quota:  # clearly more than is left
+            raise quota_full(QuotaExceeded(used, writer.quota, least))
     reader = await request.multipart()
     purpose: str | None = None
     filename: str | None = None
+    expiry: dict[str, str] = {}
     while (part := await reader.next()) is not None:
-        if part.name == "purpose":
+        if part.name in ("purpose", "expires_after[anchor]", "expires_after[seconds]"):
             raw = await part.read_chunk(MAX_FIELD_BYTES + 1)
-            purpose = raw.decode("utf-8", "replace").strip()
+            value = raw.decode("utf-8", "replace").strip()
+            if part.name == "purpose":
+                purpose = value
+            else:  # checked as it arrives (fields sent before the file refuse it before it is stored)
+                expiry[part.name[len("expires_after["):-1]] = value
+                expiry_seconds(expiry.get("anchor", "created_at"), expiry.get("seconds", str(min_expiry_s)),
+                               "expires_after", min_expiry_s)
         elif part.name == "file" and filename is None:
             # Header bytes that are not UTF-8 arrive as lone surrogates, which Redis cannot store: the name
             # is only a label, so they become "?" rather than failing the upload.
@@ -62,10 +107,14 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter) 
         raise bad_request("Missing the 'file' field.", "file")
     if purpose not in UPLOAD_PURPOSES:
         raise bad_request(f"Invalid purpose {purpose!r}: use one of {', '.join(UPLOAD_PURPOSES)}.", "purpose")
-    return Upload(filename, purpose)
+    expires_after_s = None
+    if expiry:  # an anchor left out is 'created_at', the only one
+        expires_after_s = expiry_seconds(expiry.get("anchor", "created_at"), expiry.get("seconds"),
+                                         "expires_after", min_expiry_s)
+    return Upload(filename, purpose, expires_after_s)
 
 
 def render(meta: dict) -> dict:
     return {"id": meta["id"], "object": "file", "bytes": int(meta["bytes"]), "created_at": int(meta["created_at"]),
             "filename": meta["filename"], "purpose": meta["purpose"], "status": meta.get("status", "processed"),
-            "expires_at": None, "status_details": None}
+            "expires_at": int(meta["expires_at"]) if meta.get("expires_at") else None, "status_details": None}

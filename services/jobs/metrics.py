@@ -17,7 +17,7 @@ MAX_BATCHES_READ = 10_000  # in-flight batches whose status and counts one scrap
 
 
 class JobsMetrics:
-    def __init__(self) -> None:
+    def __init__(self, files_quota: int = 0) -> None:
         r = self.registry = CollectorRegistry()
         self.batches = Gauge("pdserve_jobs_batches", "batches that exist, in-flight ones by status "
                              "(status=all counts every batch kept)", ["status"], registry=r)
@@ -26,6 +26,9 @@ class JobsMetrics:
         self.queue = Gauge("pdserve_jobs_queue_items", "item entries of the work queue: waiting for a batch "
                            "worker, or leased by one", ["state"], registry=r)
         self.files = Gauge("pdserve_jobs_files", "files stored", registry=r)
+        self.file_bytes = Gauge("pdserve_jobs_files_bytes", "bytes counted against the files' storage quota "
+                                "(files, and uploads under way)", registry=r)
+        Gauge("pdserve_jobs_files_quota_bytes", "the files' storage quota (0: none)", registry=r).set(files_quota)
 
     async def render(self, store: Store) -> web.Response:
         await self._refresh(store)
@@ -57,6 +60,7 @@ class JobsMetrics:
         self.queue.labels("waiting").set(waiting)
         self.queue.labels("leased").set(leased)
         self.files.set(await r.zcard(k.files))
+        self.file_bytes.set(await store.usage())
 
 
 async def _queue_depth(store: Store) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Lua scripts for the batch state machine: each runs atomically inside Redis.
+"""Lua scripts for the batch state machine and for files with their storage quota: each runs atomically inside
+Redis.
 
 Status flow: validating -> in_progress -> finalizing -> completed; validating -> failed; validating |
 in_progress -> cancelling -> cancelled; validating | in_progress -> expired. The first script that sets
@@ -7,13 +8,15 @@ stops item results from being accepted, so the counts and the output files agree
 """
 from __future__ import annotations
 
-# KEYS: file, file users, batch, batches, deadlines, control. ARGV: batch id, expires_at, field, value, ...
+# KEYS: file, file users, batch, batches, deadlines, control. ARGV: batch id, expires_at, now, field, value, ...
 CREATE_BATCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+local file_expires = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '')
+if file_expires and file_expires <= tonumber(ARGV[3]) then return 'missing' end
 local purpose = redis.call('HGET', KEYS[1], 'purpose')
 if purpose ~= 'batch' then return 'purpose:' .. tostring(purpose) end
 local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[3], unpack(fields))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[4], 0, ARGV[1])
@@ -37,14 +40,114 @@ if to and st ~= to then return 'conflict:' .. st .. ' (finalizing as ' .. to .. 
 return 'conflict:' .. st
 """
 
-# KEYS: file, content, users, files. ARGV: file id.
+# ---------------------------------------------------------------- files and the storage quota
+# `usage` counts the bytes of every stored file plus those written so far by unfinished writers (`reserved`,
+# file id -> bytes; `uploads`, file id -> when an abandoned writer's bytes are released). Every script below
+# keeps `usage` equal to that sum, so the quota check in PUSH_CHUNK is exact.
+
+# Remove a file (DELETE, or the expiry sweep). KEYS: file, content, users, files, usage, expiries.
+# ARGV: file id, now, sweep ('1': only if it has expired). Returns 'missing', 'live' (sweep: not expired yet),
+# 'in_use:{batch id}', 'deleted', or 'expired' (it had expired: gone for clients; its bytes are freed now, or
+# once the batch that still reads it ends).
 DELETE_FILE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('ZREM', KEYS[6], ARGV[1])
+  return 'missing'
+end
+local at = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '')
+local expired = at ~= nil and at <= tonumber(ARGV[2])
+if ARGV[3] == '1' and not expired then return 'live' end
 local users = redis.call('SRANDMEMBER', KEYS[3])
-if users then return 'in_use:' .. users end
+if users then
+  if not expired then return 'in_use:' .. users end
+  redis.call('ZADD', KEYS[6], tonumber(ARGV[2]) + 60, ARGV[1])  -- look again in a minute
+  return 'expired'
+end
+redis.call('DECRBY', KEYS[5], tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0'))
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('ZREM', KEYS[4], ARGV[1])
-return 'ok'
+redis.call('ZREM', KEYS[6], ARGV[1])
+return expired and 'expired' or 'deleted'
+"""
+
+# Append one chunk to an unfinished file, counting it against the quota first.
+# KEYS: usage, reserved, uploads, upload. ARGV: file id, chunk, quota (0: counted, never refused), release
+# deadline, key TTL. Returns {1, usage} when stored, {0, usage} (nothing stored) when it would pass the quota.
+PUSH_CHUNK = """
+local n = string.len(ARGV[2])
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local quota = tonumber(ARGV[3])
+if quota > 0 and used + n > quota then return {0, used} end
+redis.call('INCRBY', KEYS[1], n)
+redis.call('HINCRBY', KEYS[2], ARGV[1], n)
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+redis.call('RPUSH', KEYS[4], ARGV[2])
+redis.call('EXPIRE', KEYS[4], ARGV[5])
+return {1, used + n}
+"""
+
+# Drop what an unfinished writer wrote and give its bytes back. KEYS: usage, reserved, uploads, upload.
+# ARGV: file id, not_after ('': always; else only if its release deadline is at or before it: the sweep).
+# Returns the bytes released, or -1 when the writer is still live.
+RELEASE_UPLOAD = """
+if ARGV[2] ~= '' and tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0') > tonumber(ARGV[2]) then
+  return -1
+end
+local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+redis.call('DECRBY', KEYS[1], n)
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
+return n
+"""
+
+# The written chunks become the file, with its object, in one step; their bytes stay counted, now as the
+# file's. A file committed again (a finalize re-run after a crash) replaces itself: its old bytes are freed.
+# KEYS: usage, reserved, uploads, upload, content, file, files, expiries.
+# ARGV: file id, expires_at ('' for none), field, value, ... Returns 0 when nothing was written (released).
+COMMIT_FILE = """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
+redis.call('DECRBY', KEYS[1], tonumber(redis.call('HGET', KEYS[6], 'bytes') or '0'))
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('RENAME', KEYS[4], KEYS[5])
+redis.call('PERSIST', KEYS[5])
+redis.call('DEL', KEYS[6])
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[6], unpack(fields))
+redis.call('ZADD', KEYS[7], 0, ARGV[1])
+if ARGV[2] ~= '' then redis.call('ZADD', KEYS[8], ARGV[2], ARGV[1]) else redis.call('ZREM', KEYS[8], ARGV[1]) end
+return 1
+"""
+
+# Start counting `usage` where Redis holds files stored before it was kept. KEYS: usage, files, reserved.
+# ARGV: the file key prefix ("...file:"). Returns the count (whether or not it already existed).
+COUNT_USAGE = """
+local have = redis.call('GET', KEYS[1])
+if have then return tonumber(have) end
+local total = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  total = total + tonumber(redis.call('HGET', ARGV[1] .. id, 'bytes') or '0')
+end
+for _, n in ipairs(redis.call('HVALS', KEYS[3])) do total = total + tonumber(n) end
+redis.call('SET', KEYS[1], total)
+return total
+"""
+
+# Register a chunk of a batch input file's custom_ids (see unique_ids.py). KEYS: the run's ids hash.
+# ARGV: TTL, then (field, line) pairs in line order. Returns {pair number (1-based), first line, ...} for each
+# pair whose id was registered before (by an earlier line, of this chunk or an earlier one).
+CHECK_IDS = """
+local taken = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 0 then
+    taken[#taken + 1] = i / 2
+    taken[#taken + 1] = redis.call('HGET', KEYS[1], ARGV[i])
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return taken
 """
 
 # Record one item's result exactly once (keyed by custom_id) and acknowledge its stream entry.

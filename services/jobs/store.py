@@ -1,15 +1,21 @@
 """Redis state of Files and Batches: the key layout, ids, and every transition the API makes.
 
 All state lives in Redis; processes keep none that a restart would lose. Keys (prefix `pdserve:jobs:`):
-  file:{id}           hash   the file object (id, bytes, created_at, filename, purpose, status)
+  file:{id}           hash   the file object (id, bytes, created_at, filename, purpose, status, expires_at)
   file:{id}:content   list   the bytes, in chunks of at most FILE_CHUNK (never one value per file)
   file:{id}:upload    list   chunks of a file being written (an upload, a batch's output): renamed to
-                             `content` with the file object in one MULTI/EXEC, or deleted; expires if abandoned
+                             `content` with the file object in one script, or deleted; released if abandoned
   file:{id}:users     set    batches that read this file and are not yet terminal (blocks deletion)
   files, batches      zset   ids, all with score 0: ids sort by creation time, so BYLEX ranges paginate
+  usage               string bytes of all files plus those unfinished writers wrote: what the quota limits
+  reserved            hash   file id -> bytes an unfinished writer wrote (counted in `usage`)
+  uploads             zset   file id -> when an unfinished writer's bytes are released if it stops writing
+  expiries            zset   file id -> when the expiry sweep looks at it (its `expires_at`, or later while a
+                             batch still reads it); an expired file is gone for clients at once
   batch:{id}          hash   the batch object; `finalize_to` (first writer wins) names its terminal status,
                              `frozen` marks that no more item results are accepted
   batch:{id}:out|err  hash   custom_id -> "{input line index}\t{output line}": one entry per item, ever
+  batch:{id}:ids:{run} hash  custom_id (or its digest) -> first line, while one validation run checks uniqueness
   deadlines           zset   batch id -> expires_at, for the expiry sweep
   items, control      stream work for batch workers (consumer group `workers`): one entry per batch item;
                              batch-level tasks (validate, finalize)
@@ -35,7 +41,8 @@ from pdserve.services.jobs import scripts
 
 PREFIX = "pdserve:jobs:"
 FILE_CHUNK = 1 << 20  # bytes per Redis value of a file's content
-UNFINISHED_TTL_S = 24 * 3600  # a file whose writer died mid-way is deleted by Redis after this long
+UNFINISHED_TTL_S = 24 * 3600  # a file whose writer died mid-way is released (and deleted) after this long
+SWEEP_BATCH = 100  # files (or abandoned uploads) one sweep step removes at most
 GROUP = "workers"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -68,6 +75,10 @@ class Keys:
         self.deadlines = prefix + "deadlines"
         self.items = prefix + "items"
         self.control = prefix + "control"
+        self.usage = prefix + "usage"
+        self.reserved = prefix + "reserved"
+        self.uploads = prefix + "uploads"
+        self.expiries = prefix + "expiries"
 
     def file(self, file_id: str) -> str:
         return f"{self.prefix}file:{file_id}"
@@ -89,6 +100,22 @@ class Keys:
 
     def err(self, batch_id: str) -> str:
         return f"{self.prefix}batch:{batch_id}:err"
+
+    def ids(self, batch_id: str, run: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:ids:{run}"
+
+    def upload_keys(self, file_id: str) -> list[str]:
+        """The keys of the unfinished-writer scripts (PUSH_CHUNK, RELEASE_UPLOAD)."""
+        return [self.usage, self.reserved, self.uploads, self.upload(file_id)]
+
+
+class QuotaExceeded(Exception):
+    """A file was refused: storing it would pass the quota. `used`: what other files (and uploads) take;
+    `needed`: the least this file needs."""
+
+    def __init__(self, used: int, quota: int, needed: int) -> None:
+        super().__init__(f"{used} of {quota} bytes used; {needed} more needed")
+        self.used, self.quota, self.needed = used, quota, needed
 
 
 @dataclass(frozen=True)
@@ -115,6 +142,10 @@ class Store:
         self._create_batch = self.r.register_script(scripts.CREATE_BATCH)
         self._cancel = self.r.register_script(scripts.CANCEL_BATCH)
         self._delete_file = self.r.register_script(scripts.DELETE_FILE)
+        self._push_chunk = self.r.register_script(scripts.PUSH_CHUNK)
+        self._release_upload = self.r.register_script(scripts.RELEASE_UPLOAD)
+        self._commit_file = self.r.register_script(scripts.COMMIT_FILE)
+        self._count_usage = self.r.register_script(scripts.COUNT_USAGE)
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -125,9 +156,19 @@ class Store:
 
     # ------------------------------------------------------------ files
 
-    def writer(self, file_id: str) -> FileWriter:
-        """Writes file `file_id` chunk by chunk; it exists for readers only once committed."""
-        return FileWriter(self, file_id)
+    def writer(self, file_id: str, quota: int = 0) -> FileWriter:
+        """Writes file `file_id` chunk by chunk; it exists for readers only once committed. Its bytes count in
+        `usage` as they are written; with a `quota`, a chunk that would take `usage` past it is refused."""
+        return FileWriter(self, file_id, quota)
+
+    async def usage(self) -> int:
+        """Bytes counted against the quota: every file, plus what unfinished writers wrote."""
+        return int(await self.r.get(self.k.usage) or 0)
+
+    async def count_usage(self) -> int:
+        """Start `usage` from the files already stored, where Redis has none yet (files kept before it was)."""
+        return int(await self._count_usage(keys=[self.k.usage, self.k.files, self.k.reserved],
+                                           args=[f"{self.k.prefix}file:"]))
 
     async def put_file(self, file_id: str, filename: str, purpose: str, content: bytes) -> dict:
         """Store a small file held in memory (see `writer` for any other)."""
@@ -137,14 +178,18 @@ class Store:
         return await writer.commit(filename, purpose)
 
     async def get_file(self, file_id: str) -> dict | None:
-        meta = await self.r.hgetall(self.k.file(file_id))
-        return meta or None
+        """The file object; None when there is none or it has expired."""
+        [meta] = await self.get_files([file_id]) or [None]
+        return meta
 
     async def get_files(self, file_ids: list[str]) -> list[dict]:
+        """The objects of those of `file_ids` that exist and have not expired."""
         async with self.r.pipeline(transaction=False) as pipe:
             for file_id in file_ids:
                 pipe.hgetall(self.k.file(file_id))
-            return [m for m in await pipe.execute() if m]
+            metas = await pipe.execute()
+        t = now()
+        return [m for m in metas if m and not (m.get("expires_at") and int(m["expires_at"]) <= t)]
 
     async def file_content(self, file_id: str) -> bytes | None:
         """The whole content of a small file (tests, tools); None when there is no such file."""
@@ -164,11 +209,24 @@ class Store:
                 return
             yield chunk
 
-    async def delete_file(self, file_id: str) -> str:
-        """'ok', 'missing', or 'in_use:{batch_id}' (a batch still reads it)."""
+    async def delete_file(self, file_id: str, sweep: bool = False) -> str:
+        """'deleted', 'missing', 'expired' (gone already for clients), 'in_use:{batch_id}' (a batch still reads
+        it), or with `sweep` (remove it only if it expired) 'live'. See scripts.DELETE_FILE."""
+        k = self.k
         return await self._delete_file(
-            keys=[self.k.file(file_id), self.k.content(file_id), self.k.users(file_id), self.k.files],
-            args=[file_id])
+            keys=[k.file(file_id), k.content(file_id), k.users(file_id), k.files, k.usage, k.expiries],
+            args=[file_id, now(), "1" if sweep else "0"])
+
+    async def sweep_files(self) -> tuple[int, int]:
+        """Remove files past their expiry and release the bytes of writers that stopped long ago, a bounded
+        number per call: (files removed, abandoned uploads released)."""
+        t, k = now(), self.k
+        removed = released = 0
+        for file_id in await self.r.zrange(k.expiries, "-inf", t, byscore=True, offset=0, num=SWEEP_BATCH):
+            removed += await self.delete_file(file_id, sweep=True) == "expired"
+        for file_id in await self.r.zrange(k.uploads, "-inf", t, byscore=True, offset=0, num=SWEEP_BATCH):
+            released += await self._release_upload(keys=k.upload_keys(file_id), args=[file_id, t]) >= 0
+        return removed, released
 
     # ------------------------------------------------------------ listing
 
@@ -187,14 +245,14 @@ class Store:
     async def create_batch(self, batch_id: str, input_file_id: str, fields: dict[str, str | int]) -> str:
         """Create a `validating` batch, mark its input file in use and queue its validation, atomically.
 
-        Returns 'ok', 'missing' (no such file) or 'purpose:{purpose}' (not a batch input file)."""
+        Returns 'ok', 'missing' (no such file, or it expired) or 'purpose:{purpose}' (not a batch input file)."""
         flat: list[str | int] = []
         for key, value in fields.items():
             flat += [key, value]
         return await self._create_batch(
             keys=[self.k.file(input_file_id), self.k.users(input_file_id), self.k.batch(batch_id),
                   self.k.batches, self.k.deadlines, self.k.control],
-            args=[batch_id, fields["expires_at"], *flat])
+            args=[batch_id, fields["expires_at"], now(), *flat])
 
     async def get_batch(self, batch_id: str) -> dict | None:
         """The batch hash, with live `completed`/`failed` counts while it runs."""
@@ -222,18 +280,21 @@ class Store:
 
 class FileWriter:
     """One file written in chunks of FILE_CHUNK bytes into a key of its own, then committed with its file object
-    in one MULTI/EXEC (or discarded). Lifecycle: start -> write... -> commit | discard. Starting again drops
-    what an earlier, interrupted attempt wrote, so a retried writer ends with the same file."""
+    in one script (or discarded). Lifecycle: start -> write... -> commit | discard. Each chunk is counted in
+    `usage` (and checked against the quota) before it is stored; discarding gives the bytes back, committing
+    makes them the file's. Starting again drops what an earlier, interrupted attempt wrote, so a retried writer
+    ends with the same file."""
 
-    def __init__(self, store: Store, file_id: str) -> None:
-        self.store, self.file_id = store, file_id
+    def __init__(self, store: Store, file_id: str, quota: int = 0) -> None:
+        self.store, self.file_id, self.quota = store, file_id, quota
         self.key = store.k.upload(file_id)
         self.size = 0
         self._buffer = bytearray()
         self._pushed = False
+        self._stored = 0  # bytes pushed, counted in `usage`
 
     async def start(self) -> None:
-        await self.store.r.delete(self.key)
+        await self._release()
 
     async def write(self, data: bytes) -> None:
         self.size += len(data)
@@ -243,31 +304,42 @@ class FileWriter:
             del self._buffer[:FILE_CHUNK]
 
     async def _push(self, chunk: bytes) -> None:
-        async with self.store.r.pipeline(transaction=True) as pipe:
-            pipe.rpush(self.key, chunk)
-            pipe.expire(self.key, UNFINISHED_TTL_S)
-            await pipe.execute()
+        """Raises QuotaExceeded (nothing of `chunk` stored) when it would take `usage` past the quota."""
+        stored, used = await self.store._push_chunk(
+            keys=self.store.k.upload_keys(self.file_id),
+            args=[self.file_id, chunk, self.quota, now() + UNFINISHED_TTL_S, UNFINISHED_TTL_S])
+        if not stored:
+            raise QuotaExceeded(int(used) - self._stored, self.quota, self._stored + len(chunk))
         self._pushed = True
+        self._stored += len(chunk)
 
-    async def commit(self, filename: str, purpose: str) -> dict:
-        """The file and its object appear together; returns the object."""
+    async def commit(self, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
+        """The file and its object appear together; returns the object. `expires_after_s`: it expires that long
+        after its creation."""
         if self._buffer or not self._pushed:
             await self._push(bytes(self._buffer))  # an empty file is one empty chunk
             self._buffer.clear()
-        k = self.store.k
-        meta = {"id": self.file_id, "bytes": self.size, "created_at": now(), "filename": filename,
-                "purpose": purpose, "status": "processed"}
-        async with self.store.r.pipeline(transaction=True) as pipe:
-            pipe.rename(self.key, k.content(self.file_id))
-            pipe.persist(k.content(self.file_id))
-            pipe.hset(k.file(self.file_id), mapping=meta)
-            pipe.zadd(k.files, {self.file_id: 0})
-            await pipe.execute()
+        k, created = self.store.k, now()
+        meta: dict[str, str | int] = {"id": self.file_id, "bytes": self.size, "created_at": created,
+                                      "filename": filename, "purpose": purpose, "status": "processed"}
+        if expires_after_s is not None:
+            meta["expires_at"] = created + expires_after_s
+        flat: list[str | int] = [v for pair in meta.items() for v in pair]
+        done = await self.store._commit_file(
+            keys=[*k.upload_keys(self.file_id), k.content(self.file_id), k.file(self.file_id), k.files,
+                  k.expiries],
+            args=[self.file_id, meta.get("expires_at", ""), *flat])
+        if not done:
+            raise RuntimeError(f"file {self.file_id}: its unfinished content was released before the commit")
         return meta
 
     async def discard(self) -> None:
         self._buffer.clear()
-        await self.store.r.delete(self.key)
+        await self._release()
+
+    async def _release(self) -> None:
+        await self.store._release_upload(keys=self.store.k.upload_keys(self.file_id), args=[self.file_id, ""])
+        self._stored = 0
 
 
 def dump(value: object) -> str:
