@@ -12,7 +12,7 @@ outside the kernel's ephemeral range, where an outgoing connection cannot take o
 free; a worker that still loses its port to a race during start-up makes `up` start again on the next block.
 
 Secrets: the Redis `up` starts requires a password generated per run, in a 0600 config file in the state dir;
-the jobs service gets the URL holding it in its environment. Beyond loopback the gateway needs an API key
+the jobs service and the gateway (stored /v1/responses) get the URL holding it in their environment. Beyond loopback the gateway needs an API key
 (or --allow-insecure).
 
 Invariant: `up` never leaves a half-started system running. A child that exits during start-up, or that
@@ -64,7 +64,8 @@ FALLBACK_EPHEMERAL = range(32768, 65536)
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 # Secrets `up` may have in its own environment: each child gets those it uses in its Service.env, never the
 # rest by inheritance (a worker has no use for the API key or the Redis URL).
-SECRET_VARIABLES = frozenset({"PDSERVE_API_KEY", "PDSERVE_REDIS_URL", TOKEN_ENV, TOKEN_FILE_ENV})
+SECRET_VARIABLES = frozenset({"PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY", "PDSERVE_REDIS_URL", TOKEN_ENV,
+                              TOKEN_FILE_ENV})
 BIND_ATTEMPTS = 3  # starts of the whole system when a worker loses its chosen port to a race
 
 
@@ -74,7 +75,8 @@ class Plan:
     base_url: str  # the OpenAI base URL users talk to
     model_name: str
     api_key: str | None
-    # Files `up` writes (mode 0600) before starting anything and removes after the last stop: Redis's password.
+    # Files `up` writes (mode 0600) before starting anything and removes after the last stop: Redis's password,
+    # the admin key.
     private_files: dict[Path, str] = field(default_factory=dict)
 
 
@@ -102,6 +104,10 @@ def redis_config_path(state: Path) -> Path:
     return state / "redis.conf"
 
 
+def admin_key_path(state: Path) -> Path:
+    return state / "admin-api-key"
+
+
 def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     """Every child's command line, stage, health URL and ports. Pure but for the secrets it generates: starts and
     checks nothing (a --worker-port left to `up` is DEFAULT_WORKER_PORT here; `prepare` chooses it)."""
@@ -115,7 +121,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
         redis_url = args.redis_url
     else:
         # A password per run, in a config file only this user can read: never on redis-server's command line
-        # (`ps`), and only in the environment of jobs, the one service that uses Redis.
+        # (`ps`), and only in the environment of the services that use Redis: jobs, and the gateway's stored responses.
         password = secrets.token_urlsafe(32)
         redis_url = f"redis://:{password}@{local}:{args.redis_port}/0"
         config = redis_config_path(state)
@@ -177,6 +183,10 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     # Secrets reach the children through their environment, never their command lines (`ps` and the lines `up`
     # prints show those): the API key, and a Redis URL that holds a password.
     secret = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
+    # The admin routes (weights, adapters, cache, aborts) need a key of their own: the operator's, or one made for
+    # this run and left where only this user can read it.
+    admin_key = os.environ.get("PDSERVE_ADMIN_API_KEY") or secrets.token_urlsafe(32)
+    private[admin_key_path(state)] = admin_key + "\n"
     redis_secret = {"PDSERVE_REDIS_URL": redis_url} if urlsplit(redis_url).password else {}
     services.append(Service(
         "jobs", pdserve,
@@ -193,9 +203,10 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
-         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name, *given["gateway"]],
+         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name,
+         *([] if redis_secret else ["--redis-url", redis_url]), *given["gateway"]],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")],
-        {**quiet, **secret, **cluster}))
+        {**quiet, **secret, **cluster, **redis_secret, "PDSERVE_ADMIN_API_KEY": admin_key}))
     for service in services:
         service.withheld = SECRET_VARIABLES
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key, private)
@@ -494,6 +505,8 @@ def banner(plan: Plan, log_dir: Path) -> str:
         "[up] try:",
         f"  curl {plan.base_url}/chat/completions -H 'Content-Type: application/json'{auth} \\",
         f"    -d '{body}'",
+        f"[up] admin routes (update_weights_from_disk, load_lora_adapter, flush_cache, abort_request, ...) need "
+        f"the key in {admin_key_path(log_dir.parent)}",
         f"[up] logs: {log_dir}; press Ctrl-C to stop",
     ])
 

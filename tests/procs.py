@@ -26,9 +26,12 @@ class Proc:
     health_url: str | None = None
     popen: subprocess.Popen | None = None
     log_path: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1]))
+    env: dict = field(default_factory=dict)  # what the first start added to the environment; restarts add it too
 
     def start(self, env: dict | None = None) -> Proc:
-        full_env = {**os.environ, **(env or {})}
+        if env is not None:
+            self.env = env
+        full_env = {**os.environ, **self.env}
         full_env.pop("TRITON_INTERPRET", None)
         self.popen = subprocess.Popen([sys.executable, "-m", "pdserve", *self.args], stdout=open(self.log_path, "w"),
                                       stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

@@ -29,6 +29,11 @@ from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 log = logging.getLogger("pdserve.gateway")
 # No API key: orchestrators probe, Prometheus scrapes (as SGLang, vLLM); the status page's HTML holds no data.
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS})
+# What changes the deployment for everyone (its weights, adapters, cache, other clients' requests, recording):
+# these need the admin key, never the inference key (SGLang's --admin-api-key).
+ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter", "/flush_cache",
+                         "/abort_request", "/start_expert_distribution_record", "/stop_expert_distribution_record",
+                         "/dump_expert_distribution_record"})
 access_log = logging.getLogger("pdserve.access")
 body_log = logging.getLogger("pdserve.requests")
 # Asked every few seconds: their access lines are at debug level.
@@ -118,16 +123,39 @@ async def read_body(request: web.Request, handler):
     return await handler(request)
 
 
+def presented_key(request: web.Request) -> bytes | None:
+    """The key a request carries ('Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY'), as sent."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's clients send the key there
+        scheme, given = "bearer", request.headers["x-api-key"]
+    if scheme.lower() != "bearer":
+        return None
+    # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; compare them as sent.
+    return given.strip().encode("utf-8", "surrogateescape")
+
+
+def _is(given: bytes | None, key: str | None) -> bool:
+    return bool(key) and given is not None and hmac.compare_digest(given, key.encode())
+
+
 @web.middleware
 async def check_api_key(request: web.Request, handler):
-    key = request.app[GATEWAY].api_key
-    if key and request.path not in OPEN_PATHS:
-        auth = request.headers.get("Authorization", "")
-        scheme, _, given = auth.partition(" ")
-        # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; compare them as sent.
-        given_bytes = given.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given_bytes, key.encode()):
-            raise ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.")
+    gw = request.app[GATEWAY]
+    if request.path in OPEN_PATHS:
+        return await handler(request)
+    given = presented_key(request)
+    if request.path in ADMIN_PATHS and not gw.open_admin_routes:
+        if not gw.admin_api_key:
+            raise ApiError(403, "Admin routes are off on this gateway: start it with an admin key "
+                                "(PDSERVE_ADMIN_API_KEY or --admin-api-key-file), or with --open-admin-routes to let "
+                                "them take the API key as before.")
+        if not _is(given, gw.admin_api_key):
+            raise ApiError(401, "This is an admin route: send 'Authorization: Bearer <admin key>' (the gateway's "
+                                "--admin-api-key; the API key is not enough).")
+        return await handler(request)
+    if gw.api_key and not (_is(given, gw.api_key) or _is(given, gw.admin_api_key)):
+        raise ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' "
+                            "(or 'x-api-key: <key>').")
     return await handler(request)
 
 

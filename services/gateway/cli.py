@@ -34,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $PDSERVE_API_KEY)")
+    parser.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
+                        help="the key the admin routes need (weights, adapters, cache flush, abort, expert "
+                             "recording); the API key is refused there (default: $PDSERVE_ADMIN_API_KEY)")
+    parser.add_argument("--admin-api-key-file", default=None, metavar="FILE",
+                        help="read the admin key from FILE, so that it appears on no command line")
+    parser.add_argument("--open-admin-routes", action="store_true",
+                        help="without an admin key, let the admin routes take the API key (or none), as before "
+                             "admin keys existed; by default they are refused (403) until one is set")
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="sequences (a request counts n) that may wait for a place on the workers beyond what "
                              "they run at once; more are refused at once with 429 and Retry-After")
@@ -100,6 +108,16 @@ def main(args: argparse.Namespace, command: str) -> int:
     os._exit(code)
 
 
+def read_key_file(path: str, flag: str) -> str:
+    try:
+        key = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"{flag}: {path} is empty")
+    return key
+
+
 def build(args: argparse.Namespace):
     """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts)."""
     from pdserve.services.gateway.app import create_app
@@ -125,14 +143,18 @@ def build(args: argparse.Namespace):
     served = args.served_model_name or given
     # One model per gateway: "default" always names it, as in SGLang's examples and clients written for them.
     names = {served, given, str(model_dir), model_dir.name, "default"}
-    public_args = {**{k: v for k, v in vars(args).items() if k not in ("api_key", "command")},
+    admin_key = args.admin_api_key
+    if args.admin_api_key_file:
+        admin_key = read_key_file(args.admin_api_key_file, "--admin-api-key-file")
+    public_args = {**{k: v for k, v in vars(args).items() if k not in ("api_key", "admin_api_key", "command")},
                    "model_path": given, "tokenizer_path": args.tokenizer_path or given, "served_model_name": served,
                    "api_key_required": bool(args.api_key)}
     gateway = Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
                       tokenizer_path=args.tokenizer_path or given, model_config=config,
                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                       enable_cache_report=args.enable_cache_report,
-                      api_key=args.api_key or None, jobs_url=args.jobs_url, server_args=public_args,
+                      api_key=args.api_key or None, admin_api_key=admin_key or None,
+                      open_admin_routes=args.open_admin_routes, jobs_url=args.jobs_url, server_args=public_args,
                       accepted_model_names=frozenset(names), is_embedding=args.is_embedding, limits=limits)
     from pdserve.services.gateway.served_models import build_embedding_gateway
 

@@ -16,8 +16,8 @@ from pdserve.services.gateway.adapters import adapter_of
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.cpu_pool import CpuPool
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
+from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -39,8 +39,12 @@ class Gateway:
     tool_call_parser: str | None = None  # a tool_parsers.PARSERS name
     enable_cache_report: bool = False
     api_key: str | None = None
+    # Admin routes (app.ADMIN_PATHS) need this key; without one they are refused, unless `open_admin_routes`
+    # lets them take the API key (or none) as before.
+    admin_api_key: str | None = None
+    open_admin_routes: bool = False
     jobs_url: str | None = None
-    server_args: dict = field(default_factory=dict)  # for /get_server_info (never the API key)
+    server_args: dict = field(default_factory=dict)  # for /get_server_info (never a key)
     accepted_model_names: frozenset[str] = frozenset()
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))

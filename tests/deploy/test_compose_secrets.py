@@ -15,7 +15,7 @@ from test_compose import config, flag
 
 FOLDER = "/run/pdserve-secrets"
 # What each service's secrets volume holds: the secrets it uses, and no other.
-USES = {"gateway": {"api-key", "cluster-token"}, "jobs": {"api-key", "redis-url"},
+USES = {"gateway": {"api-key", "admin-api-key", "cluster-token", "redis-url"}, "jobs": {"api-key", "redis-url"},
         "workers": {"cluster-token"}, "redis": {"redis.conf", "redis-password"}}
 VOLUMES = {"gateway": "gateway-secrets", "jobs": "jobs-secrets", "workers": "worker-secrets",
            "redis": "redis-secrets"}
@@ -53,6 +53,8 @@ def test_secrets_are_generated_once_and_given_ones_win(services, tmp_path):
     run_init(services, tmp_path, PDSERVE_API_KEY="sk-mine", PDSERVE_REDIS_PASSWORD="p/w d")
     assert (tmp_path / "gateway" / "api-key").read_text() == (tmp_path / "jobs" / "api-key").read_text() == "sk-mine"
     assert (tmp_path / "jobs" / "redis-url").read_text() == "redis://:p%2Fw%20d@redis:6379/0"
+    admin = (store / "admin-api-key").read_text()
+    assert len(admin) >= 32 and admin != key and (tmp_path / "gateway" / "admin-api-key").read_text() == admin
 
 
 def test_each_service_volume_holds_only_the_secrets_that_service_uses(services, compose_binary, tmp_path):
@@ -89,7 +91,7 @@ def test_gateway_and_jobs_get_their_secrets_in_the_environment_only(services, tm
         out = subprocess.run([*entrypoint, *service["command"]], capture_output=True, text=True, timeout=30,
                              env={"PATH": f"{fake.parent}:/usr/bin:/bin"}).stdout
         assert f"argv: {' '.join(service['command'])}\n" in out and f"key: {key}\n" in out
-        assert (f"redis: {url}\n" in out) == (name == "jobs")  # the gateway does not get the Redis URL
+        assert f"redis: {url}\n" in out  # jobs, and the gateway for its stored responses
         assert not any(key in part or "PDSERVE_API_KEY" in part for part in service["command"])
         assert {v["target"]: (v["source"], v.get("read_only")) for v in service["volumes"]}[FOLDER] == \
             (VOLUMES[name], True)

@@ -147,15 +147,32 @@ def test_generated_api_key_and_existing_secret(render):
     key = base64.b64decode(generated.get("Secret", f"{FULL}-api-key")["data"]["api-key"]).decode()
     assert len(key) >= 32 and key not in generated.text
     existing = render(*VALUE_SETS["external-redis"])
-    # The chart creates no API key or Redis Secret when one is named (the cluster token's is its own setting).
-    assert [d["metadata"]["name"] for d in existing.kinds("Secret")] == [f"{FULL}-cluster-token"]
+    # The chart creates no API key or Redis Secret when one is named (the cluster token's and the admin key's are
+    # settings of their own).
+    assert sorted(d["metadata"]["name"] for d in existing.kinds("Secret")) == [f"{FULL}-admin-api-key",
+                                                                                f"{FULL}-cluster-token"]
     for role in ("gateway", "jobs"):
         ref = env_of(existing.container(role))["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "pdserve-api", "key": "key"}
     disabled = render("--set", "apiKey.enabled=false")
-    assert sorted(d["metadata"]["name"] for d in disabled.kinds("Secret")) == [f"{FULL}-cluster-token",
+    assert sorted(d["metadata"]["name"] for d in disabled.kinds("Secret")) == [f"{FULL}-admin-api-key",
+                                                                                f"{FULL}-cluster-token",
                                                                                 f"{FULL}-redis-auth"]
     assert "--api-key" not in disabled.text and "PDSERVE_API_KEY" not in disabled.text
+
+
+def test_the_admin_key_reaches_the_gateway_only(render):
+    generated = render()
+    admin = base64.b64decode(generated.get("Secret", f"{FULL}-admin-api-key")["data"]["admin-api-key"]).decode()
+    assert len(admin) >= 32 and admin not in generated.text
+    ref = env_of(generated.container("gateway"))["PDSERVE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{FULL}-admin-api-key", "key": "admin-api-key"}
+    for role in ("jobs", "prefill", "decode"):
+        assert "PDSERVE_ADMIN_API_KEY" not in env_of(generated.container(role))
+    named = render("--set", "adminApiKey.existingSecret=ops-admin", "--set", "adminApiKey.existingSecretKey=k")
+    assert f"{FULL}-admin-api-key" not in [d["metadata"]["name"] for d in named.kinds("Secret")]
+    assert env_of(named.container("gateway"))["PDSERVE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"] == \
+        {"name": "ops-admin", "key": "k"}
 
 
 def test_redis_statefulset_with_a_claim_by_default(render):

@@ -59,7 +59,7 @@ def test_the_charts_redis_requires_the_generated_password_and_runs_restricted(re
     assert redis["securityContext"]["allowPrivilegeEscalation"] is False
     assert redis["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     leftover = [d["metadata"]["name"] for d in render(*VALUE_SETS["external-redis"]).kinds("Secret")]
-    assert leftover == [f"{FULL}-cluster-token"]  # no Redis of its own, no password
+    assert sorted(leftover) == [f"{FULL}-admin-api-key", f"{FULL}-cluster-token"]  # no Redis, no password
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -94,7 +94,7 @@ def allowed_from(r: Rendered, policy: dict, port: str) -> set[str]:
     return found
 
 
-def test_network_policies_let_only_the_gateway_reach_workers_and_jobs_and_only_jobs_reach_redis(render):
+def test_network_policies_let_only_the_gateway_reach_workers_and_jobs_and_only_both_reach_redis(render):
     r = render()
     policies = {d["metadata"]["name"].removeprefix(f"{FULL}-"): d for d in r.kinds("NetworkPolicy")}
     assert sorted(policies) == ["gateway", "jobs", "redis", "workers"]
@@ -104,7 +104,7 @@ def test_network_policies_let_only_the_gateway_reach_workers_and_jobs_and_only_j
     assert allowed_from(r, policies["workers"], "grpc") == {"gateway", "prefill", "decode"}
     assert allowed_from(r, policies["workers"], "transfer") == {"prefill", "decode"}  # KV pages
     assert allowed_from(r, policies["jobs"], "http") == {"gateway"}
-    assert allowed_from(r, policies["redis"], "redis") == {"jobs"}
+    assert allowed_from(r, policies["redis"], "redis") == {"jobs", "gateway"}  # the gateway's stored responses
     assert policies["gateway"]["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]  # open
 
     metrics = render("--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
@@ -169,7 +169,9 @@ def test_each_pod_can_read_only_the_secrets_its_service_uses(render, value_set):
     api_key = "pdserve-api" if external else f"{FULL}-api-key"
     redis = "pdserve-redis" if external else f"{FULL}-redis-auth"
     token = f"{FULL}-cluster-token"
-    expected = {"gateway": {api_key: {"PDSERVE_API_KEY"}, token: {"PDSERVE_CLUSTER_TOKEN"}},
+    expected = {"gateway": {api_key: {"PDSERVE_API_KEY"}, token: {"PDSERVE_CLUSTER_TOKEN"},
+                            redis: {"PDSERVE_REDIS_URL"},  # stored /v1/responses
+                            f"{FULL}-admin-api-key": {"PDSERVE_ADMIN_API_KEY"}},
                 "jobs": {api_key: {"PDSERVE_API_KEY"}, redis: {"PDSERVE_REDIS_URL"}},
                 "redis": {redis: {"REDISCLI_AUTH", "volume"}}}
     r = render(*VALUE_SETS[value_set])

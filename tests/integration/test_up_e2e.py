@@ -259,12 +259,17 @@ def test_up_serves_a_moe_model_and_records_its_expert_distribution(start_up, tin
     root = base_url.removesuffix("/v1")
     import requests
 
-    assert requests.post(root + "/start_expert_distribution_record", timeout=60).status_code == 200
+    # Admin routes take the key `up` made for this run, which only this user can read; never the inference key.
+    key_file = tmp_path / "state" / "admin-api-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    admin = {"Authorization": f"Bearer {key_file.read_text().strip()}"}
+    assert requests.post(root + "/start_expert_distribution_record", timeout=60).status_code == 401
+    assert requests.post(root + "/start_expert_distribution_record", headers=admin, timeout=60).status_code == 200
     client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120)
     reply = client.completions.create(model="default", prompt="one two three", temperature=0, max_tokens=4)
     assert reply.usage.completion_tokens == 4
-    assert requests.post(root + "/stop_expert_distribution_record", timeout=60).status_code == 200
-    answer = requests.post(root + "/dump_expert_distribution_record", timeout=60)
+    assert requests.post(root + "/stop_expert_distribution_record", headers=admin, timeout=60).status_code == 200
+    answer = requests.post(root + "/dump_expert_distribution_record", headers=admin, timeout=60)
     assert answer.status_code == 200, answer.text
     merged = re.search(r"^file: (.+)$", answer.text, re.M).group(1)
     assert Path(merged).is_file() and Path(merged).parent == dumps

@@ -80,11 +80,24 @@ app.kubernetes.io/component: {{ .component }}
       key: {{ if .Values.clusterToken.existingSecret }}{{ .Values.clusterToken.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
+{{- define "pdserve.adminApiKeySecretName" -}}
+{{- default (printf "%s-admin-api-key" (include "pdserve.fullname" .)) .Values.adminApiKey.existingSecret }}
+{{- end }}
+
+{{/* Env of the gateway only: the key its admin routes need, from its Secret only. */}}
+{{- define "pdserve.adminApiKeyEnv" -}}
+- name: PDSERVE_ADMIN_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.adminApiKeySecretName" . }}
+      key: {{ if .Values.adminApiKey.existingSecret }}{{ .Values.adminApiKey.existingSecretKey }}{{ else }}admin-api-key{{ end }}
+{{- end }}
+
 {{- define "pdserve.redisAuthSecretName" -}}
 {{ include "pdserve.fullname" . }}-redis-auth
 {{- end }}
 
-{{/* PDSERVE_REDIS_URL of the jobs service: an existing Secret, a plain redis.url, or the chart's Redis (its URL,
+{{/* PDSERVE_REDIS_URL of the jobs service and the gateway (stored /v1/responses): an existing Secret, a plain redis.url, or the chart's Redis (its URL,
 with the generated password, from the chart's Secret). Never in args: those show in `ps`. */}}
 {{- define "pdserve.redisUrlEnv" -}}
 - name: PDSERVE_REDIS_URL

@@ -13,6 +13,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"
+ADMIN_KEY = "sk-test-admin-key"  # every test gateway has it (in its environment), for the admin routes
 QUIET = {"OMP_NUM_THREADS": "1"}
 
 
@@ -29,13 +30,19 @@ class Gateway:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def admin_headers(self) -> dict:
+        """For the admin routes (the admin key also serves every other route)."""
+        return {"Authorization": f"Bearer {ADMIN_KEY}"}
 
-def start_gateway(model_dir, *targets: str) -> Gateway:
-    """Start `pdserve gateway` with `targets` (--worker/--prefill/--decode/--api-key ... flags)."""
+
+def start_gateway(model_dir, *targets: str, admin_key: str | None = ADMIN_KEY) -> Gateway:
+    """Start `pdserve gateway` with `targets` (--worker/--prefill/--decode/--api-key ... flags) and `admin_key` in
+    its environment (None: no admin key)."""
     port = free_port()
     args = ["gateway", "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--health-check-interval", "0.5", *targets]
-    proc = Proc(f"gateway:{port}", args, health_url=f"http://127.0.0.1:{port}/health").start(QUIET)
+    proc = Proc(f"gateway:{port}", args, health_url=f"http://127.0.0.1:{port}/health").start(
+        {**QUIET, "PDSERVE_ADMIN_API_KEY": admin_key or ""})
     key = targets[targets.index("--api-key") + 1] if "--api-key" in targets else None
     return Gateway(proc, f"http://127.0.0.1:{port}", key)
 
@@ -85,7 +92,7 @@ def wait_idle(addr: str, timeout: float = 15.0) -> tuple[pb.LoadReply, pb.PoolSt
         time.sleep(0.1)
 
 
-__all__ = ["API_KEY", "Gateway", "System", "start_gateway", "start_worker", "wait_idle", "wait_listening",
+__all__ = ["ADMIN_KEY", "API_KEY", "Gateway", "System", "start_gateway", "start_worker", "wait_idle", "wait_listening",
            "worker_call"]
 
 

@@ -42,7 +42,7 @@ def systems(tiny_models, tmp_path_factory):
 
 
 def call(gw, method: str, path: str) -> requests.Response:
-    return requests.request(method, gw.url + path, timeout=60)
+    return requests.request(method, gw.url + path, headers=gw.admin_headers(), timeout=60)
 
 
 def dump(gw) -> tuple[Path, dict[str, Path]]:

@@ -197,10 +197,10 @@ def test_a_client_rid_cannot_collide_with_another_request(colocated):
     assert twin.json()["output_ids"] == solo["output_ids"] and twin.json()["meta_info"]["id"] == "shared"
     assert long_events[0]["meta_info"]["id"] == "shared"
     # Another rid, or the id the server gave a request that named none, aborts nothing of this request.
-    assert post(gw, "/abort_request", {"rid": "other"}).json()["aborted"] == []
-    assert post(gw, "/abort_request", {"rid": solo["meta_info"]["id"]}).json()["aborted"] == []
+    assert post(gw, "/abort_request", {"rid": "other"}, headers=gw.admin_headers()).json()["aborted"] == []
+    assert post(gw, "/abort_request", {"rid": solo["meta_info"]["id"]}, headers=gw.admin_headers()).json()["aborted"] == []
     assert thread.is_alive()
-    assert post(gw, "/abort_request", {"rid": "shared"}).json()["aborted"] == ["shared"]
+    assert post(gw, "/abort_request", {"rid": "shared"}, headers=gw.admin_headers()).json()["aborted"] == ["shared"]
     thread.join(30)
     assert not thread.is_alive()
     assert long_events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -216,7 +216,7 @@ def test_ids_given_by_the_server_abort_their_own_request(colocated):
     wait_for(events)
     server_id = events[0]["meta_info"]["id"]
     assert len(server_id) == 32
-    assert post(gw, "/abort_request", {"rid": server_id}).json()["aborted"] == [server_id]
+    assert post(gw, "/abort_request", {"rid": server_id}, headers=gw.admin_headers()).json()["aborted"] == [server_id]
     thread.join(30)
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
 

@@ -64,7 +64,7 @@ def system(default_model_dir, default_model_adapters):
 
 
 def post(gw, path: str, body: dict) -> requests.Response:
-    return requests.post(gw.url + path, json=body, headers=gw.headers(), timeout=300)
+    return requests.post(gw.url + path, json=body, headers=gw.admin_headers(), timeout=300)
 
 
 def generate_ids(gw, ids: list[int], lora_path=None, model=None, count: int = 1) -> list[list[int]]:

@@ -143,7 +143,7 @@ def test_flush_cache_empties_the_worker_cache(colocated):
     from harness import worker_call
 
     assert worker_call(colocated.worker, "Stats").cached_pages > 0
-    r = requests.post(colocated.open.url + "/flush_cache")
+    r = requests.post(colocated.open.url + "/flush_cache", headers=colocated.open.admin_headers())
     assert r.status_code == 200 and "Cache flushed" in r.text
     assert worker_call(colocated.worker, "Stats").cached_pages == 0
 
@@ -172,7 +172,8 @@ def test_abort_request_ends_a_running_generation(colocated):
     deadline = time.monotonic() + 60
     while not events and time.monotonic() < deadline:
         time.sleep(0.05)
-    r = post(colocated.open, "/abort_request", {"rid": "abort-me"})
+    r = requests.post(colocated.open.url + "/abort_request", json={"rid": "abort-me"},
+                      headers=colocated.open.admin_headers(), timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["aborted"] == ["abort-me"]
     t.join(30)
     assert not t.is_alive()

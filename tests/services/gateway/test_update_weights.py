@@ -86,7 +86,7 @@ def output_ids(gw, max_new: int = SHORT) -> list[int]:
 
 def update(gw, model_path, **fields) -> requests.Response:
     return requests.post(gw.url + "/update_weights_from_disk", json={"model_path": str(model_path), **fields},
-                         timeout=300)
+                         headers=gw.admin_headers(), timeout=300)
 
 
 class Streaming:
