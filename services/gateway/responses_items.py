@@ -127,7 +127,8 @@ def _item(item: Any, where: str) -> dict:
         try:
             json.loads(arguments or "{}")
         except ValueError:
-            raise ApiError(400, f"Invalid value for '{where}.arguments': not valid JSON.", f"{where}.arguments") from None
+            raise ApiError(400, f"Invalid value for '{where}.arguments': not valid JSON.",
+                           f"{where}.arguments") from None
         return {"type": kind, "id": _id(item, kind), "call_id": call_id, "name": name, "arguments": arguments,
                 "status": "completed"}
     if kind == "function_call_output":

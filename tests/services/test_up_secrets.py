@@ -41,15 +41,17 @@ def test_the_api_key_is_in_no_command_line_of_the_running_system(tmp_path, monke
         for name in ("gateway", "jobs"):
             assert environ(pids[name])["PDSERVE_API_KEY"] == KEY
         assert KEY not in run.output  # the lines `up` printed, each child's command line among them
-        # Redis's password of this run: in a file only this user reads, and in the environment of jobs alone.
+        # Redis's password of this run: in a file only this user reads, and in the environment of the services that
+        # use Redis alone (jobs, and the gateway for its stored responses).
         config = run.state / "redis.conf"
         assert config.stat().st_mode & 0o777 == 0o600
         password = re.fullmatch(r'requirepass "(\S+)"\n', config.read_text()).group(1)
         assert len(password) >= 32
         assert urlsplit(environ(pids["jobs"])["PDSERVE_REDIS_URL"]).password == password
+        assert urlsplit(environ(pids["gateway"])["PDSERVE_REDIS_URL"]).password == password
         for name, pid in [("up", run.proc.pid), *pids.items()]:
             assert password not in cmdline(pid), name
-            if name != "jobs":
+            if name not in ("jobs", "gateway"):
                 assert password not in " ".join(environ(pid).values()), name
         for name in ("prefill", "decode"):  # workers get neither the API key nor Redis
             assert not {"PDSERVE_API_KEY", "PDSERVE_REDIS_URL"} & set(environ(pids[name])), name
@@ -115,11 +117,14 @@ def test_up_with_allow_insecure_serves_on_all_interfaces_and_says_so(tmp_path, m
         run.close()
 
 
-def test_a_redis_url_with_a_password_reaches_jobs_only_in_its_environment(tmp_path):
+def test_a_redis_url_with_a_password_reaches_jobs_and_the_gateway_only_in_their_environment(tmp_path):
     url = f"redis://:{PASSWORD}@cache:6380/2"
     jobs = by_name(up.build_plan(parse("--redis-url", url), tmp_path, 2))["jobs"]
     assert jobs.env["PDSERVE_REDIS_URL"] == url
     assert not any(PASSWORD in a for a in jobs.argv) and flag_values(jobs.args, "--redis-url") == []
+    gateway = by_name(up.build_plan(parse("--redis-url", url), tmp_path, 2))["gateway"]  # its stored responses
+    assert gateway.env["PDSERVE_REDIS_URL"] == url
+    assert not any(PASSWORD in a for a in gateway.argv) and flag_values(gateway.args, "--redis-url") == []
 
 
 def test_an_unreachable_redis_is_reported_without_its_password(tmp_path):

@@ -211,7 +211,7 @@ def test_bad_requests_name_the_field(replicas):
 
 def test_a_chain_past_the_context_is_refused_or_truncated(replicas):
     client = replicas.client()
-    long_text = "the quick brown fox jumps over the lazy dog " * 450  # ~4,100 tokens, half the context
+    long_text = "the quick brown fox jumps over the lazy dog " * 500  # 4,501 tokens: two pass the context
     first = ask(client, long_text, max_output_tokens=1)
     with pytest.raises(openai.BadRequestError) as err:
         ask(client, long_text, previous_response_id=first.id, max_output_tokens=1)
@@ -234,10 +234,10 @@ def test_without_redis_responses_chain_in_memory(colocated):
 def test_a_reasoning_parser_gives_reasoning_items(colocated):
     gw = colocated.secured  # --reasoning-parser deepseek-r1: the output starts inside the reasoning
     client = openai.OpenAI(base_url=gw.base, api_key=gw.api_key, max_retries=0)
-    r = ask(client, max_output_tokens=6)
-    assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+    r = ask(client, max_output_tokens=24)
+    assert r.status == "completed" and r.output[0].type == "reasoning" and r.output[0].content[0].text
     assert r.usage.output_tokens_details.reasoning_tokens > 0
-    with client.responses.stream(model="default", input=QUESTION, max_output_tokens=6, temperature=0) as stream:
+    with client.responses.stream(model="default", input=QUESTION, max_output_tokens=24, temperature=0) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
     assert "response.reasoning_text.delta" in kinds
