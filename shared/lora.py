@@ -56,6 +56,11 @@ class LoraError(ValueError):
     """An adapter cannot be loaded or placed; the message names the adapter and the problem."""
 
 
+class AdapterNotFound(LoraError):
+    """No adapter to read at the path: missing, not a folder, or without its two files. The message says which,
+    for the operator's log; an API caller gets one answer for all of them (services/worker/rpc.py)."""
+
+
 class LinearShape(NamedTuple):
     in_features: int
     out_sizes: tuple[int, ...]  # rows of each sub-module in the fused output
@@ -143,15 +148,15 @@ def load_adapter(name: str, path: str | Path, model_config: ModelConfig, *, max_
 def _read_files(name: str, directory: Path) -> tuple[bytes, bytes]:
     if not directory.is_dir():
         problem = "is not a directory" if directory.exists() else "does not exist"
-        raise LoraError(f"adapter {name!r}: {directory} {problem}")
+        raise AdapterNotFound(f"adapter {name!r}: {directory} {problem}")
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not config_path.is_file():
-        raise LoraError(f"adapter {name!r}: no adapter_config.json in {directory}")
+        raise AdapterNotFound(f"adapter {name!r}: no adapter_config.json in {directory}")
     if not weights_path.is_file():
         if (directory / "adapter_model.bin").exists():
-            raise LoraError(f"adapter {name!r}: {directory} has adapter_model.bin, a pickle, which is not loaded; "
+            raise AdapterNotFound(f"adapter {name!r}: {directory} has adapter_model.bin, a pickle, which is not loaded; "
                             "save the adapter as adapter_model.safetensors (PEFT's save_pretrained default)")
-        raise LoraError(f"adapter {name!r}: no adapter_model.safetensors in {directory}")
+        raise AdapterNotFound(f"adapter {name!r}: no adapter_model.safetensors in {directory}")
     return config_path.read_bytes(), weights_path.read_bytes()
 
 

@@ -12,6 +12,7 @@ model is exactly what it was.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from safetensors import safe_open
 
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.model_files import ModelNotFound, resolve_model_path
+
+log = logging.getLogger(__name__)
 
 # ModelConfig fields a checkpoint may change: none of them shapes a tensor, the KV cache or the rotary table.
 # (The stop tokens stay the running model's: the gateway's tokenizer and templates do not change either.)
@@ -72,10 +75,11 @@ def locate(model_path: str) -> Path:
     try:
         return resolve_model_path(model_path, quiet=True)
     except ModelNotFound as exc:
-        if not Path(model_path).expanduser().exists():
-            # SGLang's words for a name that is neither here nor a repository it could fetch.
-            raise CheckpointNotFound(f"{model_path} (repository not found)") from None
-        raise CheckpointNotFound(str(exc)) from None
+        # SGLang's words for a name that is neither here nor a repository it could fetch, and the same words
+        # whatever the path is (missing, a file, a folder without a checkpoint): an API caller learns nothing
+        # of the host's files. The worker's log says which.
+        log.warning("weights from %s: %s", model_path, exc)
+        raise CheckpointNotFound(f"{model_path} (repository not found)") from None
     except Exception as exc:  # a GGUF file transformers cannot convert
         raise WeightsError(f"cannot convert {model_path}: {exc}") from None
 

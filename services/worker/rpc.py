@@ -27,7 +27,7 @@ from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.expert_recorder import RECORDING_OFF, RecordSettings, save_dump, writable_dir
 from pdserve.shared.grammar import Constraint, GrammarError
-from pdserve.shared.lora import LoraAdapter
+from pdserve.shared.lora import AdapterNotFound, LoraAdapter, LoraError
 from pdserve.shared.outputs import ReqOutput
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import InvalidParam
@@ -240,7 +240,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         return [adapter_info(a) for a in self.engine.adapters.list()]
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
-        return await self._change_adapters(lambda: self.engine.adapters.load(request.name, request.path))
+        def load():
+            try:
+                self.engine.adapters.load(request.name, request.path)
+            except AdapterNotFound as exc:  # one answer whatever is at the path: callers learn nothing of the host
+                log.warning("%s", exc)
+                raise LoraError(f"adapter {request.name!r}: no PEFT LoRA adapter to load at {request.path!r} (a "
+                                "directory this worker can read, holding adapter_config.json and "
+                                "adapter_model.safetensors)") from None
+        return await self._change_adapters(load)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
         return await self._change_adapters(lambda: self.engine.adapters.unload(request.name))

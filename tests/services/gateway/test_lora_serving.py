@@ -185,3 +185,20 @@ def test_prefill_and_decode_with_other_adapters_are_refused_at_registration(defa
         assert "lora_adapters: prefill has [sql@" in decode.tail() and "decode has [poet@" in decode.tail()
     finally:
         prefill.stop()
+
+
+def test_a_lora_path_error_says_nothing_about_what_is_on_the_host(system, tmp_path):
+    """Missing, a plain file, an empty folder, a folder with a pickle: one answer, whatever is there."""
+    gw = system["pd"]
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "pickle").mkdir()
+    (tmp_path / "pickle" / "adapter_config.json").write_text("{}")
+    (tmp_path / "pickle" / "adapter_model.bin").write_bytes(b"pickle")
+    for what in ("missing", "file", "empty", "pickle"):
+        path = str(tmp_path / what)
+        r = post(gw, "/load_lora_adapter", {"lora_name": "probe", "lora_path": path})
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert r.json()["message"].replace(path, "PATH") == (
+            "adapter 'probe': no PEFT LoRA adapter to load at 'PATH' (a directory this worker can read, holding "
+            "adapter_config.json and adapter_model.safetensors)"), r.json()["message"]
