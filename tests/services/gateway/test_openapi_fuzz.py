@@ -15,7 +15,8 @@ REQUEST_TIMEOUT_S = 30.0  # an answer slower than this counts as a hang
 # The fuzzer looks for crashes in validation, not for long generations on a CPU: every generation it asks
 # for is cut to a few tokens (wrong types and negative values are kept, so validation still sees them).
 MAX_GENERATED_TOKENS = 4
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens")
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens",
+                 "max_output_tokens")
 
 
 def test_openapi_lists_the_routes_with_their_request_schemas(colocated):
@@ -29,6 +30,11 @@ def test_openapi_lists_the_routes_with_their_request_schemas(colocated):
         assert body["$ref"].split("/")[-1] in doc["components"]["schemas"]
     for path in ("/v1/models", "/v1/models/{model}", "/health", "/get_model_info", "/metrics", "/openapi.json"):
         assert "get" in paths[path]
+    responses = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "input" in doc["components"]["schemas"][responses["$ref"].split("/")[-1]]["required"]
+    assert {"get", "delete"} <= set(paths["/v1/responses/{response_id}"])
+    assert "post" in paths["/v1/responses/{response_id}/cancel"]
+    assert "get" in paths["/v1/responses/{response_id}/input_items"]
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in chat["required"] and "chat_template_kwargs" in chat["properties"]
     sampling = doc["components"]["schemas"]["GenerateRequest"]["properties"]["sampling_params"]
@@ -51,11 +57,13 @@ def bound_generation(body: object) -> None:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             body[key] = min(value, MAX_GENERATED_TOKENS)
-    for key in ("max_tokens", "max_new_tokens"):  # absent, they mean "up to the context"
+    for key in ("max_tokens", "max_new_tokens", "max_output_tokens"):  # absent, they mean "up to the context"
         if key in body and body[key] is None:
             body[key] = MAX_GENERATED_TOKENS
     if "messages" in body or "prompt" in body:
         body.setdefault("max_tokens", MAX_GENERATED_TOKENS)
+    if "input" in body:  # /v1/responses
+        body.setdefault("max_output_tokens", MAX_GENERATED_TOKENS)
     if "text" in body or "input_ids" in body:
         params = body.get("sampling_params")
         if params is None:
