@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import aiohttp
 
-from pdserve.services.bench_load import (ErrorReporter, Load, StreamTally, Target, arrival_offsets, chat_body,
+from pdserve.services.bench_load import (APIS, ErrorReporter, Load, StreamTally, Target, arrival_offsets, chat_body,
                                          fetch_model, make_prompts, requests_for, run_level, run_sweep, stream_chat)
 from pdserve.services.bench_plot import plot
 from pdserve.services.bench_report import (LevelSummary, RequestResult, format_errors, format_table, percentile,
@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="also draw throughput against TTFT and ITL, a point per level (needs matplotlib)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar per level on stderr (default: when stderr is a terminal)")
+    parser.add_argument("--api", choices=sorted(APIS), default="chat",
+                        help="the API the requests speak: chat completions or Anthropic's messages (default: chat)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -103,7 +105,7 @@ def load_from_args(args: argparse.Namespace) -> Load:
     return Load(output_len=args.output_len, prompt_len=args.prompt_len, temperature=args.temperature,
                 request_rate=args.request_rate, timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
                 seed=args.seed, extra_body=tuple(extra.items()),
-                models=tuple(m for m in (args.models or "").split(",") if m))
+                models=tuple(m for m in (args.models or "").split(",") if m), api=args.api)
 
 
 def report(target: Target, load: Load, summaries: Sequence[LevelSummary]) -> dict:

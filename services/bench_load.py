@@ -15,6 +15,9 @@ the per-chunk usage the server sends under `stream_options.continuous_usage_stat
 summary's `itl_tokens_from` says which ("usage" or "chunks").
 
 A request never raises: a failure (HTTP error, error event, timeout, broken stream) is its result.
+
+`Load.api` picks what the requests speak, a key of `APIS`: chat completions (the default) or Anthropic's
+messages (bench_messages.py), whose stream events are read as the chat chunks above.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from pdserve.services.bench_messages import messages_body, messages_chunk
 from pdserve.services.bench_report import LevelSummary, RequestResult, redact, summarize
 
 # Short common words: each is about one token in the usual BPE vocabularies, so N words ~ N prompt tokens.
@@ -67,6 +71,7 @@ class Load:
     seed: int = 0
     extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (e.g. response_format), as pairs
     models: tuple[str, ...] = ()  # if set: request i asks for models[i % len] (e.g. LoRA adapters), not the target's
+    api: str = "chat"  # which API the requests speak: a key of APIS
 
 
 # ---------------------------------------------------------------- prompts
@@ -162,15 +167,33 @@ def chat_body(target: Target, load: Load, prompt: str, model: str | None = None)
     }
 
 
+@dataclass(frozen=True)
+class BenchApi:
+    """An API the load can speak: where its requests go, their body, and its stream events as chat chunks."""
+    path: str  # under the base URL
+    body: Callable[[Target, Load, str, str | None], dict]  # (target, load, prompt, model) -> the JSON body
+    chunk: Callable[[dict], dict | None] = lambda event: event  # a stream event as a chat chunk; None: skip it
+
+
+# `pdserve bench --api` chooses among these; chat is the default.
+APIS: dict[str, BenchApi] = {
+    "chat": BenchApi("/chat/completions", chat_body),
+    "messages": BenchApi("/messages", lambda target, load, prompt, model: messages_body(
+        model or target.model, prompt, load.output_len, load.temperature, dict(load.extra_body)), messages_chunk),
+}
+
+
 async def stream_chat(session: aiohttp.ClientSession, target: Target, load: Load, prompt: str,
                       model: str | None = None) -> RequestResult:
-    """Send one streamed chat completion and time it. Never raises (but for cancellation)."""
+    """Send one streamed request (a chat completion, or `load.api`'s) and time it. Never raises (but for
+    cancellation)."""
+    api = APIS[load.api]
     timeout = aiohttp.ClientTimeout(total=load.timeout_s, sock_connect=min(30.0, load.timeout_s),
                                     sock_read=load.stall_timeout_s)
     started = time.perf_counter()
     tally = StreamTally(started)
     try:
-        async with session.post(f"{target.base_url}/chat/completions", json=chat_body(target, load, prompt, model),
+        async with session.post(f"{target.base_url}{api.path}", json=api.body(target, load, prompt, model),
                                 headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:ERROR_TEXT_LIMIT]
@@ -185,7 +208,7 @@ async def stream_chat(session: aiohttp.ClientSession, target: Target, load: Load
                     done = True
                     break
                 event = json.loads(data)
-                if not isinstance(event, dict):
+                if not isinstance(event, dict) or (event := api.chunk(event)) is None:
                     continue
                 if event.get("error"):
                     message = json.dumps(event["error"])[:ERROR_TEXT_LIMIT]

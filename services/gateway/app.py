@@ -6,7 +6,8 @@ becomes an OpenAI-shaped error), body size limit, API key check, the body read (
 --log-requests the body log. A request head must arrive within --header-timeout (aiohttp's keep-alive timer).
 The worker pool starts with the app and stops with it. Handlers are cancelled when their client
 disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
-After observation, the drain check answers 503 once the gateway is stopping (see `Drain`).
+After observation, the drain check answers 503 once the gateway is stopping (see `Drain`). Between the two, the
+Messages routes have their errors rewritten in Anthropic's shape (`messages_api.anthropic_errors`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 
 from aiohttp import web
 
+from pdserve.services.gateway import messages_api
 from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
                                       pooling_api, status_page, weights_api)
 from pdserve.services.gateway.context import GATEWAY, Gateway
@@ -207,7 +209,8 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
                responses: ResponseStore | None = None) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model); `responses`: where
     /v1/responses keeps stored responses (default: this process's memory)."""
-    middlewares = [observe, drain_requests, error_middleware, limit_body, check_api_key, read_body]
+    middlewares = [observe, messages_api.anthropic_errors, drain_requests, error_middleware, limit_body,
+                   check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
     app = web.Application(middlewares=middlewares, client_max_size=gateway.max_body_bytes)
@@ -217,6 +220,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     app[DRAIN] = Drain()
     openai_api.add_routes(app)
     responses_api.add_routes(app, responses)
+    messages_api.add_routes(app)
     native_api.add_routes(app)
     lora_api.add_routes(app)
     expert_api.add_routes(app)

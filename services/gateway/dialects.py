@@ -58,6 +58,13 @@ OPENAI_COMPLETION = dataclasses.replace(OPENAI_CHAT, name="openai-completion",
 OPENAI_RESPONSES = dataclasses.replace(
     OPENAI_CHAT, name="openai-responses", renamed={**OPENAI_CHAT.renamed, "max_new_tokens": "max_output_tokens"},
     elsewhere=LOGPROB_FIELDS | GATEWAY_DERIVED | {"n"}, nullable=OPENAI_CHAT.nullable | {"max_new_tokens"})
+# Anthropic's /v1/messages: max_tokens is required and read beside the sampling fields; one message per request
+# (no n), no logprobs. The SamplingParams fields it does not name stay available as extensions, as on chat.
+ANTHROPIC_MESSAGES = Dialect(
+    "anthropic-messages",
+    renamed={"max_new_tokens": "max_tokens"},
+    elsewhere=LOGPROB_FIELDS | GATEWAY_DERIVED | {"max_new_tokens", "n"},
+    nullable=frozenset({"temperature", "top_p", "top_k"}))
 NATIVE = Dialect(
     "native",
     renamed={"seed": "sampling_seed"},

@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from pdserve.services.gateway.classify_api import RerankRequest
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.lora_api import LoadLoraRequest, UnloadLoraRequest
+from pdserve.services.gateway.messages_protocol import CountTokensRequest, MessagesRequest
 from pdserve.services.gateway.native_api import VERSION
 from pdserve.services.gateway.responses_items import ResponsesRequest
 from pdserve.services.gateway.pooling_api import EmbeddingRequest, NativeEncodeRequest, ScoreRequest
@@ -27,6 +28,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/score": ScoreRequest,
     "/v1/rerank": RerankRequest,

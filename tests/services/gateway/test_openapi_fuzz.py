@@ -25,7 +25,8 @@ def test_openapi_lists_the_routes_with_their_request_schemas(colocated):
     doc = r.json()
     assert doc["openapi"].startswith("3.1")
     paths = doc["paths"]
-    for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/tokenize", "/abort_request"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/generate",
+                 "/tokenize", "/abort_request"):
         body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].split("/")[-1] in doc["components"]["schemas"]
     for path in ("/v1/models", "/v1/models/{model}", "/health", "/get_model_info", "/metrics", "/openapi.json"):
@@ -112,5 +113,8 @@ def check(case) -> None:
     assert response.status_code < 500, (case.method, case.formatted_path, str(case.body)[:300], response.text[:500])
     if response.status_code >= 400:
         error = response.json()
-        assert error["object"] == "error" and error["code"] == response.status_code and error["message"]
+        if case.formatted_path.startswith("/v1/messages"):  # Anthropic's shape on its routes
+            assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"]
+        else:
+            assert error["object"] == "error" and error["code"] == response.status_code and error["message"]
         assert "Traceback" not in response.text
