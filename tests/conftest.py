@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -55,3 +56,37 @@ def default_model_adapters(default_model_dir, tmp_path_factory) -> dict[str, Pat
     root = tmp_path_factory.mktemp("lora-adapters")
     return {name: make_peft_adapter(default_model_dir, root / name, **spec)
             for name, spec in DEFAULT_MODEL_ADAPTERS.items()}
+
+
+def pytest_report_header(config) -> list[str]:
+    """The CPU and the paths the product picks on it, at the top of a run (at its end under -q, which CI uses and
+    which hides the header): a failure names the machine."""
+    return _machine_lines()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if config.get_verbosity() < 0:
+        terminalreporter.write_sep("-", "machine")
+        for line in _machine_lines():
+            terminalreporter.write_line(line)
+
+
+@functools.cache
+def _machine_lines() -> list[str]:
+    from pdserve.kernels import native
+    from pdserve.shared import linear
+    from pdserve.shared.model_runner import resolve_dtype
+
+    cpu_flags = native._cpu_flags().split()
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in cpu_flags]
+    try:
+        kernels = f"native kernels -march={native.default_march()} ({native.load().isa()} paths)"
+    except native.NativeUnavailable as exc:
+        kernels = f"native kernels unavailable ({exc}): torch twins"
+    return [f"cpu: {model}, {os.cpu_count()} cores; torch {torch.__version__} capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; AVX512-BF16 {linear._has_avx512_bf16()}, "
+            f"AMX {linear.amx_usable()}, VNNI {'/'.join(vnni) or 'none'}",
+            f"paths: oneDNN packs bf16 {linear._packs_bf16()}; {kernels}; "
+            f"--dtype auto serves a bf16 checkpoint as {str(resolve_dtype('auto', 'bfloat16', 'cpu'))[6:]}"]

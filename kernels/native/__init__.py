@@ -2,9 +2,14 @@
 
 They implement the same contracts as the Triton kernels and torch twins beside them (rmsnorm, silu_and_mul,
 rotary_store_kv, decode and extend attention, the grammar token mask, the multi-LoRA delta, the int8
-quantization around an int8 matmul) and are tested against the same torch reference. They are built for the CPU they run on (`-march=native`: AVX-512 and its bf16
-conversions where present), into a cache folder keyed by the sources, torch's version and the CPU's flags, so a
-second machine or a changed source builds anew.
+quantization around an int8 matmul) and are tested against the same torch reference. They are built for the CPU
+they run on (`-march=native`: AVX-512 and its bf16 dot products where present, else AVX2 with FMA, else scalar
+loops; `isa()` of the module names which), into a cache folder keyed by the sources, torch's version, the CPU's
+flags and the compiler flags, so a second machine or a changed source builds anew.
+
+`PDSERVE_NATIVE_MARCH` replaces `native` in `-march=` (e.g. `x86-64-v3`, AVX2 + FMA without AVX-512): a build
+for CPUs other than this one, which is how the AVX2 paths are tested and measured on an AVX-512 machine. Each
+-march is a module of its own name (`load(march)`), so two builds load side by side in one process.
 `scripts/setup` builds them (`python -m pdserve.kernels.native`); a worker that finds no build compiles
 them on first use, and where that is impossible (no C++ compiler) the runtime falls back to the torch twins
 and says so in its log.
@@ -15,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,9 +31,21 @@ SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "gemv
            "int8.cpp", "bindings.cpp")
 _HEADERS = ("common.h",)
 _HERE = Path(__file__).resolve().parent
-# -fopenmp: at::parallel_for is inlined into our code and runs on torch's OpenMP pool only when compiled with it
-# (the library resolves to the libgomp torch has already loaded, by its soname).
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def default_march() -> str:
+    """The -march of the build the runtime loads: `$PDSERVE_NATIVE_MARCH`, else native."""
+    return os.environ.get("PDSERVE_NATIVE_MARCH", "").strip() or "native"
+
+
+def _flags(march: str) -> list[str]:
+    # -fopenmp: at::parallel_for is inlined into our code and runs on torch's OpenMP pool only when compiled with
+    # it (the library resolves to the libgomp torch has already loaded, by its soname).
+    return ["-O3", f"-march={march}", "-fopenmp"]
+
+
+def _module_name(march: str) -> str:
+    return "pdserve_native" if march == "native" else "pdserve_native_" + re.sub(r"\W", "_", march)
 
 
 def _cpu_flags() -> str:
@@ -41,17 +59,18 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_dir() -> Path:
+def build_dir(march: str | None = None) -> Path:
     """Where this machine's build lives: `$PDSERVE_KERNEL_CACHE` or ~/.cache/pdserve/kernels, then a key of the
     sources (their bytes and folder), torch, Python, the CPU's flags and the compiler flags."""
     import torch
 
+    march = march or default_march()
     digest = hashlib.sha1()
     for name in SOURCES + _HEADERS:
         digest.update((_HERE / name).read_bytes())
     # The sources' folder too: the build names them by path, so two checkouts sharing one cache would
     # otherwise rebuild each other's module back and forth.
-    digest.update(" ".join([torch.__version__, sys.version, _cpu_flags(), *_FLAGS, str(_HERE)]).encode())
+    digest.update(" ".join([torch.__version__, sys.version, _cpu_flags(), *_flags(march), str(_HERE)]).encode())
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
     return root / digest.hexdigest()[:16]
 
@@ -60,18 +79,24 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot be built or loaded here; the message says why."""
 
 
+def load(march: str | None = None) -> ModuleType:
+    """The compiled module for `march` (default: `default_march()`), built first if this machine has no build
+    of it yet. Raises NativeUnavailable."""
+    return _load(march or default_march())
+
+
 @functools.cache
-def load() -> ModuleType:
-    """The compiled module, built first if this machine has no build yet. Raises NativeUnavailable."""
+def _load(march: str) -> ModuleType:
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
         raise NativeUnavailable("disabled by PDSERVE_NATIVE_KERNELS=0")
     try:
         from torch.utils import cpp_extension
 
-        out = build_dir()
+        out = build_dir(march)
         out.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name="pdserve_native", sources=[str(_HERE / s) for s in SOURCES],
-                                  extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+        return cpp_extension.load(name=_module_name(march), sources=[str(_HERE / s) for s in SOURCES],
+                                  extra_cflags=_flags(march), extra_ldflags=["-fopenmp"], build_directory=str(out),
+                                  verbose=False)
     except Exception as exc:  # compiler missing, build failure, import failure: all mean "use the twins"
         raise NativeUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}") \
             from exc

@@ -27,6 +27,16 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
         const __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         store16(o + i, _mm512_mul_ps(round_to(o, silu), load16(up + i)));
       }
+#elif defined(PDSERVE_AVX2)
+      const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 g = load8(gate + i);
+        const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));  // e^-|g|
+        const __m256 numerator = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, zero, _CMP_LT_OQ));
+        const __m256 silu = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+        store8(o + i, _mm256_mul_ps(round_to(o, silu), load8(up + i)));
+      }
 #endif
       for (; i < inter; ++i) {
         const float g = to_f32(gate[i]);

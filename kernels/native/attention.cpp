@@ -169,6 +169,96 @@ bool attend_avx512_at(const T* q, int64_t q_head, const float* qf, int64_t group
   values_avx512<T, CHUNKS, GROUP>(scores, kv, pages, len, acc);
   return true;
 }
+
+#elif defined(PDSERVE_AVX2)
+
+// The AVX2 passes for head_dim = 8 * CHUNKS and GROUP query heads per kv head. 16 registers cannot hold a
+// group's queries or accumulators, so the scores pass takes 8 tokens of a page per query head (8 sums in
+// registers, K rows read from cache after the first head) and reduces them together with sum8, zeros standing
+// in for tokens past the page's end; the values pass walks the tokens once per band of CB chunks, its GROUP x CB
+// accumulators in registers. Every sum runs over its terms in the order the AVX-512 passes use per lane.
+template <typename T, int CHUNKS, int GROUP>
+void scores_avx2(const float* qf, const KV& kv, const int32_t* pages, int64_t len, float* scores) {
+  constexpr int D = 8 * CHUNKS;
+  const T* base = static_cast<const T*>(kv.k);
+  for (int64_t t0 = 0, p = 0; t0 < len; t0 += kv.page_size, ++p) {
+    const T* page = base + static_cast<int64_t>(pages[p]) * kv.k_page;
+    const int64_t n = std::min(kv.page_size, len - t0);
+    for (int64_t h = 0; h < kv.heads; ++h) {
+      for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        const int64_t m = std::min<int64_t>(8, n - i0);
+        const T* kr[8];
+        for (int64_t i = 0; i < 8; ++i) kr[i] = page + (i0 + std::min(i, m - 1)) * kv.k_token + h * kv.k_head;
+        for (int g = 0; g < GROUP; ++g) {
+          const float* qg = qf + (h * GROUP + g) * D;
+          __m256 s[8];
+          for (int i = 0; i < 8; ++i) s[i] = _mm256_setzero_ps();
+          for (int c = 0; c < CHUNKS; ++c) {
+            const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+            for (int i = 0; i < 8; ++i) s[i] = _mm256_fmadd_ps(qc, load8(kr[i] + 8 * c), s[i]);
+          }
+          for (int64_t i = m; i < 8; ++i) s[i] = _mm256_setzero_ps();
+          float* out = scores + (h * GROUP + g) * len + t0 + i0;
+          if (m == 8) {
+            _mm256_storeu_ps(out, sum8(s));
+          } else {
+            alignas(32) float part[8];
+            _mm256_store_ps(part, sum8(s));
+            for (int64_t i = 0; i < m; ++i) out[i] = part[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int CHUNKS, int GROUP>
+void values_avx2(const float* scores, const KV& kv, const int32_t* pages, int64_t len, float* acc) {
+  constexpr int D = 8 * CHUNKS;
+  constexpr int CB = GROUP <= 1 ? 8 : GROUP <= 3 ? 4 : GROUP <= 6 ? 2 : 1;  // chunks per band
+  static_assert(CHUNKS % CB == 0, "a band is a whole number of chunks");
+  const T* base = static_cast<const T*>(kv.v);
+  for (int64_t h = 0; h < kv.heads; ++h) {
+    const float* w = scores + h * GROUP * len;
+    for (int c0 = 0; c0 < CHUNKS; c0 += CB) {
+      __m256 a[GROUP][CB];
+      for (int g = 0; g < GROUP; ++g) {
+        for (int c = 0; c < CB; ++c) a[g][c] = _mm256_setzero_ps();
+      }
+      for (int64_t t0 = 0, p = 0; t0 < len; t0 += kv.page_size, ++p) {
+        const T* page = base + static_cast<int64_t>(pages[p]) * kv.v_page + h * kv.v_head + 8 * c0;
+        const int64_t n = std::min(kv.page_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* vr = page + i * kv.v_token;
+          __m256 v[CB];
+          for (int c = 0; c < CB; ++c) v[c] = load8(vr + 8 * c);
+          for (int g = 0; g < GROUP; ++g) {
+            const __m256 wg = _mm256_broadcast_ss(w + g * len + t0 + i);
+            for (int c = 0; c < CB; ++c) a[g][c] = _mm256_fmadd_ps(wg, v[c], a[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < GROUP; ++g) {
+        for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + (h * GROUP + g) * D + 8 * (c0 + c), a[g][c]);
+      }
+    }
+  }
+}
+
+template <typename T, int CHUNKS, int GROUP>
+bool attend_avx2_at(int64_t group, const float* qf, const KV& kv, const int32_t* pages, int64_t len, float scale,
+                    float* scores, float* acc, float* inv_sum) {
+  if (group != GROUP) {
+    if constexpr (GROUP > 1) {
+      return attend_avx2_at<T, CHUNKS, GROUP - 1>(group, qf, kv, pages, len, scale, scores, acc, inv_sum);
+    }
+    return false;
+  }
+  scores_avx2<T, CHUNKS, GROUP>(qf, kv, pages, len, scores);
+  softmax_rows(scores, kv.heads * GROUP, len, scale, inv_sum);
+  values_avx2<T, CHUNKS, GROUP>(scores, kv, pages, len, acc);
+  return true;
+}
 #endif
 
 // Portable passes: the same order of operations, left to the compiler's vectorizer.
@@ -242,6 +332,14 @@ void attend_row(const T* q, int64_t q_head, int64_t group, int64_t head_dim, flo
     done = attend_avx512_at<T, 4, 8>(q, q_head, qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
   } else if (head_dim == 128) {
     done = attend_avx512_at<T, 8, 8>(q, q_head, qf, group, kv, pages, len, scale, scores, acc, s.inv_sum.data());
+  }
+  if (!done) {
+#elif defined(PDSERVE_AVX2)
+  bool done = false;
+  if (head_dim == 64) {
+    done = attend_avx2_at<T, 8, 8>(group, qf, kv, pages, len, scale, scores, acc, s.inv_sum.data());
+  } else if (head_dim == 128) {
+    done = attend_avx2_at<T, 16, 8>(group, qf, kv, pages, len, scale, scores, acc, s.inv_sum.data());
   }
   if (!done) {
 #else

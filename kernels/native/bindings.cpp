@@ -3,6 +3,8 @@
 // back after each would let the I/O threads' Python run first and stall the step behind it.
 #include <torch/extension.h>
 
+#include "common.h"
+
 namespace pdserve {
 std::vector<at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                 const c10::optional<at::Tensor>& residual);
@@ -23,6 +25,19 @@ std::vector<at::Tensor> quantize_rows(const at::Tensor& x, const c10::optional<a
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const at::Tensor& zero,
                            const at::Tensor& col_scale, const at::Tensor& col_sum, const c10::optional<at::Tensor>& bias,
                            const c10::optional<at::Tensor>& residual);
+
+// The vector paths this build compiled (see common.h): what a log line or a test needs to name the build.
+std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(PDSERVE_AVX512)
+  return "avx512";
+#elif defined(PDSERVE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -38,4 +53,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_apply", &pdserve::lora_apply, release());
   m.def("quantize_rows", &pdserve::quantize_rows, release());
   m.def("dequantize_rows", &pdserve::dequantize_rows, release());
+  m.def("isa", &pdserve::isa);
 }

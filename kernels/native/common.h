@@ -9,8 +9,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The vector paths a build has, widest first: AVX-512 (with AVX512-BF16 dot products where present), else AVX2
+// with FMA (x86-64-v3: every x86 server CPU since 2013, AMD's up to Zen 3 among them), else what the compiler
+// makes of the scalar loops. Each op's paths compute the same contract in the same order per row.
+#if defined(__AVX512F__)
+#define PDSERVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_AVX2 1
 #endif
 
 namespace pdserve {
@@ -119,6 +128,62 @@ inline __m512 sum16(const __m512* v) {
                                  _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, f);
+}
+#endif
+
+#if defined(PDSERVE_AVX2)
+// 8 lanes at a time, as load16/store16 above: bf16 widens exactly, stores round to nearest even.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// The bf16 bits of x (rounded to nearest even) in the high halves of its 32-bit lanes, the low halves zero.
+inline __m256i round_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(at::BFloat16* p, __m256 x) {
+  const __m256i hi = _mm256_srli_epi32(round_bits8(x), 16);
+  // packus works within 128-bit lanes: words 0-3 and 4-7 land in qwords 0 and 2.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline __m256 round_to(float*, __m256 x) { return x; }
+inline __m256 round_to(at::BFloat16*, __m256 x) { return _mm256_castsi256_ps(round_bits8(x)); }
+
+// exp_nonpositive over 8 lanes, the same steps as the scalar version.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane i: the sum of v[i]'s 8 lanes, by a fixed tree of horizontal adds (the same for every lane, so a sum
+// does not depend on which other vectors it is reduced with).
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+// The sum of x's 8 lanes, in sum8's order.
+inline float hsum8(__m256 x) {
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 v[8] = {x, z, z, z, z, z, z, z};
+  return _mm_cvtss_f32(_mm256_castps256_ps128(sum8(v)));
 }
 #endif
 

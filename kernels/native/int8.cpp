@@ -6,6 +6,11 @@
 #include <algorithm>
 #include <limits>
 
+// The scalar loops (a row's tail, or all of it without AVX-512) must round x * inv_smooth before subtracting, as
+// the torch twin does (q is bit-identical across implementations): no fused multiply-add, which -march builds
+// with FMA otherwise contract it into (seen as a code one step off in a smoothed row's tail).
+#pragma GCC optimize("fp-contract=off")
+
 namespace pdserve {
 
 namespace {
@@ -31,7 +36,8 @@ void quantize_row(const float* x, const float* inv_smooth, int64_t k, int8_t* q,
     hi = std::max(hi, v);
   }
   const float range = hi - lo;
-  const float inv_step = range > 0.0f ? 255.0f / range : 0.0f;
+  // As the torch twin computes it: `255.0 / span` is span.reciprocal() * 255 in torch, two roundings.
+  const float inv_step = range > 0.0f ? (1.0f / range) * 255.0f : 0.0f;
   const float step = range / 255.0f;
   *scale = step;
   *zero = lo + 128.0f * step;

@@ -323,6 +323,10 @@ void expand(const Args<T>& p, const Task& task, const ColumnBlock& cb) {
 }
 
 #else  // portable passes
+// Without AVX-512 (an AVX2 build) the compiler vectorizes these loops differently for different row counts, and
+// fused multiply-adds in some versions but not others made a row's result depend on the batch (measured on the
+// x86-64-v3 build): plain multiplies and adds keep every version to one order and one rounding per step.
+#pragma GCC optimize("fp-contract=off")
 
 template <typename T>
 constexpr bool kSplitX = false;

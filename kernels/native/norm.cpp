@@ -38,6 +38,18 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
         squares = _mm512_fmadd_ps(v, v, squares);
       }
       sum = _mm512_reduce_add_ps(squares);
+#elif defined(PDSERVE_AVX2)
+      __m256 squares = _mm256_setzero_ps();
+      for (; i + 8 <= hidden; i += 8) {
+        __m256 v = load8(xr + i);
+        if (rr) {
+          v = round_to(ro, _mm256_add_ps(v, load8(rr + i)));
+          store8(ro + i, v);
+        }
+        _mm256_storeu_ps(row.data() + i, v);
+        squares = _mm256_fmadd_ps(v, v, squares);
+      }
+      sum = hsum8(squares);
 #endif
       for (; i < hidden; ++i) {
         float v = to_f32(xr[i]);
@@ -56,6 +68,12 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
       for (; i + 16 <= hidden; i += 16) {
         const __m512 normed = round_to(o, _mm512_mul_ps(_mm512_loadu_ps(row.data() + i), scale));
         store16(o + i, _mm512_mul_ps(load16(wp + i), normed));
+      }
+#elif defined(PDSERVE_AVX2)
+      const __m256 scale = _mm256_set1_ps(rstd);
+      for (; i + 8 <= hidden; i += 8) {
+        const __m256 normed = round_to(o, _mm256_mul_ps(_mm256_loadu_ps(row.data() + i), scale));
+        store8(o + i, _mm256_mul_ps(load8(wp + i), normed));
       }
 #endif
       for (; i < hidden; ++i) o[i] = from_f32<T>(to_f32(wp[i]) * to_f32(from_f32<T>(row[i] * rstd)));

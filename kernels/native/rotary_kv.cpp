@@ -10,11 +10,21 @@ namespace {
 // out = (x1 cos - x2 sin, x2 cos + x1 sin) over the two halves of one head, in fp32, rounded once.
 template <typename T>
 inline void rotate_head(const T* x, const float* cos, const float* sin, int64_t half, T* out) {
+  int64_t i = 0;
+#if defined(PDSERVE_AVX2)
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8(x + i), x2 = load8(x + i + half);
+    const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+    store8(out + i, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+    store8(out + i + half, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+  }
+#endif
+  const int64_t done = i;
 #pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = to_f32(x[i]), x2 = to_f32(x[i + half]);
-    out[i] = from_f32<T>(x1 * cos[i] - x2 * sin[i]);
-    out[i + half] = from_f32<T>(x2 * cos[i] + x1 * sin[i]);
+  for (int64_t j = done; j < half; ++j) {
+    const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
+    out[j] = from_f32<T>(x1 * cos[j] - x2 * sin[j]);
+    out[j + half] = from_f32<T>(x2 * cos[j] + x1 * sin[j]);
   }
 }
 

@@ -36,6 +36,32 @@ void mask_rows(at::Tensor& logits, const at::Tensor& bitmask) {
           _mm512_mask_storeu_epi16(out, static_cast<__mmask32>(banned), inf);
         }
       }
+#elif defined(PDSERVE_AVX2)
+      // A word's banned bits become lane masks (bit i of the word: lane i) for blends of -inf into the row.
+      const __m256i bit32 = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      const __m256i bit16 = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                              16384, static_cast<int16_t>(0x8000));
+      for (; (w + 1) * 32 <= vocab; ++w) {
+        const uint32_t banned = ~mask[w];
+        if (banned == 0) continue;
+        T* out = row + w * 32;
+        if constexpr (std::is_same_v<T, float>) {
+          const __m256 inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int part = 0; part < 4; ++part) {
+            const __m256i bits = _mm256_set1_epi32(static_cast<int>((banned >> (8 * part)) & 0xFFu));
+            const __m256i lanes = _mm256_cmpeq_epi32(_mm256_and_si256(bits, bit32), bit32);
+            _mm256_maskstore_ps(out + 8 * part, lanes, inf);
+          }
+        } else {
+          const __m256i inf = _mm256_set1_epi16(static_cast<int16_t>(0xFF80));  // bf16 -inf
+          for (int part = 0; part < 2; ++part) {
+            const __m256i bits = _mm256_set1_epi16(static_cast<int16_t>((banned >> (16 * part)) & 0xFFFFu));
+            const __m256i lanes = _mm256_cmpeq_epi16(_mm256_and_si256(bits, bit16), bit16);
+            __m256i* p = reinterpret_cast<__m256i*>(out + 16 * part);
+            _mm256_storeu_si256(p, _mm256_blendv_epi8(_mm256_loadu_si256(p), inf, lanes));
+          }
+        }
+      }
 #endif
       for (; w < words; ++w) {
         uint32_t banned = ~mask[w];

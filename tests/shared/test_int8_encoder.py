@@ -76,6 +76,15 @@ def test_int8_embeddings_retrieve_what_fp32_retrieves(minilm):
     assert [r[:2] for r in ranking(int8)] == [r[:2] for r in want]
 
 
+def int8_mm_is_exact() -> bool:
+    """Whether torch._int_mm sums int8 products exactly on this CPU: with VNNI or AMX it does; without (AVX2-only
+    CPUs) oneDNN's s8s8 kernel adds pairs of products in int16 (vpmaddubsw), which saturates on large pairs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (4, 256), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (256, 32), generator=gen, dtype=torch.int8)
+    return torch.equal(torch._int_mm(q, w), (q.double() @ w.double()).to(torch.int32))
+
+
 def test_an_int8_input_gets_the_same_vector_alone_or_padded_in_a_batch(minilm):
     """Rows are quantized one by one, so padding changes nothing but float rounding in the attention, which a
     value near a rounding boundary turns into one step of int8: the vectors agree to quantization noise."""
@@ -83,7 +92,10 @@ def test_an_int8_input_gets_the_same_vector_alone_or_padded_in_a_batch(minilm):
     short, long = [101, 7592, 2088, 102], [101] + [2028] * 60 + [102]
     alone = torch.tensor(int8.encode([short]))
     batched = torch.tensor(int8.encode([long, short, long]))
-    assert F.cosine_similarity(alone[0], batched[1], dim=0) >= 0.999
+    # Exact int8 sums (VNNI, AMX): 0.9995 and more measured. Saturating ones (AVX2 without VNNI) move a step's
+    # rounding into more outputs: 0.9989 measured on an AVX2-only AMD EPYC.
+    bound = 0.999 if int8_mm_is_exact() else 0.998
+    assert F.cosine_similarity(alone[0], batched[1], dim=0) >= bound
 
 
 def test_int8_cross_encoder_scores_keep_their_order(tmp_path, minilm_dir):

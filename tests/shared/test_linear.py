@@ -1,11 +1,37 @@
-"""Linear: the model's weight matmuls, packed once on CPU, give what F.linear gives."""
+"""Linear: the model's weight matmuls, packed once on CPU, give what F.linear gives.
+
+Which path a layer takes depends on the CPU: oneDNN packs bf16 weights only with AVX512-BW/VL/DQ or
+AVX-NE-CONVERT (an AVX2-only CPU refuses, and the layer falls back to F.linear), the native GEMV exists where the
+native build has a path for the dtype. Tests of a CPU-specific path skip naming what is missing; each fallback
+has a test that runs everywhere, with the CPU's answers simulated."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.shared import linear
 from pdserve.shared.linear import Linear
+
+ONEDNN_REFUSAL = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+                  "avx512vl and avx512dq")  # what torch 2.13 says on an AVX2-only CPU
+needs_bf16_packing = pytest.mark.skipif(
+    not linear._packs_bf16(),
+    reason="oneDNN packs no bf16 weights on this CPU (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT); the product "
+           "falls back to F.linear, tested by test_a_bf16_weight_onednn_refuses_falls_back_to_f_linear")
+
+
+@pytest.fixture
+def onednn_refuses_bf16(monkeypatch):
+    """oneDNN as an AVX2-only CPU has it: packing an fp32 weight works, a bf16 one raises."""
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder(weight, *args):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(ONEDNN_REFUSAL)
+        return real(weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
 
 
 @pytest.fixture
@@ -16,6 +42,7 @@ def wide_matmuls(monkeypatch):
     return lambda f32: monkeypatch.setattr(linear, "_wide_f32", f32)
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_bf16_on_cpu_is_packed_and_bit_identical_to_f_linear(bias, tokens, wide_matmuls):
@@ -27,6 +54,25 @@ def test_bf16_on_cpu_is_packed_and_bit_identical_to_f_linear(bias, tokens, wide_
     lin = Linear(weight, b)
     assert lin.is_packed  # the fast path is taken, not silently skipped
     assert torch.equal(lin(x), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_weight_onednn_refuses_falls_back_to_f_linear(bias, onednn_refuses_bf16, wide_matmuls, monkeypatch):
+    wide_matmuls(True)  # even where wide steps would run in fp32, there is no packed weight to widen
+    monkeypatch.setattr(linear, "_gemv_weight", lambda weight: None)  # F.linear at every row count
+    torch.manual_seed(2)
+    weight = torch.randn(96, 48, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    lin = Linear(weight, b)
+    assert not lin.is_packed and lin._packed_f32 is None
+    for tokens in (1, 7, 64):
+        x = torch.randn(tokens, 48, dtype=torch.bfloat16)
+        assert torch.equal(lin(x), F.linear(x, weight, b))
+    assert torch.equal(lin.dense_weight(), weight)
+    assert not linear._packs_bf16()
+    monkeypatch.setattr(linear, "_bf16_matmul", None)
+    monkeypatch.setenv("PDSERVE_CPU_FP32_MATMUL", "bf16")  # even when asked: fp32 layers keep fp32 matmuls
+    assert linear.bf16_matmul_pays() is False
 
 
 def test_fp32_matches_f_linear_and_the_weight_reads_back_exactly():
@@ -46,32 +92,43 @@ def test_fp16_works_whether_or_not_this_cpu_can_pack_it():
     assert torch.equal(lin.dense_weight(), weight)
 
 
-needs_gemv = pytest.mark.skipif(Linear(torch.zeros(16, 32, dtype=torch.bfloat16))._gemv_weight is None,
-                                reason="the native bf16 GEMV needs the native kernels and AVX512-BF16")
+def gemv_runs(dtype: torch.dtype) -> bool:
+    return Linear(torch.zeros(16, 32, dtype=dtype))._gemv_weight is not None
 
 
-@needs_gemv
+needs_gemv = pytest.mark.skipif(not gemv_runs(torch.bfloat16),
+                                reason="the native bf16 GEMV needs the native kernels and AVX512-BF16 or an AVX2 "
+                                       "build (PDSERVE_NATIVE_MARCH=x86-64-v3)")
+GEMV_TOL = {torch.bfloat16: dict(rtol=1e-2, atol=2e-2), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_f, in_f", [(40, 576), (960, 576), (576, 1536)])  # 40: a partial 16-row block
-def test_few_rows_take_the_native_gemv_and_match_a_float64_reference(bias, rows, out_f, in_f):
+def test_few_rows_take_the_native_gemv_and_match_a_float64_reference(dtype, bias, rows, out_f, in_f):
+    if not gemv_runs(dtype):
+        pytest.skip(f"this native build has no {dtype} GEMV (bf16: AVX512-BF16 or AVX2; fp32: AVX2 builds); "
+                    "those layers run oneDNN's kernel, as test_fp32_matches_f_linear checks")
     torch.manual_seed(rows * out_f)
-    weight = (torch.randn(out_f, in_f) * 0.05).bfloat16()
-    b = torch.randn(out_f, dtype=torch.bfloat16) if bias else None
-    x = torch.randn(rows + 1, in_f, dtype=torch.bfloat16)[1:]  # a view that does not start at the storage's start
+    weight = (torch.randn(out_f, in_f) * 0.05).to(dtype)
+    b = torch.randn(out_f, dtype=dtype) if bias else None
+    x = torch.randn(rows + 1, in_f, dtype=dtype)[1:]  # a view that does not start at the storage's start
     want = x.double() @ weight.double().T + (b.double() if bias else 0)
     got = Linear(weight, b)(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
-    # one bf16 rounding of the fp32 sum (and of the bias add), as F.linear has
-    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
-    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-2, atol=2e-2)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    # one rounding of the fp32 sum (and of the bias add), as F.linear has
+    torch.testing.assert_close(got.double(), want, **GEMV_TOL[dtype])
+    torch.testing.assert_close(got, F.linear(x, weight, b), **GEMV_TOL[dtype])
 
 
-@needs_gemv
-def test_rows_do_not_depend_on_the_other_rows_or_threads():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_do_not_depend_on_the_other_rows_or_threads(dtype):
+    if not gemv_runs(dtype):
+        pytest.skip(f"this native build has no {dtype} GEMV")
     torch.manual_seed(3)
-    weight = (torch.randn(200, 576) * 0.05).bfloat16()
-    x = torch.randn(4, 576, dtype=torch.bfloat16)
+    weight = (torch.randn(200, 576) * 0.05).to(dtype)
+    x = torch.randn(4, 576, dtype=dtype)
     lin = Linear(weight)
     together = lin(x)
     threads = torch.get_num_threads()
@@ -110,11 +167,9 @@ def test_wide_bf16_steps_may_compute_in_fp32_with_one_rounding(bias, wide_matmul
     assert Linear(weight, b, batch_invariant=True)._packed_f32 is None  # never switches kernels by row count
 
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                  reason="bf16 matmuls on fp32 layers run on oneDNN, which this torch build lacks")
-
-
-@needs_onednn
+# Bf16MatmulLinear runs only where oneDNN packs bf16 (bf16_matmul_pays requires it): elsewhere fp32 layers keep
+# fp32 matmuls, which test_a_bf16_weight_onednn_refuses_falls_back_to_f_linear checks.
+@needs_bf16_packing
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
     from pdserve.shared.linear import Bf16MatmulLinear
@@ -134,7 +189,7 @@ def test_fp32_layers_may_multiply_in_bf16_and_stay_within_bf16_rounding(bias):
     assert torch.equal(layer.dense_weight(), weight.bfloat16().float())
 
 
-@needs_onednn
+@needs_bf16_packing
 @pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
                                            ("relu", F.relu), (None, lambda t: t)])
 def test_a_bf16_output_takes_its_bias_and_activation_in_the_matmul(activation, fn):
@@ -153,7 +208,7 @@ def test_a_bf16_output_takes_its_bias_and_activation_in_the_matmul(activation, f
 def test_the_fp32_matmul_choice_can_be_forced(monkeypatch):
     from pdserve.shared import linear
 
-    for choice, expected in [("f32", False), ("bf16", torch.backends.mkldnn.is_available())]:
+    for choice, expected in [("f32", False), ("bf16", linear._packs_bf16())]:
         monkeypatch.setattr(linear, "_bf16_matmul", None)
         monkeypatch.setenv("PDSERVE_CPU_FP32_MATMUL", choice)
         assert linear.bf16_matmul_pays() is expected
@@ -163,23 +218,37 @@ def test_the_fp32_matmul_choice_can_be_forced(monkeypatch):
         linear.bf16_matmul_pays()
 
 
+@pytest.mark.parametrize("packs", [True, False])  # False: oneDNN refuses bf16 weights (AVX2-only CPUs)
 @pytest.mark.parametrize("amx,vendor,avx512_bf16,faster", [
     (True, "GenuineIntel", True, True),       # AMX tiles
     (False, "GenuineIntel", True, False),     # AVX512-BF16 dot products only: slower than fp32 on Xeons
     (False, "AuthenticAMD", True, True),      # Zen 4 and later: twice fp32's rate
-    (False, "AuthenticAMD", False, False),    # no bf16 instructions: emulated
+    (False, "AuthenticAMD", False, False),    # no bf16 instructions: emulated (Zen 2/3, AVX2 only)
 ])
-def test_bf16_or_fp32_is_chosen_from_the_cpu(monkeypatch, amx, vendor, avx512_bf16, faster):
-    from pdserve.shared import linear
-
+def test_bf16_or_fp32_is_chosen_from_the_cpu(monkeypatch, amx, vendor, avx512_bf16, faster, packs):
     monkeypatch.setattr(linear, "amx_usable", lambda: amx)
     monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
     monkeypatch.setattr(linear, "_has_avx512_bf16", lambda: avx512_bf16)
+    monkeypatch.setattr(linear, "_packs_bf16", lambda: packs)
     monkeypatch.delenv("PDSERVE_CPU_FP32_MATMUL", raising=False)
     monkeypatch.delenv("PDSERVE_CPU_WIDE_MATMUL", raising=False)
     monkeypatch.setattr(linear, "_bf16_matmul", None)
     monkeypatch.setattr(linear, "_wide_f32", None)
     assert linear.bf16_computes_faster() is faster
-    packs = torch.backends.mkldnn.is_available()
+    assert linear.cpu_has_bf16() is (amx or avx512_bf16)
     assert linear.bf16_matmul_pays() is (faster and packs)
-    assert linear.wide_f32_pays() is (not faster and packs)
+    assert linear.wide_f32_pays() is (not faster and torch.backends.mkldnn.is_available())
+
+
+def test_dtype_auto_serves_bf16_checkpoints_in_fp32_on_a_cpu_without_bf16_instructions(monkeypatch):
+    from pdserve.shared.model_runner import resolve_dtype
+
+    # torch's own probes answering as on an AVX2-only AMD EPYC
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not linear.cpu_has_bf16()
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
+    assert resolve_dtype("auto", "float16", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16  # asked for: served as asked
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
