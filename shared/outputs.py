@@ -46,3 +46,23 @@ class PrefillResult:
     compute_s: float
     transfer_s: float = 0.0
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt logprobs, when asked for
+
+
+def coalesce(outputs: list[ReqOutput]) -> list[ReqOutput]:
+    """Consecutive outputs of one request as one per choice: their tokens and logprobs in order, the last finish
+    reason, the prompt's logprobs of the first that carries them. For a stream that fell behind (or a
+    --stream-interval above 1): one message instead of one per token."""
+    merged: dict[int, ReqOutput] = {}
+    for out in outputs:
+        into = merged.get(out.index)
+        if into is None:
+            merged[out.index] = ReqOutput(out.rid, out.index, list(out.token_ids), list(out.logprobs),
+                                          out.finish_reason, out.matched_stop_token, out.prompt_tokens,
+                                          out.cached_tokens, out.error, out.input_logprobs)
+            continue
+        into.token_ids += out.token_ids
+        into.logprobs += out.logprobs
+        into.finish_reason, into.matched_stop_token = out.finish_reason, out.matched_stop_token
+        into.error = into.error or out.error
+        into.input_logprobs = into.input_logprobs or out.input_logprobs
+    return list(merged.values())

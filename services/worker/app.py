@@ -130,7 +130,8 @@ class WorkerApp:
         pb_grpc.add_WorkerServicer_to_server(
             WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
                           is_ready=self.healthy, experts=self.experts,
-                          on_weights=weights_changed, calls=calls), server)
+                          on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval),
+            server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine, pooled=self.pooled),
                                               server)
         if prefill is not None:

@@ -18,6 +18,13 @@ DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     cache, sched = CacheConfig(), SchedulerConfig()
     parser.add_argument("--model-path", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -36,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="greedy output bit-identical for a prompt whatever it is batched, cached or chunked with "
                              "(CPU, native kernels)")
+    parser.add_argument("--stream-interval", type=positive_int, default=1, metavar="TOKENS",
+                        help="tokens a request's stream gathers before a message is sent (SGLang's); a stream that "
+                             "falls behind sends what it has in one message whatever this is")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="run every decode step as it comes, without captured CUDA graphs (GPU)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=RuntimeConfig.cuda_graph_max_bs,

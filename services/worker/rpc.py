@@ -28,7 +28,7 @@ from pdserve.shared.engine import Engine
 from pdserve.shared.expert_recorder import RECORDING_OFF, RecordSettings, save_dump, writable_dir
 from pdserve.shared.grammar import Constraint, GrammarError
 from pdserve.shared.lora import AdapterNotFound, LoraAdapter, LoraError
-from pdserve.shared.outputs import ReqOutput
+from pdserve.shared.outputs import ReqOutput, coalesce
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import InvalidParam
 from pdserve.shared.compat import WeightsVersion
@@ -102,17 +102,33 @@ async def grammar_of(engine: Engine, params, context, timeout: float) -> Constra
     return Constraint.for_params(compiled, params)
 
 
+async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_tokens: int) -> list[ReqOutput]:
+    """What the engine sent since the last message: at least one output and everything already queued behind it (a
+    stream whose event loop fell behind the engine catches up in one message), gathering until `min_tokens`
+    tokens (--stream-interval) unless one finishes. TimeoutError past `limit_s` without any output."""
+    ready: list[ReqOutput] = []
+    while True:
+        async with asyncio.timeout(limit_s):  # no task per token, unlike wait_for
+            ready.append(await outputs.get())
+        while not outputs.empty():
+            ready.append(outputs.get_nowait())
+        if any(o.finish_reason is not None or o.error for o in ready) or \
+                sum(len(o.token_ids) for o in ready) >= min_tokens:
+            return ready
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
                  peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
                  is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings(),
                  on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
-                 max_queued: int = MAX_QUEUED_SEQUENCES) -> None:
+                 max_queued: int = MAX_QUEUED_SEQUENCES, stream_interval: int = 1) -> None:
         """`on_weights`: told this worker's new compatibility info after its weights changed. `calls`: what is in
         progress, shared with the Prefill service; at most max_running_requests + `max_queued` sequences."""
         self.engine = engine
         self.calls = calls or Calls()
         self.max_sequences = info.max_running_requests + max_queued
+        self.stream_interval = stream_interval  # tokens per message while a stream keeps up (SGLang's)
         self.is_ready = is_ready or engine.is_alive
         self.role = role
         self.compat = compat
@@ -180,17 +196,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         first = True
         try:
             while len(finished) < params.n:
-                async with asyncio.timeout(self._wait_limit(first)):  # no task per token, unlike wait_for
-                    out = await outputs.get()
-                if out.error:
+                ready = await next_outputs(outputs, self._wait_limit(first), 1 if first else self.stream_interval)
+                error = next((o.error for o in ready if o.error), None)
+                if error:
                     await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE
-                                        else grpc.StatusCode.INTERNAL, out.error)
-                if out.finish_reason is not None:
-                    finished.add(out.index)
-                msg = pb.GenerateResponse(choices=[output_to_proto(out)], prompt_tokens=out.prompt_tokens,
-                                          cached_tokens=out.cached_tokens)
-                if out.input_logprobs:
-                    msg.input_logprobs.extend(prompt_logprobs_to_proto(out.input_logprobs))
+                                        else grpc.StatusCode.INTERNAL, error)
+                choices = coalesce(ready)
+                finished |= {c.index for c in choices if c.finish_reason is not None}
+                msg = pb.GenerateResponse(choices=[output_to_proto(c) for c in choices],
+                                          prompt_tokens=ready[0].prompt_tokens, cached_tokens=ready[0].cached_tokens)
+                prompt_lps = next((c.input_logprobs for c in choices if c.input_logprobs), None)
+                if prompt_lps:
+                    msg.input_logprobs.extend(prompt_logprobs_to_proto(prompt_lps))
                 timing = self.kv_pull.take_reply(request.rid) if first and self.kv_pull is not None else None
                 if timing is not None:
                     msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
