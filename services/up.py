@@ -11,9 +11,8 @@ Ports: the gateway, jobs and Redis ports are the user's (a busy one is an error 
 outside the kernel's ephemeral range, where an outgoing connection cannot take one as its local port, and
 free; a worker that still loses its port to a race during start-up makes `up` start again on the next block.
 
-Secrets: the Redis `up` starts requires a password generated per run, in a 0600 config file in the state dir;
-the jobs service and the gateway (stored /v1/responses) get the URL holding it in their environment. Beyond loopback the gateway needs an API key
-(or --allow-insecure).
+Secrets: a Redis password and an admin key generated per run, in 0600 files of the state dir; the Redis URL
+reaches jobs and the gateway only, in their environment. Beyond loopback the gateway needs an API key.
 
 Invariant: `up` never leaves a half-started system running. A child that exits during start-up, or that
 does not turn healthy in time, is reported with its last log lines, everything else is stopped, and `up`
@@ -28,39 +27,23 @@ not given is not passed, so each service keeps its own default.
 from __future__ import annotations
 
 import argparse
-import copy
 import ipaddress
 import os
 import secrets
 import shlex
-import shutil
 import signal
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 from pdserve.services.supervisor import Child, Console, PortUse, Service, Supervisor, UpError, probe
+from pdserve.services.up_flags import add_passed_arguments, passed_flags
+from pdserve.services.up_preflight import (DEFAULT_WORKER_PORT, WORKER_BASE_STEP, check_executables, check_ports,
+                                           choose_worker_base, ephemeral_range, port_in_use)
 from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token
 
 CHAT_EXAMPLE = "What is the capital of France?"
-CHILDREN = ("colocated", "prefill", "decode", "gateway", "jobs")  # the commands whose flags `up` passes through
-# The children's flags that `up` sets for each child itself (its addresses and peers), never taken from the user.
-PLANNED = frozenset({"--http-port", "--transfer-port", "--worker", "--jobs-url", "--embedding-worker",
-                     "--gateway-url"})
-# Of the workers' flags, those the --embedding-model worker (an encoder) takes too; the rest are about generation.
-EMBEDDING_FLAGS = frozenset({"--device", "--dtype", "--log-level", "--log-format"})
-# The first worker's gRPC port unless --worker-port is given: with its +1000 and +2000 ports below Linux's
-# default ephemeral range (32768-60999), so an outgoing connection never holds one of them a moment before
-# the worker binds it.
-DEFAULT_WORKER_PORT = 20051
-WORKER_PORT_OFFSETS = (0, 1000, 2000)  # gRPC, HTTP, KV transfer (a decode worker's)
-WORKER_BASE_STEP = 100  # the next block tried when one is taken
-EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-# Where the kernel does not say: Linux's default and the IANA range (macOS, BSD) together.
-FALLBACK_EPHEMERAL = range(32768, 65536)
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 # Secrets `up` may have in its own environment: each child gets those it uses in its Service.env, never the
 # rest by inheritance (a worker has no use for the API key or the Redis URL).
@@ -75,14 +58,11 @@ class Plan:
     base_url: str  # the OpenAI base URL users talk to
     model_name: str
     api_key: str | None
-    # Files `up` writes (mode 0600) before starting anything and removes after the last stop: Redis's password,
-    # the admin key.
+    # Files `up` writes (0600) before starting anything and removes after the last stop: Redis's config, admin key.
     private_files: dict[Path, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- plan
-
-
 def default_state_dir() -> Path:
     root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(root) / "pdserve"
@@ -142,7 +122,7 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     threads_of = {role: args.threads or max(1, cpus // (decoders if role != "prefill" else runtimes))
                   for role, _ in roles}
     model_name = args.served_model_name or model_dir.name
-    given = passed_flags(args)
+    given = passed_flags(args, own_parser())
     common = ["--model-path", str(model_dir), "--served-model-name", model_name, "--host", local]
     # Workers take calls and KV only from holders of this run's cluster token (cluster_auth.py): another local
     # user's process cannot drive them or write into their pools.
@@ -234,94 +214,6 @@ def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str], cp
     return service, ["--embedding-model", args.embedding_model, "--embedding-worker", f"{local}:{port}"]
 
 
-# ---------------------------------------------------------------- flags passed through
-
-
-def child_parsers() -> dict[str, argparse.ArgumentParser]:
-    """The parser of each child command, as `pdserve COMMAND` builds it."""
-    from pdserve.services.gateway import cli as gateway_cli
-    from pdserve.services.jobs import cli as jobs_cli
-    from pdserve.services.worker import cli as worker_cli
-
-    modules = {"colocated": worker_cli, "prefill": worker_cli, "decode": worker_cli, "gateway": gateway_cli,
-               "jobs": jobs_cli}
-    parsers = {}
-    for command in CHILDREN:
-        parsers[command] = argparse.ArgumentParser(add_help=False)
-        modules[command].add_arguments(parsers[command], command)
-    return parsers
-
-
-def passed_actions() -> dict[str, list[tuple[str, argparse.Action]]]:
-    """option -> (child command, the child's action) for each child flag that `up` passes through: all but
-    those `up` has (or sets) itself. argparse shows a parser's flags only as `_actions`."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_own_arguments(parser)
-    own = {option for action in parser._actions for option in action.option_strings} | PLANNED
-    own_dests = {action.dest for action in parser._actions}
-    passed: dict[str, list[tuple[str, argparse.Action]]] = {}
-    for command, child in child_parsers().items():
-        for action in child._actions:
-            if action.option_strings and not own & set(action.option_strings) and action.dest not in own_dests:
-                passed.setdefault(action.option_strings[0], []).append((command, action))
-    return passed
-
-
-def add_passed_arguments(parser: argparse.ArgumentParser) -> None:
-    """The children's flags, each in a group named after the services it goes to, with no default of its own:
-    `up` passes only those given."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for uses in passed_actions().values():
-        commands = [command for command, _ in uses]
-        label = services_label(commands)
-        if label not in groups:
-            groups[label] = parser.add_argument_group(f"passed to {label}")
-        action = copy.copy(uses[0][1])
-        default = action.default
-        if default not in (None, False, [], "") and action.help != argparse.SUPPRESS \
-                and "default" not in (action.help or ""):
-            action.help = f"{action.help or ''} (default: {str(default).replace('%', '%%')})".lstrip()
-        action.default, action.required = argparse.SUPPRESS, False
-        groups[label]._add_action(action)
-
-
-def services_label(commands: list[str]) -> str:
-    if set(commands) == set(CHILDREN):
-        return "every service"
-    workers = [c for c in commands if c in ("colocated", "prefill", "decode")]
-    names = ["every worker"] if len(workers) == 3 else [f"{c} workers" for c in workers]
-    names += [{"gateway": "the gateway", "jobs": "the jobs service"}[c] for c in commands if c in ("gateway", "jobs")]
-    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-
-
-def passed_flags(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Child command ("embedding": the --embedding-model worker) -> the flags given to `up` that it takes."""
-    given = vars(args)
-    flags: dict[str, list[str]] = {command: [] for command in (*CHILDREN, "embedding")}
-    for option, uses in passed_actions().items():
-        dest = uses[0][1].dest
-        if dest not in given:
-            continue
-        for command, action in uses:
-            tokens = command_line(action, given[dest])
-            flags[command] += tokens
-            if command == "colocated" and option in EMBEDDING_FLAGS:
-                flags["embedding"] += tokens
-    return flags
-
-
-def command_line(action: argparse.Action, value: object) -> list[str]:
-    """The flag of `action` with the value it parsed to, as a command line."""
-    option = action.option_strings[0]
-    if action.nargs == 0:  # a switch
-        return [option] if value == action.const else []
-    if isinstance(action, argparse._AppendAction):  # repeatable: once per value
-        return [token for item in value for token in (option, str(item))]
-    if isinstance(value, list):
-        return [option, *map(str, value)]
-    return [option, str(value)]
-
-
 def substitute(plan: Plan, specs: list[str]) -> None:
     """Swap the executable of named services (`NAME=COMMAND`); their flags, ports and health checks stay."""
     by_name = {s.name: s for s in plan.services}
@@ -335,67 +227,6 @@ def substitute(plan: Plan, specs: list[str]) -> None:
 # ---------------------------------------------------------------- preflight
 
 
-def port_in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # Servers set SO_REUSEADDR too, so a port only in TIME_WAIT counts as free, as it is for them.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def check_ports(services: list[Service]) -> None:
-    """Mistakes in the plan first, then ports something else holds (the answer to those may change)."""
-    uses = [u for s in services for u in s.ports]
-    seen: dict[int, PortUse] = {}
-    for use in uses:
-        if not 0 < use.port < 65536:
-            raise UpError(f"port {use.port} ({use.what}) is out of range: choose another with {use.flag}")
-        if use.port in seen:
-            other = seen[use.port]
-            raise UpError(f"port {use.port} is planned twice: {other.what} ({other.flag}) and {use.what} "
-                          f"({use.flag})")
-        seen[use.port] = use
-    for use in uses:
-        if port_in_use(use.host, use.port):
-            raise UpError(f"port {use.port} is in use ({use.what}): stop what holds it or choose another port "
-                          f"with {use.flag}")
-
-
-def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> range:
-    """The local ports the kernel hands to outgoing connections (`ip_local_port_range`)."""
-    try:
-        low, high = map(int, path.read_text().split())
-    except (OSError, ValueError):
-        return FALLBACK_EPHEMERAL
-    return range(low, high + 1)
-
-
-def worker_block(base: int, count: int) -> list[int]:
-    return [base + i + offset for i in range(count) for offset in WORKER_PORT_OFFSETS]
-
-
-def choose_worker_base(count: int, ephemeral: range, reserved: set[int], is_free: Callable[[int], bool],
-                       start: int = DEFAULT_WORKER_PORT) -> int:
-    """The first worker gRPC port, from `start` up in steps of WORKER_BASE_STEP (then below `start`, down), whose
-    block of `count` workers (each port, +1000, +2000) lies outside `ephemeral`, holds none of `reserved` (the
-    gateway, jobs and Redis ports) and is free now."""
-    top = 65535 - max(WORKER_PORT_OFFSETS) - count + 1
-    upward = range(start, top + 1, WORKER_BASE_STEP)
-    downward = range(start - WORKER_BASE_STEP, 1024, -WORKER_BASE_STEP)
-    for base in (*upward, *downward):
-        block = worker_block(base, count)
-        if any(p in ephemeral or p in reserved for p in block):
-            continue
-        if all(is_free(p) for p in block):
-            return base
-    raise UpError(f"no free block of {count} worker ports (each +1000 and +2000) outside the ephemeral range "
-                  f"{ephemeral.start}-{ephemeral.stop - 1}: choose one with --worker-port")
-
-
 def choose_ports(args: argparse.Namespace, start: int = DEFAULT_WORKER_PORT) -> None:
     """Sets args.worker_port when the user left it to `up` (see choose_worker_base)."""
     reserved = {args.port, args.jobs_port} | (set() if args.redis_url else {args.redis_port})
@@ -403,22 +234,19 @@ def choose_ports(args: argparse.Namespace, start: int = DEFAULT_WORKER_PORT) -> 
                                           lambda port: not port_in_use("127.0.0.1", port), start)
 
 
-def check_executables(services: list[Service]) -> None:
-    for service in services:
-        exe = service.launcher[0]
-        if shutil.which(exe) is None and not os.access(exe, os.X_OK):
-            if service.name == "redis":
-                raise UpError("redis-server is not installed: install it (Debian/Ubuntu: `sudo apt-get install "
-                              "redis-server`; macOS: `brew install redis`) or pass --redis-url to use a running Redis")
-            raise UpError(f"cannot run {service.name}: {exe!r} not found")
-
-
 # ---------------------------------------------------------------- CLI
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_own_arguments(parser)
-    add_passed_arguments(parser)
+    add_passed_arguments(parser, own_parser())
+
+
+def own_parser() -> argparse.ArgumentParser:
+    """A parser of `up`'s own flags alone."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_own_arguments(parser)
+    return parser
 
 
 def add_own_arguments(parser: argparse.ArgumentParser) -> None:

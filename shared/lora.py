@@ -57,8 +57,7 @@ class LoraError(ValueError):
 
 
 class AdapterNotFound(LoraError):
-    """No adapter to read at the path: missing, not a folder, or without its two files. The message says which,
-    for the operator's log; an API caller gets one answer for all of them (services/worker/rpc.py)."""
+    """No adapter at the path; the message says why, for the log (API callers get one answer: worker/rpc.py)."""
 
 
 class LinearShape(NamedTuple):

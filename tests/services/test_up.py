@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdserve.services import up
+from pdserve.services import up, up_flags, up_preflight
 
 STAND_IN = r'''
 import argparse, http.server, os, signal, sys, threading, time
@@ -91,7 +91,7 @@ def by_name(plan: up.Plan) -> dict[str, up.Service]:
 
 
 def port_is_free(port: int) -> bool:
-    return not up.port_in_use("127.0.0.1", port)
+    return not up_preflight.port_in_use("127.0.0.1", port)
 
 
 def free_ports(workers: int) -> dict[str, int]:
@@ -238,7 +238,11 @@ def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
     password = urlsplit(s["jobs"].env["PDSERVE_REDIS_URL"]).password
     assert len(password) >= 32 and flag_values(s["jobs"].args, "--redis-url") == []
     assert s["jobs"].env["PDSERVE_REDIS_URL"] == f"redis://:{password}@127.0.0.1:6379/0"
-    assert plan.private_files == {tmp_path / "redis.conf": f'requirepass "{password}"\n'}
+    # The admin key of this run reaches the gateway only, and is left in a file only this user can read.
+    admin = s["gateway"].env["PDSERVE_ADMIN_API_KEY"]
+    assert len(admin) >= 32 and all("PDSERVE_ADMIN_API_KEY" not in s[name].env for name in ("jobs", "prefill", "decode"))
+    assert plan.private_files == {tmp_path / "redis.conf": f'requirepass "{password}"\n',
+                                  tmp_path / "admin-api-key": admin + "\n"}
     assert s["redis"].args[0] == str(tmp_path / "redis.conf")
     assert flag_values(s["jobs"].args, "--gateway-url") == ["http://127.0.0.1:30000"]
     assert s["gateway"].health_url == "http://127.0.0.1:30000/health"
@@ -381,8 +385,8 @@ def test_port_in_use_is_named_with_the_flag_that_moves_it(tmp_path):
         taken = holder.getsockname()[1]
         gateway = by_name(up.build_plan(parse("--port", str(taken)), tmp_path, cpus=2))["gateway"]
         with pytest.raises(up.UpError, match=rf"port {taken} is in use \(gateway port\).*--port"):
-            up.check_ports([gateway])
-    up.check_ports([gateway])  # released: accepted
+            up_preflight.check_ports([gateway])
+    up_preflight.check_ports([gateway])  # released: accepted
 
 
 def test_worker_port_in_use_names_worker_port_flag(tmp_path):
@@ -394,20 +398,20 @@ def test_worker_port_in_use_names_worker_port_flag(tmp_path):
                                    "--redis-port", "0"), tmp_path, cpus=2)
         plan.services = [s for s in plan.services if s.name in ("prefill", "decode")]
         with pytest.raises(up.UpError, match=rf"port {base + 1001} is in use \(decode HTTP port.*--worker-port"):
-            up.check_ports(plan.services)
+            up_preflight.check_ports(plan.services)
 
 
 def test_the_same_port_planned_twice_is_refused(tmp_path):
     plan = up.build_plan(parse("--port", "30500", "--jobs-port", "30500"), tmp_path, cpus=2)
     with pytest.raises(up.UpError, match=r"port 30500 is planned twice: jobs port \(--jobs-port\) and gateway port \(--port\)"):
-        up.check_ports(plan.services)
+        up_preflight.check_ports(plan.services)
 
 
 def test_missing_redis_server_gives_the_install_hint(tmp_path, monkeypatch):
     plan = up.build_plan(parse(), tmp_path, cpus=2)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(up.UpError, match=r"redis-server is not installed.*apt-get install redis-server.*--redis-url"):
-        up.check_executables(plan.services)
+        up_preflight.check_executables(plan.services)
 
 
 def test_substitute_of_an_unknown_service_is_refused(tmp_path):
@@ -554,9 +558,9 @@ def test_every_flag_of_the_workers_gateway_and_jobs_is_taken_by_up():
     parser = argparse.ArgumentParser()
     up.add_arguments(parser, "up")
     accepted = {option for action in parser._actions for option in action.option_strings}
-    for command, child in up.child_parsers().items():
+    for command, child in up_flags.child_parsers().items():
         for action in child._actions:
-            missing = set(action.option_strings) - accepted - up.PLANNED
+            missing = set(action.option_strings) - accepted - up_flags.PLANNED
             assert not missing, f"`pdserve {command}` flag {missing} is not taken by `pdserve up`"
 
 

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pdserve.services import up
+from pdserve.services import up, up_preflight
 from test_up import ALL_STAND_INS, by_name, flag_values, get, parse, port_is_free, run_up  # noqa: F401 (a fixture)
 
 LINUX_DEFAULT = range(32768, 61000)  # ip_local_port_range "32768 60999"
@@ -19,9 +19,9 @@ def always_free(port: int) -> bool:
 
 
 def test_the_default_block_lies_below_the_ephemeral_range():
-    base = up.choose_worker_base(2, LINUX_DEFAULT, {30000, 30010, 6379}, always_free)
-    assert base == up.DEFAULT_WORKER_PORT
-    block = up.worker_block(base, 2)
+    base = up_preflight.choose_worker_base(2, LINUX_DEFAULT, {30000, 30010, 6379}, always_free)
+    assert base == up_preflight.DEFAULT_WORKER_PORT
+    block = up_preflight.worker_block(base, 2)
     assert block == [20051, 21051, 22051, 20052, 21052, 22052]
     assert not any(port in LINUX_DEFAULT for port in block)
 
@@ -32,28 +32,28 @@ def test_the_default_block_lies_below_the_ephemeral_range():
     (range(49152, 65536), 20051),  # macOS/BSD (IANA) range
 ])
 def test_the_block_moves_out_of_a_wider_ephemeral_range(ephemeral, expected):
-    base = up.choose_worker_base(3, ephemeral, set(), always_free)
+    base = up_preflight.choose_worker_base(3, ephemeral, set(), always_free)
     assert base == expected
-    assert not any(port in ephemeral for port in up.worker_block(base, 3))
+    assert not any(port in ephemeral for port in up_preflight.worker_block(base, 3))
 
 
 def test_a_busy_or_reserved_port_moves_the_whole_block():
-    assert up.choose_worker_base(2, LINUX_DEFAULT, set(), lambda port: port != 22052) == 20151
-    assert up.choose_worker_base(2, LINUX_DEFAULT, {21051}, always_free) == 20151  # e.g. the gateway's --port
+    assert up_preflight.choose_worker_base(2, LINUX_DEFAULT, set(), lambda port: port != 22052) == 20151
+    assert up_preflight.choose_worker_base(2, LINUX_DEFAULT, {21051}, always_free) == 20151  # e.g. the gateway's --port
     # A retry starts past the block that failed.
-    assert up.choose_worker_base(2, LINUX_DEFAULT, set(), always_free, start=20151) == 20151
+    assert up_preflight.choose_worker_base(2, LINUX_DEFAULT, set(), always_free, start=20151) == 20151
 
 
 def test_no_room_outside_the_range_names_the_flag():
     with pytest.raises(up.UpError, match=r"outside the ephemeral range 1024-65535: choose one with --worker-port"):
-        up.choose_worker_base(2, range(1024, 65536), set(), always_free)
+        up_preflight.choose_worker_base(2, range(1024, 65536), set(), always_free)
 
 
 def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path):
     path = tmp_path / "ip_local_port_range"
     path.write_text("40000\t50000\n")
-    assert up.ephemeral_range(path) == range(40000, 50001)
-    assert up.ephemeral_range(tmp_path / "missing") == up.FALLBACK_EPHEMERAL
+    assert up_preflight.ephemeral_range(path) == range(40000, 50001)
+    assert up_preflight.ephemeral_range(tmp_path / "missing") == up_preflight.FALLBACK_EPHEMERAL
 
 
 def test_up_counts_every_worker_when_it_chooses(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_a_given_worker_port_is_kept_even_in_the_ephemeral_range(tmp_path):
 
 def test_up_comes_up_on_other_ports_when_the_first_default_one_is_busy(run_up):  # noqa: F811
     reserved = set()
-    first = up.choose_worker_base(2, up.ephemeral_range(), reserved, port_is_free)
+    first = up_preflight.choose_worker_base(2, up_preflight.ephemeral_range(), reserved, port_is_free)
     with socket.socket() as holder:  # the port `up` would choose first
         holder.bind(("127.0.0.1", first))
         holder.listen()
@@ -86,7 +86,7 @@ def test_up_comes_up_on_other_ports_when_the_first_default_one_is_busy(run_up): 
         run.wait_for(r"OpenAI base URL")
         base = int(re.search(r"^\[prefill\] argv: prefill .*--port (\d+)", run.output, re.M).group(1))
         assert base != first
-        assert not any(port in up.ephemeral_range() for port in up.worker_block(base, 2))
+        assert not any(port in up_preflight.ephemeral_range() for port in up_preflight.worker_block(base, 2))
         assert get(f"http://127.0.0.1:{base + 1000}/health") == 200  # prefill
         assert get(f"http://127.0.0.1:{base + 1001}/health") == 200  # decode
         assert get(f"http://127.0.0.1:{run.ports['port']}/health") == 200
