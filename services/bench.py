@@ -6,7 +6,9 @@
 A run: resolve the model (`GET /models`, its first id, unless `--model`) -> warm-up requests (not measured)
 -> for each concurrency level, `num_requests` streamed chat completions with at most `concurrency` in flight
 (closed loop; with `--request-rate`, requests also arrive as a Poisson process) -> one `RequestResult` per
-request -> one `LevelSummary` per level -> a table, and JSON if asked.
+request -> one `LevelSummary` per level -> a table, and JSON if asked. `--api` picks what the requests speak
+(chat completions, Anthropic's messages, OpenAI's responses); `--api responses --chain TURNS` runs chained
+conversations instead of the sweep and reports each turn's TTFT against the first's (bench_chain.py).
 
 The load and its timing live in `bench_load` (how tokens and inter-token latencies are counted), the
 statistics and the table in `bench_report`, the plot in `bench_plot`; this module is the command and the
@@ -30,6 +32,7 @@ import aiohttp
 
 from pdserve.services.bench_load import (APIS, ErrorReporter, Load, StreamTally, Target, arrival_offsets, chat_body,
                                          fetch_model, make_prompts, requests_for, run_level, run_sweep, stream_chat)
+from pdserve.services.bench_chain import format_chain, run_chain
 from pdserve.services.bench_plot import plot
 from pdserve.services.bench_report import (LevelSummary, RequestResult, format_errors, format_table, percentile,
                                            redact, summarize)
@@ -82,7 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar per level on stderr (default: when stderr is a terminal)")
     parser.add_argument("--api", choices=sorted(APIS), default="chat",
-                        help="the API the requests speak: chat completions or Anthropic's messages (default: chat)")
+                        help="the API the requests speak: chat completions, Anthropic's messages or OpenAI's responses "
+                             "(default: chat)")
+    parser.add_argument("--chain", type=int, default=0, metavar="TURNS",
+                        help="with --api responses: instead of the sweep, conversations of TURNS turns chained by "
+                             "previous_response_id (as many at once as the first --concurrency), and each turn's "
+                             "TTFT against the first's")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -127,6 +135,8 @@ async def _bench(args: argparse.Namespace) -> int:
     rate = "closed loop" if math.isinf(load.request_rate) else f"{load.request_rate:g} req/s Poisson"
     print(f"[bench] {base_url} model {model}: {load.output_len} output tokens, ~{load.prompt_len}-token prompts, "
           f"{rate}, concurrency {','.join(map(str, concurrencies))}", flush=True)
+    if args.chain:
+        return await _chain(args, target, load, concurrencies[0])
     show = sys.stderr.isatty() if args.progress is None else args.progress
     bars = ProgressBars() if show else None
     summaries = await run_sweep(target, load, concurrencies, args.num_requests, args.warmup,
@@ -144,6 +154,19 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"[bench] plot: {plot(summaries, args.plot, f'{model} at {base_url}')}")
     return 0 if all(s.completed for s in summaries) else 1
+
+
+async def _chain(args: argparse.Namespace, target: Target, load: Load, conversations: int) -> int:
+    if args.api != "responses" or args.chain < 2:
+        raise ValueError("--chain needs --api responses and at least 2 turns")
+    print(f"[bench] {conversations} conversations of {args.chain} chained turns", flush=True)
+    turns = await run_chain(target, load, conversations, args.chain, args.warmup, ErrorReporter())
+    print(format_chain(turns))
+    print("(times in ms; prompt and cached tokens as the server counted them, p50)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report(target, load, []), "chain": [asdict(t) for t in turns]}, f, indent=2)
+    return 0 if all(t.completed == conversations for t in turns) else 1
 
 
 class ProgressBars:

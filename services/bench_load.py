@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.services.bench_messages import messages_body, messages_chunk
+from pdserve.services.bench_responses import responses_body, responses_chunk
 from pdserve.services.bench_report import LevelSummary, RequestResult, redact, summarize
 
 # Short common words: each is about one token in the usual BPE vocabularies, so N words ~ N prompt tokens.
@@ -180,6 +181,8 @@ APIS: dict[str, BenchApi] = {
     "chat": BenchApi("/chat/completions", chat_body),
     "messages": BenchApi("/messages", lambda target, load, prompt, model: messages_body(
         model or target.model, prompt, load.output_len, load.temperature, dict(load.extra_body)), messages_chunk),
+    "responses": BenchApi("/responses", lambda target, load, prompt, model: responses_body(
+        model or target.model, prompt, load.output_len, load.temperature, dict(load.extra_body)), responses_chunk),
 }
 
 

@@ -37,7 +37,7 @@ from pdserve.services.gateway.tool_calls import ToolPlan, template_messages
 
 log = logging.getLogger("pdserve.gateway")
 UNSUPPORTED_RESPONSES = {**UNSUPPORTED_OPENAI, "prompt": "prompt templates", "conversation": "conversations",
-                         "top_logprobs": "top_logprobs", "max_tool_calls": "max_tool_calls"}
+                         "top_logprobs": "top_logprobs"}
 CANCEL_POLL_S = 0.25  # how often a background response checks whether another replica cancelled it
 MAX_LIST = 100
 
@@ -74,7 +74,7 @@ RESPONSES: web.AppKey[Responses] = web.AppKey("responses", Responses)
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw, responses = request.app[GATEWAY], request.app[RESPONSES]
     body = await read_json(request)
-    refuse_unsupported(body, UNSUPPORTED_RESPONSES)
+    refuse_unsupported({k: v for k, v in body.items() if not (k == "top_logprobs" and v == 0)}, UNSUPPORTED_RESPONSES)
     req = parse(ResponsesRequest, body)
     if req.background and not req.store:
         raise ApiError(400, "A background response is stored: 'background' needs 'store' to be true.", "background")
