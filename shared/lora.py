@@ -3,9 +3,8 @@
 Lifecycle: `load_adapter` reads a PEFT directory (adapter_config.json + adapter_model.safetensors), checks it
 in full against the base model and the server's limits, and returns a `LoraAdapter` whose weights are already
 fused like the model's linears (q|k|v, gate|up) for one slot; or it raises `LoraError` and nothing is loaded.
-`LoraPool` owns the slot tensors the LoRA op reads: allocated once at start-up, an adapter is copied into a
-slot when a request needs it and stays there until the slot is taken for another adapter (the least recently
-used slot without running requests) or evicted.
+`LoraPool` owns the slot tensors the LoRA op reads, allocated at start-up: an adapter is copied into a slot when
+a request needs it and stays until the slot goes to another (the least recently used one without requests).
 
 Layout of one layer's fused linear with sub-modules j (q, k, v for qkv), S slots, rank R:
   lora_a [S, n_sub * R, in]: rows j*R .. j*R + rank are sub-module j's A; the rest are zero.
@@ -16,6 +15,7 @@ Invariant: every element of a slot outside its adapter's own weights is zero (an
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -31,10 +31,8 @@ from pdserve.shared.config import ModelConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's fused linears and the PEFT modules whose rows they concatenate, in order.
-FUSED_LINEARS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                                             "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _FUSED_OF = {m: (linear, j) for linear, mods in FUSED_LINEARS.items() for j, m in enumerate(mods)}
 _PARENT = {m: "mlp" if m in MLP_TARGETS else "self_attn" for m in SUPPORTED_TARGETS}
@@ -66,10 +64,7 @@ class LinearShape(NamedTuple):
 
     @property
     def out_offsets(self) -> tuple[int, ...]:
-        offsets = [0]
-        for size in self.out_sizes:
-            offsets.append(offsets[-1] + size)
-        return tuple(offsets)
+        return (0, *itertools.accumulate(self.out_sizes))
 
 
 class LoraWeights(NamedTuple):
@@ -153,8 +148,9 @@ def _read_files(name: str, directory: Path) -> tuple[bytes, bytes]:
         raise AdapterNotFound(f"adapter {name!r}: no adapter_config.json in {directory}")
     if not weights_path.is_file():
         if (directory / "adapter_model.bin").exists():
-            raise AdapterNotFound(f"adapter {name!r}: {directory} has adapter_model.bin, a pickle, which is not loaded; "
-                            "save the adapter as adapter_model.safetensors (PEFT's save_pretrained default)")
+            raise AdapterNotFound(f"adapter {name!r}: {directory} has adapter_model.bin, a pickle, which is not "
+                                  "loaded; save the adapter as adapter_model.safetensors (PEFT's save_pretrained "
+                                  "default)")
         raise AdapterNotFound(f"adapter {name!r}: no adapter_model.safetensors in {directory}")
     return config_path.read_bytes(), weights_path.read_bytes()
 
