@@ -79,6 +79,19 @@ def test_pd_tool_choice_is_enforced_from_the_first_token(pd):
         assert streamed == call.function.arguments
 
 
+def test_pd_a_responses_chain_is_prefilled_from_the_cache_of_the_worker_holding_it(pd):
+    # Two prefill workers: the chained turn goes to the one whose radix cache holds the first exchange.
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    first = c.responses.create(model="default", input="My name is Ada and I live in Paris. Say hello to me.",
+                               temperature=0, max_output_tokens=16)
+    second = c.responses.create(model="default", input="What is my name?", previous_response_id=first.id,
+                                temperature=0, max_output_tokens=16)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
+    assert second.output_text
+
+
 async def test_killing_workers_mid_run(pd):
     system, gw, paddrs, daddrs = pd
     c = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
