@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.pooling_api import Schema, answer_native, encode, truncation
+from pdserve.services.gateway.pooling_api import TRUNCATE_HINT, Schema, answer_native, encode, truncation
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.served_models import CLASSIFY, MODELS
 
@@ -49,7 +49,8 @@ async def rerank(request: web.Request) -> web.Response:
     for k, doc in enumerate(req.documents):
         if not doc:
             raise ApiError(400, f"Document {k} is empty.", f"documents.{k}")
-        gw.check_chars(len(req.query) + len(doc), f"documents.{k}")
+        if keep is None:  # truncated pairs may be longer: the total below still bounds them
+            gw.check_chars(len(req.query) + len(doc), f"documents.{k}", TRUNCATE_HINT)
     chars = len(req.query) * len(req.documents) + sum(map(len, req.documents))
     gw.limits.chars_total(chars, "documents", gw.tokenizer.max_token_chars)
     seqs, types = await gw.cpu.run(chars, _pairs, gw, req, keep, limit)

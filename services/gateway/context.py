@@ -97,17 +97,18 @@ class Gateway:
         self.limits.tokens_total(ids, list_param)
         return ids
 
-    def check_text_size(self, text: str, param: str) -> None:
+    def check_text_size(self, text: str, param: str, hint: str = "") -> None:
         """400 for a text with more characters than the context holds even in the vocabulary's longest tokens:
         it cannot fit, and tokenizing megabytes would stall every other request on the event loop."""
-        self.check_chars(len(text), param)
+        self.check_chars(len(text), param, hint)
 
-    def check_chars(self, chars: int, param: str) -> None:
+    def check_chars(self, chars: int, param: str, hint: str = "") -> None:
+        """`hint`: what the caller may do about it, said after the limit."""
         limit = self.backend.context_length()
         max_chars = limit * self.tokenizer.max_token_chars
         if chars > max_chars:
             raise ApiError(400, f"The prompt ({param!r}) has {chars} characters, more than the model's context "
-                                f"length of {limit} tokens can hold (at most {max_chars} characters).", param)
+                                f"length of {limit} tokens can hold (at most {max_chars} characters){hint}.", param)
 
     def check_length(self, ids: list[int], param: str) -> None:
         limit = self.backend.context_length()

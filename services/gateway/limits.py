@@ -150,14 +150,30 @@ class Limits:
         self.count(body.get("messages"), "max_messages", "messages")
         self.sampling(body)
         for name in ("tools", "functions"):
-            tools = body.get(name)
-            self.count(tools, "max_tools", name)
-            if isinstance(tools, list) and tools:
-                size = len(json.dumps(tools).encode())
-                if size > self.max_tools_bytes:
-                    raise over(name, f"has {size} bytes of definitions", self.max_tools_bytes, "max_tools_bytes",
-                               unit="bytes")
-                self.depth(tools, name)
+            self.tools(body.get(name), name)
+
+    def messages(self, body: dict) -> None:
+        """An Anthropic Messages body, before it is parsed or rendered: its messages, stop sequences and tools."""
+        self.count(body.get("messages"), "max_messages", "messages")
+        self.count(body.get("stop_sequences"), "max_stop_strings", "stop_sequences")
+        self.tools(body.get("tools"), "tools")
+
+    def responses(self, body: dict) -> None:
+        """An OpenAI Responses body: its input items, tools and output format."""
+        self.count(body.get("input") if isinstance(body.get("input"), list) else None, "max_messages", "input")
+        self.tools(body.get("tools"), "tools")
+        text = body.get("text")
+        if isinstance(text, dict) and isinstance(text.get("format"), dict):
+            self.grammar(text["format"].get("schema"), "text.format.schema")
+
+    def tools(self, tools: object, name: str) -> None:
+        self.count(tools, "max_tools", name)
+        if isinstance(tools, list) and tools:
+            size = len(json.dumps(tools).encode())
+            if size > self.max_tools_bytes:
+                raise over(name, f"has {size} bytes of definitions", self.max_tools_bytes, "max_tools_bytes",
+                           unit="bytes")
+            self.depth(tools, name)
 
     def new_tokens(self, asked: object, prompt_tokens: int, context: int) -> object:
         """max_new_tokens for a prompt: what was asked (None: as many as possible), capped at what the context

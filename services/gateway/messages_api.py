@@ -59,7 +59,10 @@ def _prompt(gw: Gateway, req: CountTokensRequest | MessagesRequest) -> tuple[lis
 
 async def count_tokens(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = parse(CountTokensRequest, await read_json(request))
+    body = await read_json(request)
+    if isinstance(body, dict):
+        gw.limits.messages(body)  # before anything is parsed or rendered
+    req = parse(CountTokensRequest, body)
     ids, _, _ = _prompt(gw, req)
     return web.json_response({"input_tokens": len(ids)})
 
@@ -67,7 +70,10 @@ async def count_tokens(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- messages
 async def create_message(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    req = parse(MessagesRequest, await read_json(request))
+    body = await read_json(request)
+    if isinstance(body, dict):
+        gw.limits.messages(body)  # before anything is parsed or rendered
+    req = parse(MessagesRequest, body)
     ids, tools, parser = _prompt(gw, req)
     # Anthropic's clients ask for as much as their hosted models allow (32k and more): what the context leaves
     # after the prompt is all there is, so more is served as that much (SGLang's auto-truncation), not refused.

@@ -115,6 +115,9 @@ def _pick(gw: Gateway, tried: set[str]) -> Worker:
 
 
 # ---------------------------------------------------------------- helpers
+TRUNCATE_HINT = "; set 'truncate_prompt_tokens' to cut it"
+
+
 def truncation(truncate_prompt_tokens: int | None, limit: int) -> int | None:
     """How many tokens an input may keep when the request asks for truncation (-1: all the context holds)."""
     k = truncate_prompt_tokens
@@ -138,8 +141,8 @@ async def input_ids(gw: Gateway, inputs: list[str | list[int]], params: list[str
     tokens; text is cut by the tokenizer, which keeps its special tokens."""
     size = 0
     for x, param in zip(inputs, params):
-        if isinstance(x, str):
-            gw.check_text_size(x, param)
+        if isinstance(x, str) and keep is None:  # truncated inputs may be longer; the total still bounds them
+            gw.check_text_size(x, param, TRUNCATE_HINT)
         size += len(x)
     gw.limits.text_total(inputs, list_param, gw.tokenizer.max_token_chars)
     if keep is None:

@@ -74,6 +74,8 @@ RESPONSES: web.AppKey[Responses] = web.AppKey("responses", Responses)
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw, responses = request.app[GATEWAY], request.app[RESPONSES]
     body = await read_json(request)
+    if isinstance(body, dict):
+        gw.limits.responses(body)  # before anything is parsed or rendered
     refuse_unsupported({k: v for k, v in body.items() if not (k == "top_logprobs" and v == 0)}, UNSUPPORTED_RESPONSES)
     req = parse(ResponsesRequest, body)
     if req.background and not req.store:

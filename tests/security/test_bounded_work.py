@@ -220,3 +220,21 @@ def test_a_list_over_the_total_tokens_is_400(hostile, path, make, param):
     body.pop("prompt" if "prompt" in body else "text")
     body["prompt" if path == "/v1/completions" else "input_ids"] = ids
     refused(post(hostile.strict, path, body), param if path == "/v1/completions" else "input_ids", "4096")
+
+
+# ---------------------------------------------------------------- the Messages and Responses dialects
+def test_messages_and_responses_take_the_same_limits_before_any_work(hostile):
+    many = [{"role": "user", "content": "x"}] * 2049
+    tools = [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(129)]
+    r = post(hostile.plain, "/v1/messages", {"model": "default", "max_tokens": 4, "messages": many})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]
+    assert r.json()["error"]["type"] == "invalid_request_error" and "2048" in r.json()["error"]["message"]
+    r = post(hostile.plain, "/v1/messages/count_tokens", {"model": "default", "messages": many})
+    assert r.status_code == 400 and "max-messages" in r.json()["error"]["message"]
+    r = post(hostile.plain, "/v1/messages", {"model": "default", "max_tokens": 4, "tools": tools,
+                                               "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "128" in r.json()["error"]["message"]
+    refused(post(hostile.plain, "/v1/responses", {"model": "default", "input": many}), "input", "2048")
+    fn_tools = [{"type": "function", "name": f"t{i}", "parameters": {"type": "object"}} for i in range(129)]
+    refused(post(hostile.plain, "/v1/responses", {"model": "default", "input": "x", "tools": fn_tools}), "tools",
+            "128")

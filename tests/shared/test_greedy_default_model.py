@@ -120,7 +120,7 @@ def test_prompts_arriving_while_others_decode_match(default_model_dir, prompts, 
     engine = make_engine(default_model_dir, chunk=2048, mixed=True)
     outputs: dict[str, list[int]] = {}
     mixed = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.role.schedule  # the colocated role's: prefill beside decode (Scheduler.schedule_mixed)
 
     def spy():
         batch = schedule()
@@ -128,7 +128,7 @@ def test_prompts_arriving_while_others_decode_match(default_model_dir, prompts, 
             mixed.append(len(batch))
         return batch
 
-    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    monkeypatch.setattr(engine.role, "schedule", spy)
 
     def add(i: int) -> None:
         engine.add_request(Req(rid=str(i), input_ids=prompts[i], on_output=lambda o: outputs.setdefault(
