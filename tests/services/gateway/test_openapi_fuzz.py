@@ -118,3 +118,43 @@ def check(case) -> None:
         else:
             assert error["object"] == "error" and error["code"] == response.status_code and error["message"]
         assert "Traceback" not in response.text
+
+
+def hostile_bodies() -> list[tuple[str, dict]]:
+    """The requests of issue 28's review that cost a worker or the gateway dearly, each over one limit."""
+    deep = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    chat = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    return [
+        ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": list(range(100_000))}),
+        ("/v1/score", {"query": "hello world " * 500_000, "items": [" yes"], "label_token_ids": [1]}),
+        ("/v1/embeddings", {"model": "default", "input": ["x"] * 5000}),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [7] * 100_000}}),
+        ("/v1/completions", {"model": "default", "prompt": ["hello"] * 5000, "max_tokens": 1}),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}] * 100_000}),
+        ("/v1/chat/completions", {**chat, "logit_bias": {str(t): -1 for t in range(49152)}}),
+        ("/v1/chat/completions", {**chat, "stop": ["s"] * 1000}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                              "json_schema": {"name": "d", "schema": deep}}}),
+        ("/v1/chat/completions", {**chat, "tools": [tool] * 1500, "tool_choice": "required"}),
+        ("/v1/messages", {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}] * 5000}),
+        ("/v1/responses", {"model": "default", "input": [{"role": "user", "content": "x"}] * 5000}),
+    ]
+
+
+def test_hostile_requests_get_the_fuzz_runs_answers(colocated):
+    """Each hostile request, held to what the fuzz run holds every answer to: a 4xx in the API's shape, in time,
+    with no traceback."""
+    for path, body in hostile_bodies():
+        start = time.monotonic()
+        r = requests.post(colocated.open.url + path, json=body, timeout=REQUEST_TIMEOUT_S)
+        assert time.monotonic() - start < REQUEST_TIMEOUT_S
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:300])
+        error = r.json()
+        if path.startswith("/v1/messages"):
+            assert error["type"] == "error" and error["error"]["message"]
+        else:
+            assert error["object"] == "error" and error["code"] == r.status_code and error["message"]
+        assert "Traceback" not in r.text
