@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,10 +14,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports for test processes come from below the kernel's ephemeral range: there no outgoing connection can take one
+# as its local port between this check and the process binding it (which failed a run now and then), and none is
+# handed out twice in a session.
+PORTS = range(20000, min(32000, _ephemeral_start()))
+_handed: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(2000):
+        port = random.choice(PORTS)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {PORTS.start}-{PORTS.stop - 1}")
 
 
 @dataclass
