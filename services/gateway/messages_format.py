@@ -152,11 +152,7 @@ class MessageWriter:
         """The events of the next piece of output; `final`: the output is complete (every block is closed)."""
         reasoning, content = "", text
         if self.splitter is not None:
-            split = self.splitter.push(text)
-            if final:
-                rest = self.splitter.flush()
-                split.reasoning += rest.reasoning
-                split.content += rest.content
+            split = self.splitter.push(text, final)
             reasoning, content = split.reasoning, split.content
         events = self.blocks.text("thinking", reasoning)
         if self.calls is None:

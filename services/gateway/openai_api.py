@@ -137,11 +137,7 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
 def _chat_delta(u: Update, splitter: ReasoningSplitter | None) -> dict:
     if splitter is None:
         return {"content": u.text} if u.text else {}
-    split = splitter.push(u.text)
-    if u.finish_reason is not None:
-        rest = splitter.flush()
-        split.reasoning += rest.reasoning
-        split.content += rest.content
+    split = splitter.push(u.text, final=u.finish_reason is not None)
     delta = {}
     if split.reasoning:
         delta["reasoning_content"] = split.reasoning

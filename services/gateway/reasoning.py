@@ -46,7 +46,17 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         return self.state == "reasoning" or (self.state == "start" and self.forced)
 
-    def push(self, piece: str) -> Split:
+    def push(self, piece: str, final: bool = False) -> Split:
+        """The reasoning and content of `piece`, as far as they are known; `final`: the output ends with it, and
+        what was held back (a possible tag) goes to the part we are in."""
+        out = self._push(piece)
+        if final:
+            rest = self.flush()
+            out.reasoning += rest.reasoning
+            out.content += rest.content
+        return out
+
+    def _push(self, piece: str) -> Split:
         self.buf += piece
         out = Split()
         if self.state == "start":
@@ -86,9 +96,7 @@ class ReasoningSplitter:
 
 def split_text(parser: str, text: str) -> Split:
     """The whole output at once (non-streaming responses)."""
-    splitter = ReasoningSplitter(parser)
-    a, b = splitter.push(text), splitter.flush()
-    return Split(a.reasoning + b.reasoning, a.content + b.content)
+    return ReasoningSplitter(parser).push(text, final=True)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -40,11 +40,7 @@ class OutputBuilder:
         events: list[dict] = []
         reasoning, content = "", text
         if self.splitter is not None:
-            split = self.splitter.push(text)
-            if final:
-                rest = self.splitter.flush()
-                split.reasoning += rest.reasoning
-                split.content += rest.content
+            split = self.splitter.push(text, final)
             reasoning, content = split.reasoning, split.content
         if reasoning:
             events += self._reasoning(reasoning)
