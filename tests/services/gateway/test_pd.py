@@ -35,6 +35,10 @@ def pd(default_model_dir):
         for proc, _ in prefills + decodes:
             proc.wait_healthy(240)
         gw.proc.wait_healthy(60)
+        # The gateway is healthy once it has one pair; the others join at its next health round.
+        deadline = time.monotonic() + 60
+        while not all(healthy_workers(gw).values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         yield system, gw, paddrs, [a for _, a in decodes]
     finally:
         system.stop()
@@ -52,7 +56,8 @@ def test_pd_answers_through_every_pair(pd):
     assert "Paris" in r.choices[0].message.content
     info = requests.get(gw.url + "/get_server_info", timeout=30).json()
     assert info["mode"] == "pd" and sorted(w["role"] for w in info["workers"]) == ["decode"] * 2 + ["prefill"] * 2
-    assert all(healthy_workers(gw).values())
+    workers = requests.get(gw.url + "/get_server_info", timeout=30).json()["workers"]
+    assert all(w["healthy"] for w in workers), workers
 
 
 def test_pd_tool_choice_is_enforced_from_the_first_token(pd):
