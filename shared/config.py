@@ -247,6 +247,23 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (--speculative-algorithm ngram): drafts from n-grams of a request's own prompt and
+    output, verified several at a time by one forward of the model (shared/speculative.py)."""
+
+    num_draft_tokens: int = 6  # the most draft tokens one request verifies in one step
+    min_match: int = 2  # shortest suffix of the sequence matched against its earlier tokens
+    max_match: int = 8  # longest suffix compared; the longest match wins, the latest among equals
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.min_match <= self.max_match:
+            raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and at most "
+                             f"--speculative-ngram-max-match-window-size, got {self.min_match} and {self.max_match}")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a runtime process needs to load a model and serve it."""
 
@@ -271,6 +288,7 @@ class RuntimeConfig:
     decode_graphs: str = "auto"
     cuda_graph_max_bs: int = 256  # the largest bucket; larger decode batches run without a graph
     cuda_graph_bs: tuple[int, ...] = ()  # the buckets themselves (default: shared/decode_graphs.bucket_sizes)
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -35,6 +35,7 @@ from pdserve.shared.roles import TransferFn, make_role
 from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
+from pdserve.shared.speculative import Speculator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +84,9 @@ class Engine:
                                    lora.pool if lora is not None else None)
         self.sampler = Sampler()
         self.role = make_role(role, self, transfer_fn, poll_fn)
+        # Only roles that decode draft: a prefill worker samples each request's first token and no more.
+        self.speculator = (Speculator(self, config.speculative)
+                           if config.speculative is not None and role != Role.PREFILL and self.generates else None)
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
@@ -208,11 +212,18 @@ class Engine:
             return
         if batch is None:
             return
+        if self.speculator is not None and batch.is_decode:
+            batch = self.speculator.propose(batch)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.steps += 1
-        self.postprocess(batch, logits, self.stats.last_step_s)
+        if self.speculator is not None and (batch.is_decode or batch.drafts is not None):
+            self.speculator.observe(batch, self.stats.last_step_s)
+        if batch.drafts is not None:
+            self.speculator.verify(batch, logits)
+        else:
+            self.postprocess(batch, logits, self.stats.last_step_s)
 
     def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
         if batch.prompt_rows:
@@ -245,7 +256,7 @@ class Engine:
                 reqs.append(member)
         if not reqs:
             return
-        tokens, logprobs = self._sample(logits, rows, reqs)
+        tokens, logprobs = self.sample(logits, rows, reqs)
         decoding = self.role.sampled(reqs, tokens, logprobs, compute_s)
         for req, tok, lp in decoding:
             if req.status != ReqStatus.RUNNING:
@@ -254,7 +265,8 @@ class Engine:
             self.append_token(req, tok, lp)
         self.emit_all([req for req, _, _ in decoding])
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
+    def sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
+        """The next token (and its logprobs, where asked) of each of `reqs`, from `logits[rows]`."""
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         if any(r.grammar is not None for r in reqs):
@@ -340,8 +352,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict[str, float]:
         s = self.scheduler
-        return {"running": s.num_running, "waiting": len(s.waiting) + self.role.num_queued(),
+        load = {"running": s.num_running, "waiting": len(s.waiting) + self.role.num_queued(),
                 "free_pages": self.allocator.num_free + self.cache.evictable_pages(),
                 "total_pages": self.allocator.num_pages, "cached_pages": self.cache.num_pages}
+        if self.speculator is not None:
+            load["spec_accept_length"], load["spec_accept_rate"] = self.speculator.figures()
+        return load

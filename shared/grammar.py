@@ -157,6 +157,20 @@ class Constraint:
             return True
         return bool(self.matcher.accept_token(token))
 
+    def acceptable_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar accepts in a row from here, the state left as it is (drafts of
+        speculative decoding: the rest could never be accepted). Outside the grammar phase: all of them."""
+        if self.phase != "grammar":
+            return len(tokens)
+        n = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may be generated."""

@@ -123,8 +123,9 @@ class ModelRunner:
             self.graphs.capture()  # the graphs read the old weights' addresses
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [B, V] (model dtype) for the last new token of every request in the batch; the logits of the
-        prompt positions whose logprobs are asked for go to batch.prompt_logits."""
+        """Logits [B, V] (model dtype) for the last new token of every request in the batch (of a verify batch:
+        for each of its new tokens, [sum(extend_lens), V]); the logits of the prompt positions whose logprobs are
+        asked for go to batch.prompt_logits."""
         fb = self.prepare(batch)
         if self.graphs is not None and self.graphs.why_not(fb) is None:
             return self.graphs.run(fb)  # a decode batch: no prompt rows
@@ -141,22 +142,28 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens, q_start, last_rows, prompt_rows, lora_slots = [], [], [], [], []
         batch.prompt_rows = []
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed
-            fill = req.fill_ids
-            first = req.first_logit_row if not batch.is_decode else None
-            if first is not None:  # positions in this chunk that predict a prompt token from `first` on
-                lo, hi = max(start, first), min(start + n, len(req.input_ids) - 1)
-                if hi > lo:
-                    prompt_rows.extend(range(len(ids) + lo - start, len(ids) + hi - start))
-                    batch.prompt_rows.append((req, lo, hi - lo))
+            if batch.drafts is not None:  # a verify batch: the newest token and its drafts, logits at each
+                new = [req.output_ids[-1]] + batch.drafts[i]
+            else:
+                new = req.fill_ids[start:start + n]
+                first = req.first_logit_row if not batch.is_decode else None
+                if first is not None:  # positions in this chunk that predict a prompt token from `first` on
+                    lo, hi = max(start, first), min(start + n, len(req.input_ids) - 1)
+                    if hi > lo:
+                        prompt_rows.extend(range(len(ids) + lo - start, len(ids) + hi - start))
+                        batch.prompt_rows.append((req, lo, hi - lo))
             q_start.append(len(ids))
-            ids.extend(fill[start:start + n])
+            ids.extend(new)
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(req.pages[pos // s] * s + pos % s)
             seq_lens.append(start + n)
-            last_rows.append(len(ids) - 1)
+            if batch.drafts is not None:
+                last_rows.extend(range(len(ids) - n, len(ids)))
+            else:
+                last_rows.append(len(ids) - 1)
             lora_slots.extend([req.lora_slot] * n)
         max_pages = max(len(r.pages) for r in batch.reqs)
         table = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.reqs]

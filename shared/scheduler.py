@@ -40,6 +40,9 @@ class Batch:
     reqs: list[Req]
     is_decode: bool
     extend_lens: list[int]  # new tokens per request (1 each when decoding)
+    # A verify batch of speculative decoding: each request's draft tokens, fed after its newest token, with
+    # logits at every position (shared/speculative.py). None: logits of each request's last token only.
+    drafts: list[list[int]] | None = None
     # Set by the model runner: (request, first prompt position, rows) of the prompt-logprob rows, and their
     # logits [rows, V] in that order.
     prompt_rows: list[tuple[Req, int, int]] = field(default_factory=list)

@@ -103,7 +103,10 @@ def describe_worker(w) -> dict:
               "fraction": (load.total_pages - load.free_pages) / load.total_pages}
     return {"address": w.address, "role": w.role, "healthy": w.healthy, "last_error": w.last_error or None,
             "in_flight": w.in_flight, "running": load.running if load else None,
-            "queued": load.waiting if load else None, "kv": kv}
+            "queued": load.waiting if load else None, "kv": kv,
+            # Speculative decoding, where the worker speculates (its accept length is 1 or more then).
+            "spec": ({"accept_length": load.spec_accept_length, "accept_rate": load.spec_accept_rate}
+                     if load is not None and load.spec_accept_length else None)}
 
 
 async def batches_in_flight(request: web.Request) -> dict | None:
@@ -194,7 +197,7 @@ svg { background: #fff; border: 1px solid #dde; border-radius: 6px; }
 </div>
 <h2>Workers</h2>
 <table><thead><tr><th>role</th><th>address</th><th>health</th><th>running</th><th>queued</th>
-  <th>in flight (this gateway)</th><th>KV use</th></tr></thead><tbody id="workers"></tbody></table>
+  <th>in flight (this gateway)</th><th>KV use</th><th>speculation</th></tr></thead><tbody id="workers"></tbody></table>
 <h2>Last 10 minutes</h2>
 <div class="charts">
   <svg id="chart-throughput" width="520" height="200" viewBox="0 0 520 200" role="img"></svg>
@@ -249,13 +252,15 @@ function render(s) {
     for (const w of workers) {
       const kv = w.kv ? `<span class="bar"><i style="width:${(100 * w.kv.fraction).toFixed(1)}%"></i></span> ` +
                         `${(100 * w.kv.fraction).toFixed(1)}% (${w.kv.used_pages}/${w.kv.total_pages} pages)` : "–";
+      const spec = w.spec ? `accept len ${w.spec.accept_length.toFixed(2)}, rate ` +
+                            `${(100 * w.spec.accept_rate).toFixed(0)}%` : "–";
       const health = w.healthy ? `<span class="healthy">healthy</span>`
                                : `<span class="down" title="${esc(w.last_error || "")}">down</span>`;
       rows += `<tr><td>${esc(role)}</td><td>${esc(w.address)}</td><td>${health}</td><td>${num(w.running)}</td>` +
-              `<td>${num(w.queued)}</td><td>${w.in_flight}</td><td>${kv}</td></tr>`;
+              `<td>${num(w.queued)}</td><td>${w.in_flight}</td><td>${kv}</td><td>${spec}</td></tr>`;
     }
   }
-  $("workers").innerHTML = rows || `<tr><td colspan="7" class="muted">no workers</td></tr>`;
+  $("workers").innerHTML = rows || `<tr><td colspan="8" class="muted">no workers</td></tr>`;
   chart($("chart-throughput"), "Output tokens/s", s.samples.points, (p) => p.tokens_per_s, "tok/s");
   chart($("chart-ttft"), "TTFT p50 (ms)", s.samples.points,
         (p) => p.ttft_p50_s === null ? null : 1000 * p.ttft_p50_s, "ms");

@@ -153,8 +153,11 @@ class WorkerApp:
                 addrs = [a for spec in self.args.prefill for a in expand_hostports(spec)]
                 await self.peers.register_all(addrs, deadline_s=120)
             self.ready = True
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s", self.role.value, self.args.host,
-                     self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend)
+            spec = self.config.speculative
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s%s", self.role.value, self.args.host,
+                     self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend,
+                     f", speculative ngram (up to {spec.num_draft_tokens} draft tokens)"
+                     if spec is not None and self.role != Role.PREFILL else "")
             await stop.wait()
             await self._drain(calls)
         except PeerError as exc:
@@ -243,7 +246,13 @@ class StatsLine:
     def log(load: dict[str, int], prefill_per_s: float, gen_per_s: float) -> None:
         total = load["total_pages"]
         usage = (total - load["free_pages"]) / total if total else 0.0
+        fields = {"running": load["running"], "queued": load["waiting"], "token_usage": round(usage, 4),
+                  "prefill_throughput": round(prefill_per_s, 1), "gen_throughput": round(gen_per_s, 1)}
+        spec = ""
+        if "spec_accept_length" in load:  # SGLang's wording where it speculates
+            fields["accept_length"] = round(load["spec_accept_length"], 2)
+            fields["accept_rate"] = round(load["spec_accept_rate"], 2)
+            spec = f", accept len: {fields['accept_length']:.2f}, accept rate: {fields['accept_rate']:.2f}"
         log.info("#running-req: %d, #queue-req: %d, token usage: %.2f, prefill throughput (token/s): %.1f, "
-                 "gen throughput (token/s): %.1f", load["running"], load["waiting"], usage, prefill_per_s, gen_per_s,
-                 extra={"running": load["running"], "queued": load["waiting"], "token_usage": round(usage, 4),
-                        "prefill_throughput": round(prefill_per_s, 1), "gen_throughput": round(gen_per_s, 1)})
+                 "gen throughput (token/s): %.1f%s", load["running"], load["waiting"], usage, prefill_per_s, gen_per_s,
+                 spec, extra=fields)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pdserve.services.worker.settings import add_expert_arguments
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
-                                   SchedulerConfig)
+                                   SchedulerConfig, SpeculativeConfig)
 from pdserve.shared.logs import add_log_arguments, setup_logging
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
@@ -94,9 +94,32 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
                             help="encoder embedding and cross-encoder models: run the layers' matmuls in int8 "
                                  "(weights per channel, activations per token, smoothed; fp32 models on the CPU)")
+    if command in ("colocated", "decode"):
+        add_speculative_arguments(parser)
     if command == "decode":
         parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    spec = SpeculativeConfig()
+    parser.add_argument("--speculative-algorithm", type=str.lower, default=None, choices=["ngram"],
+                        help="speculative decoding: ngram drafts several tokens of a request from its own prompt "
+                             "and output, verified in one step (output unchanged; off by default)")
+    parser.add_argument("--speculative-num-draft-tokens", type=positive_int, default=spec.num_draft_tokens,
+                        help="the most draft tokens a request verifies in one step")
+    parser.add_argument("--speculative-ngram-min-match-window-size", type=positive_int, default=spec.min_match,
+                        help="shortest suffix of a sequence matched against its earlier tokens")
+    parser.add_argument("--speculative-ngram-max-match-window-size", type=positive_int, default=spec.max_match,
+                        help="longest suffix compared when choosing among matches")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if getattr(args, "speculative_algorithm", None) is None:
+        return None
+    return SpeculativeConfig(num_draft_tokens=args.speculative_num_draft_tokens,
+                             min_match=args.speculative_ngram_min_match_window_size,
+                             max_match=args.speculative_ngram_max_match_window_size)
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +170,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
                                   mixed_prefill=args.enable_mixed_chunk),
         lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
         is_embedding=getattr(args, "is_embedding", False),
+        speculative=speculative_config(args),
     )
 
 

@@ -97,6 +97,16 @@ class WorkerMetrics(RequestObserver):
                              buckets=ITL_BUCKETS, registry=r).labels(m)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "arrival to the last output sent", NAME,
                              buckets=E2E_BUCKETS, registry=r).labels(m)
+        # Speculative decoding, where the worker speculates (SGLang's gauges, over the latest verify steps).
+        self.spec_accept_length = Gauge("sglang:spec_accept_length", "tokens a drafting request gains per verify "
+                                         "step (accepted drafts + 1)", NAME, registry=r).labels(m)
+        self.spec_accept_rate = Gauge("sglang:spec_accept_rate", "draft tokens accepted over drafted", NAME,
+                                      registry=r).labels(m)
+        self.spec_verify = Counter("sglang:spec_verify_calls", "verify steps (decode steps that carried drafts)",
+                                   NAME, registry=r).labels(m)
+        self.spec_tokens = Counter("pdserve_worker_spec_draft_tokens", "draft tokens verified, and accepted",
+                                   NAME + ["outcome"], registry=r)
+        self._spec_seen = (0, 0, 0)  # the speculator's totals at the previous refresh
         # KV transfer (prefill role), by decode peer.
         self.transfer_bytes = Counter("pdserve_worker_kv_transfer_bytes", "KV bytes written to decode workers",
                                       NAME + ["peer"], registry=r)
@@ -177,6 +187,20 @@ class WorkerMetrics(RequestObserver):
             self.computed_tokens.labels(self.model_name, kind).inc(count - self._computed_seen[kind])
             self._computed_seen[kind] = count
         self._refresh_requests(engine.scheduler.live_reqs())
+        if engine.speculator is not None:
+            self._refresh_speculation(engine)
+
+    def _refresh_speculation(self, engine: Engine) -> None:
+        spec = engine.speculator
+        length, rate = spec.figures()
+        self.spec_accept_length.set(length)
+        self.spec_accept_rate.set(rate)
+        totals = (spec.verify_steps, spec.drafted_tokens, spec.accepted_tokens)
+        steps, drafted, accepted = (now - seen for now, seen in zip(totals, self._spec_seen))
+        self._spec_seen = totals
+        self.spec_verify.inc(steps)
+        self.spec_tokens.labels(self.model_name, "drafted").inc(drafted)
+        self.spec_tokens.labels(self.model_name, "accepted").inc(accepted)
 
     def _refresh_requests(self, reqs: list[Req]) -> None:
         self.transfer_queue.set(sum(1 for r in reqs if r.status == ReqStatus.WAITING_FOR_KV))

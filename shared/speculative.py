@@ -1,0 +1,241 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): several tokens of a request per step, each exactly
+the token plain decoding would give.
+
+Drafts. Each request keeps an index of its own tokens, prompt and output (`NgramIndex`). The draft continues the
+latest earlier occurrence of the sequence's suffix: occurrences share its last `min_match` tokens, the one whose
+match reaches furthest back (up to `max_match`) wins, the latest among equals, and the draft is what followed it.
+Copying a passage, quoting a source, repeating a JSON key or a line of code: the text says what comes next.
+
+Verification. A decode batch whose requests have drafts runs as an extend batch: each request's newest token and
+its drafts, with logits at every position. Tokens are then sampled one position at a time as a plain decode step
+samples them (grammar mask, penalties, bans, logit_bias, the request's own generator), each appended before the
+next position is sampled, and a request goes on to its next position only while the token sampled there equals
+the draft fed after it: only then are the next logits the ones plain decoding would compute. Greedy output is
+therefore unchanged, and a sampled token is drawn from the very distribution plain decoding draws from (for a
+draft token d this is rejection sampling with a point-mass proposal: d is kept with probability p(d), and a
+rejection draws from p without d); a seeded request even draws the same uniforms. KV written for rejected drafts
+lies past the request's computed length; its pages beyond the next token go back to the pool at once.
+
+When to draft. A draft token costs a row of the verify step and pays only if it is accepted. Each request keeps
+a running acceptance rate a (accepted over tried, starting from a prior and drifting back to it while it does not
+draft); its j-th draft token is accepted with probability about a^j. `StepCost` fits the step time to the tokens
+of a step, t = fixed + per_token * tokens, over recent steps: a draft token is worth drafting when a^j exceeds
+per_token / (t(B) / B), the cost of one more row against what a token costs in a plain step of B requests. At
+batch 1 on a CPU the weights dominate and nearly every draft pays; at large batches only drafts that are nearly
+always accepted do, so high concurrency keeps its throughput.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.shared.config import SpeculativeConfig
+from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.scheduler import Batch
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.shared.engine import Engine
+
+CANDIDATES = 8  # latest occurrences of each anchor kept: the longest match among them wins
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # a request's acceptance rate before any evidence, worth this many tries
+DECAY = 0.9  # per step, on a request's evidence and on the step-cost fit
+WINDOW = 128  # verify steps the reported acceptance figures cover
+
+
+class NgramIndex:
+    """Where each `min_match`-token n-gram of one sequence ended, for the positions whose next token is known."""
+
+    def __init__(self, tokens: list[int], min_match: int, max_match: int) -> None:
+        self.min_match, self.max_match = min_match, max_match
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        t, n = self.tokens, self.min_match
+        first = max(len(t) - 1, n - 1)
+        t.extend(tokens)
+        for end in range(first, len(t) - 1):  # the n-gram ending at `end`, now that t[end + 1] is known
+            ends = self.ends.setdefault(tuple(t[end - n + 1:end + 1]), [])
+            ends.append(end)
+            if len(ends) > CANDIDATES:
+                del ends[0]
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the best earlier match of the sequence's suffix ([] when none)."""
+        t, n = self.tokens, len(self.tokens)
+        if n <= self.min_match:
+            return []
+        ends = self.ends.get(tuple(t[n - self.min_match:]))
+        if not ends:
+            return []
+        best, best_len = -1, 0
+        for end in reversed(ends):
+            length = self.min_match
+            while length < self.max_match and end - length >= 0 and t[end - length] == t[n - 1 - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+                if length == self.max_match:
+                    break
+        return t[best + 1:best + 1 + k]
+
+
+@dataclass
+class Drafting:
+    """One request's index and its recent acceptance."""
+
+    index: NgramIndex
+    accepted: float = 0.0  # decayed sums: draft tokens accepted, and tried (accepted + the first rejected)
+    tried: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.tried = self.tried * DECAY + min(drafted, accepted + 1)
+
+    def idle(self) -> None:
+        self.accepted *= DECAY
+        self.tried *= DECAY
+
+
+class StepCost:
+    """A least-squares fit of step seconds = fixed + per_token * tokens over recent decode and verify steps."""
+
+    def __init__(self) -> None:
+        self.w = self.st = self.stt = self.sy = self.sty = 0.0
+        self.fixed, self.per_token = 1.0, 0.0  # until fitted: rows are free, so drafting starts at once
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = DECAY
+        self.w, self.st, self.stt = self.w * d + 1, self.st * d + tokens, self.stt * d + tokens * tokens
+        self.sy, self.sty = self.sy * d + seconds, self.sty * d + tokens * seconds
+        var = self.stt / self.w - (self.st / self.w) ** 2
+        if var < 0.5:  # steps of one size say nothing of the slope: keep the last fit
+            return
+        slope = (self.sty / self.w - self.st * self.sy / self.w ** 2) / var
+        self.per_token = max(slope, 0.0)
+        self.fixed = max(self.sy / self.w - self.per_token * self.st / self.w, 1e-6)
+
+    def threshold(self, batch: int) -> float:
+        """The acceptance probability a draft token needs to pay in a step of `batch` requests."""
+        per_request = (self.fixed + self.per_token * batch) / batch
+        return self.per_token / per_request
+
+
+class Speculator:
+    def __init__(self, engine: Engine, config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.scheduler = engine.scheduler
+        self.cost = StepCost()
+        self.drafting: dict[Req, Drafting] = {}
+        self.verify_steps = 0  # totals, for metrics: verify steps, draft tokens and accepted draft tokens
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.recent: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)  # per verify step: drafting reqs, drafted, accepted
+
+    # ------------------------------------------------------------ before the forward
+    def propose(self, batch: Batch) -> Batch:
+        """`batch` (a decode batch) with drafts for the requests where they pay, as a verify batch; unchanged when
+        no request drafts."""
+        for req in [r for r in self.drafting if r.status == ReqStatus.FINISHED]:
+            del self.drafting[req]
+        theta = self.cost.threshold(len(batch.reqs))
+        drafts = [self._draft(req, theta) for req in batch.reqs]
+        if not any(drafts):
+            return batch
+        return Batch(batch.reqs, is_decode=False, extend_lens=[1 + len(d) for d in drafts], drafts=drafts)
+
+    def _draft(self, req: Req, theta: float) -> list[int]:
+        state = self.drafting.get(req)
+        if state is None:
+            c = self.config
+            state = self.drafting[req] = Drafting(NgramIndex(req.input_ids + req.output_ids, c.min_match, c.max_match))
+        else:
+            state.index.extend(req.output_ids[len(state.index.tokens) - len(req.input_ids):])
+        k = min(self.config.num_draft_tokens, self._room(req))
+        rate = state.rate
+        if theta > 0:  # the j-th draft is accepted with probability about rate ** j (0 < rate < 1): while it beats theta
+            k = min(k, int(math.log(theta) / math.log(rate)))
+        draft = state.index.draft(k) if k > 0 else []
+        if not draft:
+            state.idle()
+            return []
+        if req.grammar is not None:
+            draft = draft[:req.grammar.acceptable_prefix(draft)]
+        if draft and not self._grow(req, req.seq_len + len(draft)):
+            return []
+        return draft
+
+    def _room(self, req: Req) -> int:
+        """Draft tokens the request may still take: the step adds up to k + 1 tokens."""
+        p = req.params
+        left = min(p.max_new_tokens - len(req.output_ids), self.engine.runner.context_length - req.seq_len)
+        return max(left - 1, 0)
+
+    def _grow(self, req: Req, num_tokens: int) -> bool:
+        """Pages for `num_tokens` from the free pages only: a draft never evicts the prefix cache."""
+        s = self.scheduler
+        need = -(-num_tokens // s.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > s.allocator.num_free:
+            return False
+        req.pages.extend(s.allocator.allocate(need))
+        return True
+
+    # ------------------------------------------------------------ after the forward
+    def observe(self, batch: Batch, seconds: float) -> None:
+        """A decode or verify step took `seconds`: refit the step cost."""
+        self.cost.observe(sum(batch.extend_lens), seconds)
+
+    def verify(self, batch: Batch, logits: torch.Tensor) -> None:
+        """Sample the verify batch's tokens position by position (see the module's docstring) and emit them."""
+        engine, reqs, drafts = self.engine, batch.reqs, batch.drafts
+        offsets, row = [], 0
+        for n in batch.extend_lens:
+            offsets.append(row)
+            row += n
+        accepted = [0] * len(reqs)
+        drafting = sum(1 for d in drafts if d)
+        live, pos = list(range(len(reqs))), 0
+        while live:
+            tokens, logprobs = engine.sample(logits, [offsets[i] + pos for i in live], [reqs[i] for i in live])
+            going = []
+            for i, token, logprob in zip(live, tokens, logprobs):
+                req = reqs[i]
+                req.num_computed += 1  # the KV of the token fed at this position holds
+                engine.append_token(req, token, logprob)
+                engine.stats.decode_tokens += 1
+                if req.status == ReqStatus.RUNNING and pos < len(drafts[i]) and token == drafts[i][pos]:
+                    accepted[i] += 1
+                    going.append(i)
+            live, pos = going, pos + 1
+        for req, draft, n in zip(reqs, drafts, accepted):
+            if draft:
+                self.drafting[req].record(len(draft), n)
+            if req.status == ReqStatus.RUNNING:  # pages past its next token held only rejected drafts
+                keep = -(-req.seq_len // self.scheduler.page_size)
+                self.scheduler.allocator.free(req.pages[keep:])
+                del req.pages[keep:]
+        drafted, gained = sum(len(d) for d in drafts), sum(accepted)
+        self.verify_steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += gained
+        self.recent.append((drafting, drafted, gained))
+        engine.emit_all(reqs)
+
+    def figures(self) -> tuple[float, float]:
+        """SGLang's figures over the latest verify steps: accept length, the tokens a drafting request gains per
+        verify step (its drafts accepted, plus the token it samples anyway), and accept rate, draft tokens
+        accepted over drafted. (1.0, 0.0) before any draft."""
+        reqs, drafted, accepted = (sum(column) for column in zip(*self.recent)) if self.recent else (0, 0, 0)
+        return (1 + accepted / reqs if reqs else 1.0), (accepted / drafted if drafted else 0.0)
