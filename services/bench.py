@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="with --api responses: instead of the sweep, conversations of TURNS turns chained by "
                              "previous_response_id (as many at once as the first --concurrency), and each turn's "
                              "TTFT against the first's")
+    parser.add_argument("--workload", choices=["chat", "copy"], default="chat",
+                        help="chat: distinct prompts of seeded words; copy: a passage of prose and code with an "
+                             "instruction to repeat it, where speculative decoding's drafts are right (default: chat)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -113,7 +116,8 @@ def load_from_args(args: argparse.Namespace) -> Load:
     return Load(output_len=args.output_len, prompt_len=args.prompt_len, temperature=args.temperature,
                 request_rate=args.request_rate, timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
                 seed=args.seed, extra_body=tuple(extra.items()),
-                models=tuple(m for m in (args.models or "").split(",") if m), api=args.api)
+                models=tuple(m for m in (args.models or "").split(",") if m), api=args.api,
+                workload=args.workload)
 
 
 def report(target: Target, load: Load, summaries: Sequence[LevelSummary]) -> dict:

@@ -73,15 +73,41 @@ class Load:
     extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (e.g. response_format), as pairs
     models: tuple[str, ...] = ()  # if set: request i asks for models[i % len] (e.g. LoRA adapters), not the target's
     api: str = "chat"  # which API the requests speak: a key of APIS
+    workload: str = "chat"  # "chat": prompts of seeded words; "copy": a passage and an instruction to copy it
 
 
 # ---------------------------------------------------------------- prompts
 
 
-def make_prompts(count: int, prompt_len: int, seed: int) -> list[str]:
-    """`count` distinct prompts of about `prompt_len` tokens; the same seed gives the same prompts."""
+def make_prompts(count: int, prompt_len: int, seed: int, workload: str = "chat") -> list[str]:
+    """`count` distinct prompts of about `prompt_len` tokens; the same seed gives the same prompts.
+
+    workload "copy": each prompt is an instruction to repeat, reformat or correct a passage (prose and code
+    lines) of about prompt_len tokens, so the answer quotes the prompt, as answers that edit code, extract
+    fields or cite their sources do."""
     rng = random.Random(seed)
+    if workload == "copy":
+        return [_copy_prompt(rng, prompt_len) for _ in range(count)]
     return [" ".join(rng.choice(WORDS) for _ in range(max(1, prompt_len))) for _ in range(count)]
+
+
+COPY_TASKS = ("Repeat the following text exactly, word for word:",
+              "Copy the following notes, keeping every line as it is:",
+              "Write the following text out again in full, then stop:")
+
+
+def _copy_prompt(rng: random.Random, prompt_len: int) -> str:
+    lines, tokens = [], 0
+    while tokens < prompt_len:
+        if rng.random() < 0.3:
+            a, b = rng.sample(WORDS, 2)
+            line = f"def {a}_{b}({a}, {b}):\n    return {a} {rng.choice('+-*')} {b}"
+        else:
+            a, b, c = rng.sample(WORDS, 3)
+            line = f"The {a} of the {b} met on day {rng.randint(2, 28)} to discuss the {c} and its {rng.choice(WORDS)}."
+        lines.append(line)
+        tokens += len(line.split()) + 4  # words, plus punctuation and numbers taking tokens of their own
+    return f"{rng.choice(COPY_TASKS)}\n\n" + "\n".join(lines)
 
 
 def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
@@ -304,7 +330,7 @@ async def run_sweep(target: Target, load: Load, concurrencies: Sequence[int], nu
     # Warm up, then one level per concurrency; each level gets prompts no earlier one has sent.
     on_error = on_error or ErrorReporter()
     counts = [requests_for(c, num_requests) for c in concurrencies]
-    prompts = make_prompts(warmup + sum(counts), load.prompt_len, load.seed)
+    prompts = make_prompts(warmup + sum(counts), load.prompt_len, load.seed, load.workload)
     summaries: list[LevelSummary] = []
     # The pool may hold every stream of the largest level; the client must not be what limits concurrency.
     connector = aiohttp.TCPConnector(limit=max([*concurrencies, warmup, 1]))

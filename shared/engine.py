@@ -352,11 +352,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> dict[str, int]:
         s = self.scheduler
         load = {"running": s.num_running, "waiting": len(s.waiting) + self.role.num_queued(),
                 "free_pages": self.allocator.num_free + self.cache.evictable_pages(),
                 "total_pages": self.allocator.num_pages, "cached_pages": self.cache.num_pages}
         if self.speculator is not None:
-            load["spec_accept_length"], load["spec_accept_rate"] = self.speculator.figures()
+            load.update(self.speculator.totals())
         return load

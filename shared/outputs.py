@@ -66,3 +66,10 @@ def coalesce(outputs: list[ReqOutput]) -> list[ReqOutput]:
         into.error = into.error or out.error
         into.input_logprobs = into.input_logprobs or out.input_logprobs
     return list(merged.values())
+
+
+def acceptance(drafting_reqs: int, drafted: int, accepted: int) -> tuple[float, float]:
+    """Speculative decoding's figures, as a worker reports them (SGLang's): accept length, the tokens a drafting
+    request gains per verify step (its drafts accepted, plus the token it samples anyway), and accept rate, draft
+    tokens accepted over drafted; (1.0, 0.0) before any draft."""
+    return (1 + accepted / drafting_reqs if drafting_reqs else 1.0), (accepted / drafted if drafted else 0.0)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.shared.config import SpeculativeConfig
+from pdserve.shared.outputs import acceptance
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.scheduler import Batch
 
@@ -137,7 +138,9 @@ class Speculator:
         self.scheduler = engine.scheduler
         self.cost = StepCost()
         self.drafting: dict[Req, Drafting] = {}
-        self.verify_steps = 0  # totals, for metrics: verify steps, draft tokens and accepted draft tokens
+        # Totals since start: verify steps, requests that drafted in them, draft tokens, draft tokens accepted.
+        self.verify_steps = 0
+        self.drafting_reqs = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.recent: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)  # per verify step: drafting reqs, drafted, accepted
@@ -228,14 +231,17 @@ class Speculator:
                 del req.pages[keep:]
         drafted, gained = sum(len(d) for d in drafts), sum(accepted)
         self.verify_steps += 1
+        self.drafting_reqs += drafting
         self.drafted_tokens += drafted
         self.accepted_tokens += gained
         self.recent.append((drafting, drafted, gained))
         engine.emit_all(reqs)
 
     def figures(self) -> tuple[float, float]:
-        """SGLang's figures over the latest verify steps: accept length, the tokens a drafting request gains per
-        verify step (its drafts accepted, plus the token it samples anyway), and accept rate, draft tokens
-        accepted over drafted. (1.0, 0.0) before any draft."""
-        reqs, drafted, accepted = (sum(column) for column in zip(*self.recent)) if self.recent else (0, 0, 0)
-        return (1 + accepted / reqs if reqs else 1.0), (accepted / drafted if drafted else 0.0)
+        """SGLang's figures over the latest verify steps (see `acceptance`)."""
+        return acceptance(*(sum(column) for column in zip(*self.recent))) if self.recent else (1.0, 0.0)
+
+    def totals(self) -> dict[str, int]:
+        return {"spec_drafting_reqs": self.drafting_reqs, "spec_draft_tokens": self.drafted_tokens,
+                "spec_accepted_tokens": self.accepted_tokens}
+

@@ -20,6 +20,7 @@ from aiohttp import web
 from pdserve.services.gateway import jobs_proxy
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.shared.outputs import acceptance
 
 PAGE_PATHS = frozenset({"/", "/status"})  # the HTML only: answered without the API key
 INTERVAL_S = 3.0  # between two samples
@@ -104,9 +105,15 @@ def describe_worker(w) -> dict:
     return {"address": w.address, "role": w.role, "healthy": w.healthy, "last_error": w.last_error or None,
             "in_flight": w.in_flight, "running": load.running if load else None,
             "queued": load.waiting if load else None, "kv": kv,
-            # Speculative decoding, where the worker speculates (its accept length is 1 or more then).
-            "spec": ({"accept_length": load.spec_accept_length, "accept_rate": load.spec_accept_rate}
-                     if load is not None and load.spec_accept_length else None)}
+            "spec": spec_figures(load)}
+
+
+def spec_figures(load) -> dict | None:
+    """A speculating worker's accept length and rate since it started (None where it has not drafted)."""
+    if load is None or not load.spec_drafting_reqs:
+        return None
+    length, rate = acceptance(load.spec_drafting_reqs, load.spec_draft_tokens, load.spec_accepted_tokens)
+    return {"accept_length": round(length, 3), "accept_rate": round(rate, 3)}
 
 
 async def batches_in_flight(request: web.Request) -> dict | None:

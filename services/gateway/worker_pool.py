@@ -75,7 +75,12 @@ class Worker:
                 "total_pages": self.load.total_pages if self.load else None,
                 "max_total_tokens": self.info.max_total_tokens if self.info else None,
                 "max_running_requests": self.info.max_running_requests if self.info else None,
-                "context_length": self.info.context_length if self.info else None}
+                "context_length": self.info.context_length if self.info else None,
+                # Speculative decoding totals since the worker started, where it speculates.
+                "speculative": ({"drafting_reqs": self.load.spec_drafting_reqs,
+                                 "draft_tokens": self.load.spec_draft_tokens,
+                                 "accepted_tokens": self.load.spec_accepted_tokens}
+                                if self.load is not None and self.load.spec_drafting_reqs else None)}
 
 
 class WorkerPool:

@@ -222,8 +222,10 @@ class StatsLine:
         self._tokens = (0, 0)  # prefill and decode tokens made by the previous line (engine.stats: running totals)
         self._at = time.monotonic()
 
-    def _sample(self) -> tuple[dict[str, int], int, int]:  # on the engine thread
-        return self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens
+    def _sample(self):  # on the engine thread
+        spec = self.engine.speculator
+        return (self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens,
+                spec.figures() if spec is not None else None)
 
     async def run(self) -> None:
         while True:
@@ -232,7 +234,7 @@ class StatsLine:
 
     async def tick(self) -> None:
         try:
-            load, prefill, decode = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(self._sample)),
+            load, prefill, decode, spec = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(self._sample)),
                                                            self.interval_s)
         except asyncio.TimeoutError:  # a long step, or the engine stopped: no line this time
             return
@@ -240,18 +242,18 @@ class StatsLine:
         seconds, made = now - self._at, (prefill - self._tokens[0], decode - self._tokens[1])
         self._tokens, self._at = (prefill, decode), now
         if load["running"] or load["waiting"] or any(made):
-            self.log(load, made[0] / seconds, made[1] / seconds)
+            self.log(load, made[0] / seconds, made[1] / seconds, spec)
 
     @staticmethod
-    def log(load: dict[str, int], prefill_per_s: float, gen_per_s: float) -> None:
+    def log(load: dict[str, int], prefill_per_s: float, gen_per_s: float,
+            spec_figures: tuple[float, float] | None = None) -> None:
         total = load["total_pages"]
         usage = (total - load["free_pages"]) / total if total else 0.0
         fields = {"running": load["running"], "queued": load["waiting"], "token_usage": round(usage, 4),
                   "prefill_throughput": round(prefill_per_s, 1), "gen_throughput": round(gen_per_s, 1)}
         spec = ""
-        if "spec_accept_length" in load:  # SGLang's wording where it speculates
-            fields["accept_length"] = round(load["spec_accept_length"], 2)
-            fields["accept_rate"] = round(load["spec_accept_rate"], 2)
+        if spec_figures is not None:  # SGLang's wording, where the worker speculates
+            fields["accept_length"], fields["accept_rate"] = (round(f, 2) for f in spec_figures)
             spec = f", accept len: {fields['accept_length']:.2f}, accept rate: {fields['accept_rate']:.2f}"
         log.info("#running-req: %d, #queue-req: %d, token usage: %.2f, prefill throughput (token/s): %.1f, "
                  "gen throughput (token/s): %.1f%s", load["running"], load["waiting"], usage, prefill_per_s, gen_per_s,

@@ -25,8 +25,10 @@ def pd(default_model_dir):
         prefills = [start_worker("prefill", str(default_model_dir), "--transfer-backend", "tcp") for _ in range(2)]
         paddrs = [a for _, a in prefills]
         decode_flags = [flag for a in paddrs for flag in ("--prefill", a)]
-        decodes = [start_worker("decode", str(default_model_dir), "--transfer-backend", "tcp", *decode_flags)
-                   for _ in range(2)]
+        # One decode worker speculates: streams move between a speculating worker and a plain one when killed.
+        decodes = [start_worker("decode", str(default_model_dir), "--transfer-backend", "tcp", *decode_flags,
+                                *(("--speculative-algorithm", "ngram") if i == 0 else ()))
+                   for i in range(2)]
         for proc, addr in prefills + decodes:
             system.workers[addr] = proc
         targets = decode_flags + [flag for _, a in decodes for flag in ("--decode", a)]
