@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.shared.config import CacheConfig, LoraConfig, RuntimeConfig, SchedulerConfig
+from pdserve.shared.config import CacheConfig, LoraConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.lora import SUPPORTED_TARGETS, LoraError
 from pdserve.shared.req import Req
@@ -44,10 +44,11 @@ def expected(default_model_dir, default_model_adapters, prompts) -> dict:
     return out
 
 
-def make_engine(model_dir, adapters, slots: int = 4, **lora) -> Engine:
+def make_engine(model_dir, adapters, slots: int = 4, speculative: SpeculativeConfig | None = None,
+                **lora) -> Engine:
     cfg = RuntimeConfig(model_path=str(model_dir), dtype="float32",
                         cache=CacheConfig(page_size=16, max_total_tokens=16 * 128),
-                        scheduler=SchedulerConfig(chunked_prefill_size=2048),
+                        scheduler=SchedulerConfig(chunked_prefill_size=2048), speculative=speculative,
                         lora=LoraConfig(paths=tuple(adapters.items()), max_loras_per_batch=slots, **lora))
     return Engine(cfg)
 
@@ -101,6 +102,15 @@ def test_one_batch_mixing_every_adapter_and_the_base_matches(engine, prompts, ex
     engine.flush_cache()
     jobs = [(name, ids) for ids in prompts for name in ADAPTERS]
     assert_matches(run(engine, jobs), jobs, expected, prompts)
+
+
+def test_speculative_decoding_keeps_every_adapters_output(default_model_dir, default_model_adapters, prompts,
+                                                          expected):
+    # One-token matches: drafts at nearly every step, so the verify steps carry adapter rows.
+    engine = make_engine(default_model_dir, default_model_adapters, speculative=SpeculativeConfig(min_match=1))
+    jobs = [(name, ids) for ids in prompts for name in ADAPTERS]
+    assert_matches(run(engine, jobs), jobs, expected, prompts)
+    assert engine.speculator.verify_steps > 0
 
 
 def test_prefix_cache_is_per_adapter(engine, prompts, expected):

@@ -106,3 +106,14 @@ def test_the_answer_is_the_plain_one_in_fewer_messages(served, expected, mode):
     status = requests.get(gw.url + "/status.json", timeout=30).json()
     shown = [w["spec"] for ws in status["workers"].values() for w in ws if w["spec"]]
     assert len(shown) == 1 and shown[0]["accept_length"] > 1.5
+
+
+def test_a_stop_string_ends_the_answer_where_plain_decoding_ends_it(served, expected):
+    # Drafts run past the stop string within one message; the client still gets the text up to it.
+    gateways, _ = served
+    ids, answer = expected
+    c = openai.OpenAI(base_url=gateways["colocated"].base, api_key="none", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    r = c.completions.create(model=model, prompt=ids, max_tokens=NEW_TOKENS, temperature=0, stop=["bicycle"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == answer[:answer.index("bicycle")]
