@@ -207,8 +207,7 @@ class Engine:
         try:
             batch = self.role.schedule()
         except PoolExhausted as exc:
-            for req in list(self.scheduler.running):
-                self.abort(req.rid, error=str(exc))
+            self.abort(exc.req.rid, error=str(exc))
             return
         if batch is None:
             return

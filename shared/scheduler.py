@@ -63,7 +63,11 @@ class IntegrityReport:
 
 
 class PoolExhausted(RuntimeError):
-    """A single request needs more pages than the pool can ever give it."""
+    """A single request (`req`, still running) needs more pages than the pool can ever give it."""
+
+    def __init__(self, message: str, req: Req) -> None:
+        super().__init__(message)
+        self.req = req
 
 
 class PageHolder(Protocol):
@@ -256,15 +260,16 @@ class Scheduler:
     def schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
-        # Every running request needs room for the KV of its newest token.
+        # Every running request needs room for the KV of its newest token. The newest running requests make room
+        # first; the last one left waits too when the pages are held elsewhere (a decode worker's reservations
+        # for prompts on their way hold them until those prompts run).
         for req in list(self.running):
             while req in self.running and not self.grow(req, req.seq_len):
-                victim = self.running[-1]
-                if victim is req and len(self.running) == 1:
+                if self._pages_for(req.seq_len) > self.allocator.num_pages:
                     raise PoolExhausted(
                         f"request {req.rid} needs {self._pages_for(req.seq_len)} KV pages but the pool has "
-                        f"{self.allocator.num_pages}; raise --max-total-tokens")
-                self.retract(victim)
+                        f"{self.allocator.num_pages}; raise --max-total-tokens", req)
+                self.retract(self.running[-1])
         if not self.running:
             return None
         return Batch(list(self.running), is_decode=True, extend_lens=[1] * len(self.running))

@@ -170,6 +170,23 @@ def test_decode_role_retraction_recomputes_the_request_here_and_every_stream_com
     assert engine.scheduler.check_integrity().held == 0
 
 
+def test_decode_role_a_lone_request_waits_for_pages_held_by_reservations():
+    # 8 pages of 4 tokens: r0 grows to 5 pages while r1's prompt has 4 reserved, waiting for its KV. r0 cannot
+    # grow, and is the only one running: it waits (retracted) instead of failing as if the pool were too small.
+    engine, outputs = make_engine(page_size=4, num_pages=8, role=Role.DECODE), {}
+    engine.add_request(make_req("r0", [1, 2, 3, 4], outputs, max_new_tokens=16))
+    engine.role.kv_ready("r0", [FirstToken(5)], 0)
+    engine.add_request(make_req("r1", list(range(101, 117)), outputs, max_new_tokens=2))
+    for _ in range(30):
+        engine.step()
+    assert ("r0", 0) in outputs and not any(o.finish_reason for o in outputs[("r0", 0)])
+    engine.role.kv_ready("r1", [FirstToken(117)], 0)
+    run_until_idle(engine, max_steps=500)
+    assert tokens_of(outputs, "r0") == list(range(5, 21)) and finish_of(outputs, "r0").finish_reason == "length"
+    assert tokens_of(outputs, "r1") == [117, 118] and finish_of(outputs, "r1").finish_reason == "length"
+    assert_integrity(engine)
+
+
 def test_a_request_larger_than_the_pool_fails_clearly():
     engine, outputs = make_engine(page_size=4, num_pages=3), {}
     engine.add_request(make_req("big", [1, 2, 3], outputs, max_new_tokens=50, ignore_eos=True))
