@@ -167,15 +167,24 @@ class ModelRunner:
             lora_slots.extend([req.lora_slot] * n)
         max_pages = max(len(r.pages) for r in batch.reqs)
         table = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.reqs]
+        extend_lens, is_decode = batch.extend_lens, batch.is_decode
+        if batch.drafts is not None:
+            # A verify batch runs as a decode batch of one row per token: the token at position p attends to the
+            # request's first p + 1 positions (its drafts' KV is stored before attention, as a decode row's is).
+            # Decode attention does this in one pass where extend attention cost 3x more at these sizes.
+            table = [row for row, n in zip(table, extend_lens) for _ in range(n)]
+            seq_lens = [p + 1 for p in positions]
+            q_start = list(range(len(ids)))
+            extend_lens, is_decode = [1] * len(ids), True
         dev = self.device
         return ForwardBatch(
-            is_decode=batch.is_decode,
+            is_decode=is_decode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             page_table=torch.tensor(table, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int32, device=dev),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=dev),
             q_start=torch.tensor(q_start, dtype=torch.int32, device=dev),
             last_rows=torch.tensor(last_rows + prompt_rows, dtype=torch.int64, device=dev),
             lora_slots=(torch.tensor(lora_slots, dtype=torch.int32, device=dev)

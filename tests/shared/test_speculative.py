@@ -153,6 +153,17 @@ def test_every_request_option_gives_the_same_output_with_speculation(engines, to
     json.loads(tokenizer.decode(spec[("grammar", 0)]["tokens"], skip_special_tokens=True))
 
 
+def test_verify_steps_on_the_static_decode_buffers_give_the_same_tokens(default_model_dir, engines, tokenizer):
+    # A verify batch runs as a decode batch of one row per token, so it runs on the bucketed buffers that CUDA
+    # graphs capture on a GPU ("static": the same path without capture, on the CPU).
+    engine = Engine(RuntimeConfig(model_path=str(default_model_dir), dtype="float32", decode_graphs="static",
+                                  cache=CacheConfig(page_size=16, max_total_tokens=16 * 512),
+                                  speculative=SpeculativeConfig()))
+    requests = {"copy": (chat(tokenizer, COPY), SamplingParams(temperature=0, max_new_tokens=40))}
+    assert generate(engine, requests)[("copy", 0)]["tokens"] == generate(engines[False], requests)[("copy", 0)]["tokens"]
+    assert engine.speculator.verify_steps > 0
+
+
 def test_seeded_sampling_draws_the_same_tokens_seed_by_seed(engines, tokenizer):
     ids = chat(tokenizer, COPY)
     requests = {f"seed-{seed}": (ids, SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=seed,
