@@ -209,11 +209,15 @@ class Speculator:
             row += n
         accepted = [0] * len(reqs)
         drafting = sum(1 for d in drafts if d)
+        ahead = self._sample_ahead(batch, logits, offsets)
         live, pos = list(range(len(reqs))), 0
         while live:
-            tokens, logprobs = engine.sample(logits, [offsets[i] + pos for i in live], [reqs[i] for i in live])
+            now = [i for i in live if i not in ahead]
+            sampled = dict(zip(now, zip(*engine.sample(logits, [offsets[i] + pos for i in now],
+                                                        [reqs[i] for i in now])))) if now else {}
             going = []
-            for i, token, logprob in zip(live, tokens, logprobs):
+            for i in live:
+                token, logprob = (ahead[i][pos], None) if i in ahead else sampled[i]
                 req = reqs[i]
                 req.num_computed += 1  # the KV of the token fed at this position holds
                 engine.append_token(req, token, logprob)
@@ -237,6 +241,22 @@ class Speculator:
         self.recent.append((drafting, drafted, gained))
         engine.emit_all(reqs)
 
+    def _sample_ahead(self, batch: Batch, logits: torch.Tensor, offsets: list[int]) -> dict[int, list[int]]:
+        """The tokens of every position at once (by batch index) for the requests whose choice at a position does
+        not depend on the tokens chosen before it in this step: greedy, no penalty, no min_tokens ban left, no
+        grammar, no logprobs. One sampler call for all their rows, where position by position took one per
+        position; the same function of each row's logits either way."""
+        chosen = [i for i, (req, draft) in enumerate(zip(batch.reqs, batch.drafts)) if draft and _row_wise(req)]
+        if not chosen:
+            return {}
+        rows = [offsets[i] + j for i in chosen for j in range(batch.extend_lens[i])]
+        owners = [batch.reqs[i] for i in chosen for _ in range(batch.extend_lens[i])]
+        tokens, _ = self.engine.sample(logits, rows, owners)
+        ahead, at = {}, 0
+        for i in chosen:
+            ahead[i], at = tokens[at:at + batch.extend_lens[i]], at + batch.extend_lens[i]
+        return ahead
+
     def figures(self) -> tuple[float, float]:
         """SGLang's figures over the latest verify steps (see `acceptance`)."""
         return acceptance(*(sum(column) for column in zip(*self.recent))) if self.recent else (1.0, 0.0)
@@ -245,3 +265,10 @@ class Speculator:
         return {"spec_drafting_reqs": self.drafting_reqs, "spec_draft_tokens": self.drafted_tokens,
                 "spec_accepted_tokens": self.accepted_tokens}
 
+
+
+def _row_wise(req: Req) -> bool:
+    """Its token at a position is a function of that position's logits alone (see `_sample_ahead`)."""
+    p = req.params
+    return (p.is_greedy and not p.has_penalty and req.grammar is None and len(req.output_ids) >= p.min_new_tokens
+            and not p.return_logprob and not p.top_logprobs_num)
