@@ -5,9 +5,11 @@ that `F.linear` does on every call. Measured on the default model's shapes in bf
 batch 1, 1.1-1.3x at 32-64 tokens, results bit-identical to `F.linear`. Elsewhere (CUDA, fp16, or a
 CPU whose oneDNN cannot pack the dtype) it is a plain `F.linear`.
 
-A step of at most GEMV_MAX_ROWS tokens (decoding one or a few sequences) only streams the weights once, and
-there the native bf16 GEMV (kernels/native/gemv.cpp) reads them 1.5-2.7x faster than oneDNN; the layer keeps
-the plain bf16 weight for it beside the packed one.
+A step of at most GEMV_MAX_ROWS[dtype] tokens (decoding one or a few sequences) only streams the weights once,
+and there the native GEMV (kernels/native/gemv.cpp) reads them faster than oneDNN: bf16 1.5-2.7x at 1-4 rows
+(AVX512-BF16), fp32 1.6-1.7x at one row on an AVX2 build, which loses to oneDNN's AVX2 kernel at four (0.8-1.3x,
+README "Native kernels on AVX2-only CPUs"), so fp32 takes it up to two rows. The layer keeps the plain weight for
+it beside the packed one.
 
 Wide steps (prefill, at least WIDE_MIN_ROWS tokens) are bound by arithmetic, and how bf16 compares with fp32
 there depends on the CPU. With AMX tiles bf16 multiplies 4-10x faster than fp32; on AMD's AVX512-BF16 cores
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 # accumulates in a different order, from 8 rows up (measured for M = 1..600 on the default model's shapes); every M >= 8 gives each row
 # the same bits. A batch-invariant Linear therefore pads its input to 8 rows.
 BATCH_INVARIANT_MIN_ROWS = 8
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 2}  # where the native GEMV runs, when the build has it
 # From this many rows a step may run its bf16 matmuls in fp32 (see above); below, bf16 measured as fast or
 # faster (0.74x at 8 rows, 1.05x at 32, 1.24x at 64, 1.45x at 256 on the 2-core Xeon).
 WIDE_MIN_ROWS = 64
@@ -58,6 +60,7 @@ class Linear:
         # The GEMV sums in another order than oneDNN, so a batch-invariant layer never uses it.
         self._gemv_weight = None if batch_invariant else _gemv_weight(weight)
         self._gemv = native.load().gemv if self._gemv_weight is not None else None
+        self._gemv_rows = GEMV_MAX_ROWS.get(weight.dtype, 0)
         # Batch-invariant layers never switch kernels with the number of rows.
         wide = self._packed is not None and weight.dtype == torch.bfloat16 and not batch_invariant and wide_f32_pays()
         self._packed_f32 = _pack(weight.float()) if wide else None
@@ -69,7 +72,7 @@ class Linear:
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self._gemv_weight is not None and 0 < rows <= GEMV_MAX_ROWS:
+        if self._gemv_weight is not None and 0 < rows <= self._gemv_rows:
             out = self._gemv(x.contiguous(), self._gemv_weight)
             return out if self.bias is None else out.add_(self.bias)
         if rows < self.min_rows:
@@ -107,8 +110,9 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain weight the native GEMV reads, where it can run: CPU, bf16, a CPU with AVX512-BF16."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    """The plain weight the native GEMV reads, where it can run: CPU; bf16 on AVX512-BF16, bf16 or fp32 on an AVX2
+    build (gemv_supported says which)."""
+    if weight.device.type != "cpu" or weight.dtype not in GEMV_MAX_ROWS:
         return None
     try:
         lib = native.load()

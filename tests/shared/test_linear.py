@@ -126,18 +126,36 @@ def test_few_rows_take_the_native_gemv_and_match_a_float64_reference(dtype, bias
 def test_rows_do_not_depend_on_the_other_rows_or_threads(dtype):
     if not gemv_runs(dtype):
         pytest.skip(f"this native build has no {dtype} GEMV")
+    from pdserve.shared.linear import GEMV_MAX_ROWS
+
     torch.manual_seed(3)
     weight = (torch.randn(200, 576) * 0.05).to(dtype)
-    x = torch.randn(4, 576, dtype=dtype)
+    rows = GEMV_MAX_ROWS[dtype]  # as many as the GEMV takes together
+    x = torch.randn(rows, 576, dtype=dtype)
     lin = Linear(weight)
     together = lin(x)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([lin(x[i:i + 1]) for i in range(4)])
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gemv_takes_the_rows_where_it_measured_faster(dtype):
+    from pdserve.shared import linear
+
+    if not gemv_runs(dtype):
+        pytest.skip(f"this native build has no {dtype} GEMV")
+    lin = Linear((torch.randn(64, 576) * 0.05).to(dtype))
+    called: list[int] = []
+    gemv = lin._gemv
+    lin._gemv = lambda x, w: called.append(x.shape[0]) or gemv(x, w)
+    for rows in range(1, 7):
+        lin(torch.randn(rows, 576, dtype=dtype))
+    assert called == list(range(1, linear.GEMV_MAX_ROWS[dtype] + 1))  # fp32: 1-2 rows, bf16: 1-4
 
 
 def test_batch_invariant_layers_never_take_the_gemv():
