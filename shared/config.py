@@ -212,6 +212,10 @@ class SchedulerConfig:
     # Colocated: a step that prefills new prompts also decodes the running requests, so arrivals do not stall
     # them (SGLang's --enable-mixed-chunk). Off by default: it lowers TTFT but measured 2-3 % less throughput.
     mixed_prefill: bool = False
+    # Decode role: a prompt whose uncached rest is at most this many tokens is computed on the decode worker after
+    # the prefix its cache holds (a conversation's next turn: the earlier turns' prompt and output are there),
+    # instead of by a prefill worker, which would compute the earlier output again and send the whole KV. 0: never.
+    local_prefill_max_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "lpm"):

@@ -3,9 +3,11 @@
 A request goes to a `Pair`: the worker it streams from (colocated, or decode in PD mode) and, in PD mode,
 the prefill worker that computes its prompt. `cache_aware` sends a prompt to the worker that last saw its
 longest known prefix (its radix cache probably still holds those pages) unless that worker is clearly
-busier than the least loaded one; decode workers are picked by load and free KV pages. `round_robin`
-ignores both, for comparison. The prefix table is the router's only state: a bounded LRU map from hashes
-of leading pages of token ids to the worker address that last served them.
+busier than the least loaded one. Decode workers the same way, from a table of their own, among those with
+room for the prompt: a decode worker holds the KV of the conversations it decoded (prompt and output), and
+computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwise by load and free KV
+pages. `round_robin` ignores both, for comparison. The prefix tables are the router's only state: bounded
+LRU maps from hashes of leading pages of token ids to the worker address that last served them.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ class Router:
         self.balance_rel = balance_rel
         self.max_prefix_pages = max_prefix_pages
         self.table_size = table_size
-        self.prefixes: OrderedDict[int, str] = OrderedDict()
+        self.prefixes: OrderedDict[int, str] = OrderedDict()  # colocated or prefill workers
+        self.decode_prefixes: OrderedDict[int, str] = OrderedDict()
         pool.on_rejoin.append(self.forget)  # a worker back after a failure may have restarted with an empty cache
         self._turn = count()
 
@@ -65,33 +68,37 @@ class Router:
         if not decodes:
             raise NoWorker("no healthy decode worker")
         prefill = self._pick_cache_worker(cache_workers, input_ids)
-        return Pair(self._pick_decode(decodes, len(input_ids)), prefill)
+        return Pair(self._pick_decode(decodes, input_ids), prefill)
 
     # ------------------------------------------------------------ policies
     def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> Worker:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)]
+        least = min(workers, key=lambda w: (load_of(w), w.address))
+        return self._by_prefix(workers, input_ids, least, self.prefixes)
+
+    def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> Worker:
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)]
+        roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)]
+        least = min(roomy or workers, key=lambda w: (load_of(w), -w.free_pages, w.address))
+        return self._by_prefix(roomy or workers, input_ids, least, self.decode_prefixes)
+
+    def _by_prefix(self, workers: list[Worker], input_ids: list[int], least: Worker,
+                   table: OrderedDict[int, str]) -> Worker:
+        """The worker of `table` that last served the prompt's longest known prefix, unless it is clearly busier
+        than `least` (then `least`); the choice becomes the owner of the prompt's prefixes."""
         by_address = {w.address: w for w in workers}
         hashes = self._prefix_hashes(input_ids, workers[0].page_size)
-        least = min(workers, key=lambda w: (load_of(w), w.address))
         chosen = least
         for h in reversed(hashes):  # longest known prefix first
-            owner = by_address.get(self.prefixes.get(h, ""))
+            owner = by_address.get(table.get(h, ""))
             if owner is not None:
                 if self._balanced(owner, least):
                     chosen = owner
                 break
-        self._remember(hashes, chosen.address)
+        self._remember(hashes, chosen.address, table)
         return chosen
-
-    def _pick_decode(self, workers: list[Worker], prompt_len: int) -> Worker:
-        if self.policy == "round_robin":
-            return workers[next(self._turn) % len(workers)]
-
-        def key(w: Worker) -> tuple:
-            fits = w.free_pages * w.page_size > prompt_len
-            return (not fits, load_of(w), -w.free_pages, w.address)
-        return min(workers, key=key)
 
     def _balanced(self, owner: Worker, least: Worker) -> bool:
         a, b = load_of(owner), load_of(least)
@@ -108,14 +115,15 @@ class Router:
             hashes.append(h)
         return hashes
 
-    def _remember(self, hashes: list[int], address: str) -> None:
+    def _remember(self, hashes: list[int], address: str, table: OrderedDict[int, str]) -> None:
         for h in hashes:
-            self.prefixes[h] = address
-            self.prefixes.move_to_end(h)
-        while len(self.prefixes) > self.table_size:
-            self.prefixes.popitem(last=False)
+            table[h] = address
+            table.move_to_end(h)
+        while len(table) > self.table_size:
+            table.popitem(last=False)
 
     def forget(self, address: str) -> None:
         """Drop every prefix owned by `address` (its cache was flushed or it restarted)."""
-        for h in [h for h, a in self.prefixes.items() if a == address]:
-            del self.prefixes[h]
+        for table in (self.prefixes, self.decode_prefixes):
+            for h in [h for h, a in table.items() if a == address]:
+                del table[h]

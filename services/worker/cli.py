@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     if command in ("colocated", "decode"):
         add_speculative_arguments(parser)
     if command == "decode":
+        parser.add_argument("--local-prefill-max-tokens", type=int, default=sched.local_prefill_max_tokens,
+                            metavar="TOKENS", help="compute a prompt here, not on a prefill worker, when this "
+                            "worker's prefix cache holds all of it but at most this many tokens (a conversation's "
+                            "next turn); 0: never")
         parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
 
@@ -167,7 +171,8 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
         scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy,
-                                  mixed_prefill=args.enable_mixed_chunk),
+                                  mixed_prefill=args.enable_mixed_chunk,
+                                  local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens", 0)),
         lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
         is_embedding=getattr(args, "is_embedding", False),
         speculative=speculative_config(args),

@@ -1,5 +1,8 @@
 """The decode role: reserve pages for a prompt, let a prefill worker fill them, then decode.
 
+A prompt whose prefix this worker's cache holds but for a few tokens (a conversation's next turn) is computed
+here instead, as a colocated worker computes it (`prefills_here`).
+
 Lifecycle of one request: `queue` -> WAITING_FOR_PAGES (`reserving`) -> pages reserved, `on_pages_reserved`
 tells the worker service to call prefill -> WAITING_FOR_KV (`awaiting_kv`) -> `kv_ready` (the prefill call
 answered with the first tokens) -> RUNNING in the scheduler's batch -> FINISHED. A request retracted when
@@ -39,16 +42,28 @@ class DecodeRole(ColocatedRole):
         return 0.002 if self.awaiting_kv else 0.05
 
     def queue(self, req: Req) -> None:
+        if self.prefills_here(req):
+            self.scheduler.add(req)  # computed here after its cached prefix, as a retracted request is
+            return
         req.status = ReqStatus.WAITING_FOR_PAGES
         self.reserving.append(req)
         self.reserve()
+
+    def prefills_here(self, req: Req) -> bool:
+        """The cache holds the prompt but for a few tokens (SchedulerConfig.local_prefill_max_tokens)."""
+        s = self.scheduler
+        limit = s.config.local_prefill_max_tokens
+        if limit <= 0 or len(req.input_ids) <= s.page_size:
+            return False
+        cached = len(s.cache.match_prefix(req.input_ids, namespace=req.cache_namespace).pages) * s.page_size
+        return cached > 0 and len(req.input_ids) - cached <= limit
 
     def before_step(self) -> None:
         self.reserve()
 
     def schedule(self) -> Batch | None:
-        # Prompts come prefilled, so the scheduler's waiting queue holds only requests retracted when pages ran
-        # out: they are computed again here (prompt and output so far), as on a colocated worker.
+        # The scheduler's waiting queue holds the requests computed here: retracted when pages ran out (prompt
+        # and output so far), and prompts whose prefix this worker's cache holds (`prefills_here`).
         return self.scheduler.schedule_mixed()
 
     def has_work(self) -> bool:

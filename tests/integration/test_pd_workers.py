@@ -40,7 +40,10 @@ def prompts(tokenizer):
 def start_pair(backend: str, *extra: str):
     prefill, paddr = start_worker("prefill", None, *FP32, "--transfer-backend", backend, *extra)
     prefill.wait_healthy()
-    decode, daddr = start_worker("decode", None, *FP32, "--transfer-backend", backend, "--prefill", paddr, *extra)
+    # Every prompt goes through the prefill worker, even one whose prefix this decode worker holds: these tests
+    # are about that path (test_pd.py covers prompts a decode worker computes itself).
+    decode, daddr = start_worker("decode", None, *FP32, "--transfer-backend", backend, "--prefill", paddr,
+                                 "--local-prefill-max-tokens", "0", *extra)
     decode.wait_healthy()
     return prefill, paddr, decode, daddr
 

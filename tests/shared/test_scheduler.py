@@ -187,6 +187,34 @@ def test_decode_role_a_lone_request_waits_for_pages_held_by_reservations():
     assert_integrity(engine)
 
 
+def test_decode_role_computes_a_next_turn_itself_from_the_conversation_it_holds():
+    engine, outputs = make_engine(page_size=4, role=Role.DECODE, local_prefill_max_tokens=10), {}
+    reserved: list[Req] = []
+    first = make_req("t1", list(range(1, 13)), outputs, max_new_tokens=8)
+    first.on_pages_reserved = reserved.append
+    engine.add_request(first)
+    engine.role.kv_ready("t1", [FirstToken(13)], 0)
+    run_until_idle(engine)
+    assert tokens_of(outputs, "t1") == list(range(13, 21)) and reserved == [first]
+    # The next turn: the whole first exchange, then 5 new tokens. This worker's cache holds 16 of its 25 tokens
+    # (whole pages of what it computed; the last output token's KV never was): it computes the other 9 itself,
+    # and no prefill worker is asked.
+    second = make_req("t2", list(range(1, 21)) + [100, 101, 102, 103, 104], outputs, max_new_tokens=3)
+    second.on_pages_reserved = reserved.append
+    engine.runner.computed.clear()
+    engine.add_request(second)
+    run_until_idle(engine)
+    assert reserved == [first]
+    assert tokens_of(outputs, "t2") == [105, 106, 107]
+    assert engine.runner.computed[0] == ("t2", 16, 9) and outputs[("t2", 0)][0].cached_tokens == 16
+    # A prompt whose uncached rest is longer than the limit goes to a prefill worker as before.
+    third = make_req("t3", list(range(1, 21)) + list(range(200, 212)), outputs, max_new_tokens=1)
+    third.on_pages_reserved = reserved.append
+    engine.add_request(third)
+    assert reserved == [first, third]
+    assert_integrity(engine)
+
+
 def test_a_request_larger_than_the_pool_fails_clearly():
     engine, outputs = make_engine(page_size=4, num_pages=3), {}
     engine.add_request(make_req("big", [1, 2, 3], outputs, max_new_tokens=50, ignore_eos=True))

@@ -99,6 +99,29 @@ def test_pd_a_responses_chain_is_prefilled_from_the_cache_of_the_worker_holding_
     assert second.output_text
 
 
+def prompt_tokens(proc) -> float:
+    text = requests.get(proc.health_url.replace("/health", "/metrics"), timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:prompt_tokens_total"))
+
+
+def test_pd_a_conversations_next_turn_is_computed_by_the_decode_worker_holding_it(pd):
+    # The decode worker that decoded the first exchange holds its KV, output included: the router sends the next
+    # turn back to it, and it computes the few new tokens itself; no prefill worker computes the turn again.
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    first = c.responses.create(model="default", input="My name is Grace and I write compilers. Greet me.",
+                               temperature=0, max_output_tokens=24)
+    before = {a: prompt_tokens(system.workers[a]) for a in paddrs + daddrs}
+    second = c.responses.create(model="default", input="What do I write?", previous_response_id=first.id,
+                                temperature=0, max_output_tokens=8)
+    after = {a: prompt_tokens(system.workers[a]) for a in paddrs + daddrs}
+    assert [after[a] - before[a] for a in paddrs] == [0, 0]
+    assert sum(after[a] - before[a] for a in daddrs) == second.usage.input_tokens
+    exchange = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= (exchange - 1) // 16 * 16
+    assert second.output_text
+
+
 async def test_killing_workers_mid_run(pd):
     system, gw, paddrs, daddrs = pd
     c = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)

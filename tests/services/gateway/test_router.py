@@ -69,6 +69,23 @@ def test_pd_pairs_prefill_by_affinity_and_decode_by_load_and_free_pages():
     assert router.choose(prompt(3, pages=8)).generate is decodes[1]
 
 
+def test_pd_sends_a_conversations_next_turn_to_the_decode_worker_that_holds_it():
+    # The decode worker keeps the KV of what it decoded (prompt and output): the next turn, whose prompt starts
+    # with that conversation, goes back to it, unless it is clearly busier or has no room for the prompt.
+    pool = make_pool("pd", {"prefill": 2, "decode": 3})
+    router = Router(pool, balance_abs=2, balance_rel=1.5)
+    turn = prompt(1)
+    holder = router.choose(turn).generate
+    holder.in_flight = 2  # busier than the others, but not clearly
+    turn = turn + [9] * 40
+    assert router.choose(turn).generate is holder
+    holder.in_flight = 10
+    assert router.choose(turn + [8] * 40).generate is not holder
+    holder.in_flight = 0
+    holder.load = pb.LoadReply(free_pages=1, total_pages=100)
+    assert router.choose(turn + [7] * 40).generate is not holder
+
+
 def test_round_robin_cycles_over_healthy_workers_only():
     pool = make_pool("colocated", {"colocated": 3})
     router = Router(pool, "round_robin")

@@ -130,7 +130,10 @@ def pd(default_model_dir):
     system = System()
     try:
         prefill, paddr = start_worker("prefill", str(default_model_dir), *common)
-        decode, daddr = start_worker("decode", str(default_model_dir), *common, "--prefill", paddr)
+        # The same prompt twice: both through the prefill worker (the decode worker would compute the second
+        # itself from its cache, test_pd.py), so that the split of the metrics shows.
+        decode, daddr = start_worker("decode", str(default_model_dir), *common, "--prefill", paddr,
+                                     "--local-prefill-max-tokens", "0")
         system.workers.update({paddr: prefill, daddr: decode})
         gw = start_gateway(default_model_dir, "--prefill", paddr, "--decode", daddr, "--api-key", API_KEY)
         system.gateways.append(gw)
