@@ -5,6 +5,8 @@ System: a tiny random Llama (colocated) and all-MiniLM-L6-v2 (encoder worker) be
 """
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import requests
@@ -27,6 +29,11 @@ def two_models(tiny_models, minilm_dir):
         system.gateways.append(gw)
         for proc in (gen, emb, gw.proc):  # generous: two workers load at once on a busy 2-core machine
             proc.wait_healthy(240)
+        # The gateway is healthy once its own model's worker is; the embedding worker joins at its next round.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and requests.post(
+                gw.url + "/encode", json={"model": MINILM, "text": "ready?"}, timeout=60).status_code != 200:
+            time.sleep(0.5)
         yield llama, minilm_dir, gw
     finally:
         system.stop()

@@ -10,11 +10,12 @@ from pdserve.shared.engine import StepStats
 
 
 class Engine:
-    """What StatsLine reads of an Engine: load() and stats, through call()."""
+    """What StatsLine reads of an Engine: load(), stats and the speculator, through call()."""
 
     def __init__(self) -> None:
         self.stats = StepStats()
         self.running = self.waiting = 0
+        self.speculator = None
 
     def load(self) -> dict[str, int]:
         return {"running": self.running, "waiting": self.waiting, "free_pages": 75, "total_pages": 100,
@@ -57,3 +58,21 @@ async def test_a_busy_engine_that_does_not_answer_in_time_skips_a_line(caplog):
     line = StatsLine(Stuck(), 0.05)
     await line.tick()
     assert not caplog.records
+
+
+class Speculator:
+    def figures(self) -> tuple[float, float]:
+        return 3.456, 0.61
+
+
+async def test_a_speculating_worker_adds_its_accept_length_and_rate(caplog):
+    caplog.set_level(logging.INFO, "pdserve.worker")
+    engine = Engine()
+    engine.speculator = Speculator()
+    engine.running = 1
+    engine.stats.decode_tokens = 30
+    line = StatsLine(engine, 10.0)
+    await line.tick()
+    record = caplog.records[-1]
+    assert record.getMessage().endswith("accept len: 3.46, accept rate: 0.61")
+    assert (record.accept_length, record.accept_rate) == (3.46, 0.61)
