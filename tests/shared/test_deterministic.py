@@ -31,18 +31,6 @@ def make_engine(model_dir, chunk: int = 2048, deterministic: bool = True, mixed:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-def chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
-
-
-@pytest.fixture(scope="module")
 def engine(default_model_dir) -> Engine:
     return make_engine(default_model_dir)
 
@@ -77,44 +65,44 @@ def run(engine: Engine, prompts: dict[str, list[int]], join_later: dict[str, lis
 
 
 @pytest.fixture(scope="module")
-def alone(engine, tokenizer) -> list[tuple[int, float]]:
+def alone(engine, chat) -> list[tuple[int, float]]:
     engine.flush_cache()
-    return run(engine, {"a": chat(tokenizer, QUESTION)})["a"]
+    return run(engine, {"a": chat(QUESTION)})["a"]
 
 
-def test_alone_is_repeatable(engine, tokenizer, alone):
+def test_alone_is_repeatable(engine, chat, alone):
     engine.flush_cache()
-    assert run(engine, {"a": chat(tokenizer, QUESTION)})["a"] == alone
+    assert run(engine, {"a": chat(QUESTION)})["a"] == alone
 
 
-def test_inside_a_busy_batch(engine, tokenizer, alone):
+def test_inside_a_busy_batch(engine, chat, alone):
     engine.flush_cache()
-    first = {f"o{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS[:3])}
-    later = {f"l{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS[3:])}
-    got = run(engine, {**first, "a": chat(tokenizer, QUESTION)}, join_later=later)
+    first = {f"o{i}": chat(t) for i, t in enumerate(OTHERS[:3])}
+    later = {f"l{i}": chat(t) for i, t in enumerate(OTHERS[3:])}
+    got = run(engine, {**first, "a": chat(QUESTION)}, join_later=later)
     assert got["a"] == alone
 
 
-def test_beside_prefills_in_mixed_batches(default_model_dir, tokenizer, alone):
+def test_beside_prefills_in_mixed_batches(default_model_dir, chat, alone):
     engine = make_engine(default_model_dir, mixed=True)
-    later = {f"l{i}": chat(tokenizer, t) for i, t in enumerate(OTHERS)}
-    got = run(engine, {"a": chat(tokenizer, QUESTION)}, join_later=later, join_after_steps=4)
+    later = {f"l{i}": chat(t) for i, t in enumerate(OTHERS)}
+    got = run(engine, {"a": chat(QUESTION)}, join_later=later, join_after_steps=4)
     assert got["a"] == alone
 
 
-def test_after_a_partial_prefix_hit(engine, tokenizer, alone):
+def test_after_a_partial_prefix_hit(engine, chat, alone):
     engine.flush_cache()
-    prompt = chat(tokenizer, QUESTION)
-    run(engine, {"warm": prompt[:len(prompt) - 5] + chat(tokenizer, "unrelated")[:3]})  # shares all but the tail
+    prompt = chat(QUESTION)
+    run(engine, {"warm": prompt[:len(prompt) - 5] + chat("unrelated")[:3]})  # shares all but the tail
     cached: dict[str, int] = {}
     got = run(engine, {"a": prompt}, cached=cached)
     assert 16 <= cached["a"] < len(prompt)  # whole pages of the shared part came from the cache
     assert got["a"] == alone
 
 
-def test_chunked_prefill(default_model_dir, tokenizer, alone):
+def test_chunked_prefill(default_model_dir, chat, alone):
     engine = make_engine(default_model_dir, chunk=16)
-    got = run(engine, {"a": chat(tokenizer, QUESTION), "b": chat(tokenizer, OTHERS[-1])})
+    got = run(engine, {"a": chat(QUESTION), "b": chat(OTHERS[-1])})
     assert got["a"] == alone
 
 

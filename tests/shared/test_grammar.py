@@ -22,22 +22,10 @@ ANSWER_EBNF = 'root ::= "The answer is " ("yes" | "no") "."'
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
 def engine(default_model_dir) -> Engine:
     cfg = RuntimeConfig(model_path=str(default_model_dir), dtype="bfloat16",
                         cache=CacheConfig(page_size=16, max_total_tokens=16 * 256))
     return Engine(cfg)
-
-
-def chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
 
 
 def generate(engine: Engine, prompts: dict[str, tuple[list[int], SamplingParams]]) -> dict[tuple[str, int], tuple]:
@@ -57,15 +45,15 @@ def generate(engine: Engine, prompts: dict[str, tuple[list[int], SamplingParams]
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def test_sampled_outputs_obey_every_kind_of_grammar(engine, tokenizer):
+def test_sampled_outputs_obey_every_kind_of_grammar(engine, chat, tokenizer):
     city = json.dumps(CITY)
     prompts = {}
     for seed in range(6):
         sampling = dict(temperature=1.0, seed=seed, max_new_tokens=64)
-        prompts[f"json-{seed}"] = (chat(tokenizer, "Describe Paris as JSON."), SamplingParams(json_schema=city, **sampling))
-        prompts[f"regex-{seed}"] = (chat(tokenizer, "Give me a phone number."), SamplingParams(regex=PHONE, **sampling))
-        prompts[f"ebnf-{seed}"] = (chat(tokenizer, "Is the sky blue?"), SamplingParams(ebnf=ANSWER_EBNF, **sampling))
-    prompts["free"] = (chat(tokenizer, "Say hi."), SamplingParams(temperature=0, max_new_tokens=8))
+        prompts[f"json-{seed}"] = (chat("Describe Paris as JSON."), SamplingParams(json_schema=city, **sampling))
+        prompts[f"regex-{seed}"] = (chat("Give me a phone number."), SamplingParams(regex=PHONE, **sampling))
+        prompts[f"ebnf-{seed}"] = (chat("Is the sky blue?"), SamplingParams(ebnf=ANSWER_EBNF, **sampling))
+    prompts["free"] = (chat("Say hi."), SamplingParams(temperature=0, max_new_tokens=8))
     results = generate(engine, prompts)
     for (rid, _), (ids, finish) in results.items():
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -79,28 +67,28 @@ def test_sampled_outputs_obey_every_kind_of_grammar(engine, tokenizer):
             assert finish == "stop", (rid, text)  # the grammar completed, then its end (eos) was the only choice
 
 
-def test_forks_keep_their_own_grammar_state(engine, tokenizer):
+def test_forks_keep_their_own_grammar_state(engine, chat, tokenizer):
     params = SamplingParams(temperature=1.0, seed=3, n=4, max_new_tokens=16, regex=r"(red|green|blue)( and (red|green|blue))?")
-    results = generate(engine, {"n": (chat(tokenizer, "Name colors."), params)})
+    results = generate(engine, {"n": (chat("Name colors."), params)})
     assert len(results) == 4
     for ids, finish in results.values():
         assert re.fullmatch(params.regex, tokenizer.decode(ids, skip_special_tokens=True)) and finish == "stop"
 
 
-def test_ignore_eos_still_ends_when_the_grammar_is_complete(engine, tokenizer):
+def test_ignore_eos_still_ends_when_the_grammar_is_complete(engine, chat, tokenizer):
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, regex="(yes|no)")
-    [(ids, finish)] = generate(engine, {"a": (chat(tokenizer, "Yes or no?"), params)}).values()
+    [(ids, finish)] = generate(engine, {"a": (chat("Yes or no?"), params)}).values()
     assert tokenizer.decode(ids, skip_special_tokens=True) in ("yes", "no") and finish == "stop"
 
 
-def test_a_grammar_longer_than_max_tokens_ends_with_length(engine, tokenizer):
+def test_a_grammar_longer_than_max_tokens_ends_with_length(engine, chat):
     params = SamplingParams(temperature=0, max_new_tokens=3, regex=r"[a-z]{30}")
-    [(ids, finish)] = generate(engine, {"a": (chat(tokenizer, "Letters please."), params)}).values()
+    [(ids, finish)] = generate(engine, {"a": (chat("Letters please."), params)}).values()
     assert len(ids) == 3 and finish == "length"
 
 
-def test_logit_bias_steers_the_model(engine, tokenizer):
-    ids = chat(tokenizer, "What is the capital of France?")
+def test_logit_bias_steers_the_model(engine, chat):
+    ids = chat("What is the capital of France?")
     [(plain, _)] = generate(engine, {"a": (ids, SamplingParams(temperature=0, max_new_tokens=1))}).values()
     banned = SamplingParams(temperature=0, max_new_tokens=1, logit_bias={plain[0]: -100})
     [(steered, _)] = generate(engine, {"b": (ids, banned)}).values()
@@ -127,9 +115,9 @@ def test_structural_tag_constrains_only_inside_its_tags(engine):
     assert engine.compile_grammar(SamplingParams(structural_tag=json.dumps(tag))) is not None
 
 
-def test_grammar_holds_after_the_reasoning_section(engine, tokenizer):
+def test_grammar_holds_after_the_reasoning_section(engine, chat, tokenizer):
     """As with a reasoning parser: free text until the end-of-thinking tokens, the grammar after them."""
-    ids = chat(tokenizer, "Give me a phone number.")
+    ids = chat("Give me a phone number.")
     [(free, _)] = generate(engine, {"free": (ids, SamplingParams(temperature=0, max_new_tokens=3))}).values()
     a, b = free[0], free[1]
     cases = {

@@ -24,13 +24,6 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for q in QUESTIONS]

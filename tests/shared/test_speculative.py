@@ -57,18 +57,6 @@ def test_the_step_cost_fit_recovers_a_line_and_prices_rows_by_batch():
 
 
 # ---------------------------------------------------------------- the engine
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-def chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
-
-
 def make_engine(model_dir, speculative: bool, dtype: str = "float32", deterministic: bool = False) -> Engine:
     return Engine(RuntimeConfig(model_path=str(model_dir), dtype=dtype, deterministic=deterministic,
                                 cache=CacheConfig(page_size=16, max_total_tokens=16 * 512),
@@ -101,9 +89,9 @@ def generate(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams
     return out
 
 
-def test_greedy_output_is_identical_in_fewer_steps_where_the_text_repeats(engines, tokenizer):
-    requests = {"copy": (chat(tokenizer, COPY), SamplingParams(temperature=0, max_new_tokens=80)),
-                "chat": (chat(tokenizer, CHAT), SamplingParams(temperature=0, max_new_tokens=40))}
+def test_greedy_output_is_identical_in_fewer_steps_where_the_text_repeats(engines, chat, tokenizer):
+    requests = {"copy": (chat(COPY), SamplingParams(temperature=0, max_new_tokens=80)),
+                "chat": (chat(CHAT), SamplingParams(temperature=0, max_new_tokens=40))}
     steps = {}
     outputs = {}
     for spec, engine in engines.items():
@@ -122,8 +110,8 @@ def test_greedy_output_is_identical_in_fewer_steps_where_the_text_repeats(engine
     assert copy["messages"] < len(copy["tokens"])
 
 
-def test_every_request_option_gives_the_same_output_with_speculation(engines, tokenizer):
-    ids = chat(tokenizer, COPY)
+def test_every_request_option_gives_the_same_output_with_speculation(engines, chat, tokenizer):
+    ids = chat(COPY)
     comma, the = tokenizer.encode(",")[0], tokenizer.encode(" the")[0]
     schema = '{"type": "object", "properties": {"lines": {"type": "array", "items": {"type": "string"}}}}'
     requests = {
@@ -153,19 +141,19 @@ def test_every_request_option_gives_the_same_output_with_speculation(engines, to
     json.loads(tokenizer.decode(spec[("grammar", 0)]["tokens"], skip_special_tokens=True))
 
 
-def test_verify_steps_on_the_static_decode_buffers_give_the_same_tokens(default_model_dir, engines, tokenizer):
+def test_verify_steps_on_the_static_decode_buffers_give_the_same_tokens(default_model_dir, engines, chat):
     # A verify batch runs as a decode batch of one row per token, so it runs on the bucketed buffers that CUDA
     # graphs capture on a GPU ("static": the same path without capture, on the CPU).
     engine = Engine(RuntimeConfig(model_path=str(default_model_dir), dtype="float32", decode_graphs="static",
                                   cache=CacheConfig(page_size=16, max_total_tokens=16 * 512),
                                   speculative=SpeculativeConfig()))
-    requests = {"copy": (chat(tokenizer, COPY), SamplingParams(temperature=0, max_new_tokens=40))}
+    requests = {"copy": (chat(COPY), SamplingParams(temperature=0, max_new_tokens=40))}
     assert generate(engine, requests)[("copy", 0)]["tokens"] == generate(engines[False], requests)[("copy", 0)]["tokens"]
     assert engine.speculator.verify_steps > 0
 
 
-def test_seeded_sampling_draws_the_same_tokens_seed_by_seed(engines, tokenizer):
-    ids = chat(tokenizer, COPY)
+def test_seeded_sampling_draws_the_same_tokens_seed_by_seed(engines, chat):
+    ids = chat(COPY)
     requests = {f"seed-{seed}": (ids, SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=seed,
                                                      max_new_tokens=40)) for seed in range(12)}
     plain = generate(engines[False], requests)
@@ -175,8 +163,8 @@ def test_seeded_sampling_draws_the_same_tokens_seed_by_seed(engines, tokenizer):
 
 
 @pytest.mark.skipif(not native.available(), reason="deterministic inference needs the native CPU kernels")
-def test_deterministic_inference_gives_the_same_bits(default_model_dir, tokenizer):
-    ids = chat(tokenizer, COPY)
+def test_deterministic_inference_gives_the_same_bits(default_model_dir, chat):
+    ids = chat(COPY)
     params = SamplingParams(temperature=0, max_new_tokens=48, return_logprob=True)
     out = {spec: generate(make_engine(default_model_dir, spec, "bfloat16", deterministic=True), {"r": (ids, params)})
            for spec in (False, True)}
@@ -184,7 +172,7 @@ def test_deterministic_inference_gives_the_same_bits(default_model_dir, tokenize
     assert out[True][("r", 0)]["logprobs"] == out[False][("r", 0)]["logprobs"]
 
 
-def test_drafting_backs_off_when_rows_cost_more_than_drafts_return(engines, tokenizer):
+def test_drafting_backs_off_when_rows_cost_more_than_drafts_return(engines, chat):
     engine = engines[True]
     cost = engine.speculator.cost
     saved = (cost.fixed, cost.per_token, cost.w)
@@ -193,7 +181,7 @@ def test_drafting_backs_off_when_rows_cost_more_than_drafts_return(engines, toke
         cost.fixed, cost.per_token, cost.w = 0.0, 0.01, 0.0
         cost.observe = lambda tokens, seconds: None  # keep this price for the test
         before = engine.speculator.verify_steps
-        out = generate(engine, {"copy": (chat(tokenizer, COPY), SamplingParams(temperature=0, max_new_tokens=30))})
+        out = generate(engine, {"copy": (chat(COPY), SamplingParams(temperature=0, max_new_tokens=30))})
         assert engine.speculator.verify_steps == before and len(out[("copy", 0)]["tokens"]) == 30
     finally:
         del cost.observe
