@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 import torch
@@ -27,6 +26,7 @@ from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
+from pdserve.shared.observer import RequestObserver, StepStats
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
@@ -39,31 +39,6 @@ from pdserve.shared.speculative import Speculator
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class StepStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    last_step_s: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-class RequestObserver:
-    """Hooks at a request's lifecycle, for metrics; called on the engine thread, and doing nothing here.
-
-    Each runs once per request, or once per output message of a request, never per batch: keep them cheap.
-    """
-
-    def scheduled(self, req: Req) -> None:
-        """The first chunk of `req`'s prompt ran (at `req.first_scheduled`): its queue time is over."""
-
-    def prefilled(self, req: Req) -> None:
-        """The KV of `req`'s fresh prompt is complete (`req.cached_tokens` of it came from the prefix cache)."""
-
-    def output(self, req: Req, num_tokens: int, finish_reason: str | None) -> None:
-        """`num_tokens` new tokens of `req` (none when it only finishes) are leaving through `on_output`."""
 
 
 class Engine:

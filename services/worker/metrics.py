@@ -19,7 +19,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.shared.config import Role
-from pdserve.shared.engine import Engine, RequestObserver
+from pdserve.shared.engine import Engine
+from pdserve.shared.observer import RequestObserver
 from pdserve.shared.req import Req, ReqStatus
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,

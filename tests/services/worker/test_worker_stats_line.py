@@ -6,7 +6,7 @@ import logging
 from concurrent.futures import Future
 
 from pdserve.services.worker.app import StatsLine
-from pdserve.shared.engine import StepStats
+from pdserve.shared.observer import StepStats
 
 
 class Engine:
