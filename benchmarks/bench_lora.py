@@ -63,7 +63,7 @@ def main() -> int:
         adapters = make_adapters(model_dir, work / "adapters", args.adapters, args.rank, args.targets.split(","))
         extra = ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items()),
                  "--max-loras-per-batch", str(args.adapters), *shlex.split(args.up_args)]
-        server = pdserve_server(args.colocated, model_dir, model_name, work, extra)
+        server = pdserve_server("colocated" if args.colocated else "pd", model_dir, model_name, work, extra)
         print(f"[lora] {args.adapters} adapters, rank {args.rank}, targets {args.targets}; starting {server.name}: "
               f"{shlex.join(server.argv)}", flush=True)
         server.start()

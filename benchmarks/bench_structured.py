@@ -77,7 +77,8 @@ def main() -> int:
           f"process), cold {times['cold_compile_s'] * 1e3:.1f} ms, cached {times['cached_compile_s'] * 1e3:.2f} ms",
           flush=True)
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-structured-"))
-    server = pdserve_server(args.colocated, model_dir, model_dir.name, work, shlex.split(args.up_args))
+    mode = "colocated" if args.colocated else "pd"
+    server = pdserve_server(mode, model_dir, model_dir.name, work, shlex.split(args.up_args))
     plain = Load(output_len=args.output_len)
     constrained = Load(output_len=args.output_len, extra_body=(("response_format", RESPONSE_FORMAT),))
     rounds: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}

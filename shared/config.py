@@ -293,10 +293,13 @@ class RuntimeConfig:
     cuda_graph_max_bs: int = 256  # the largest bucket; larger decode batches run without a graph
     cuda_graph_bs: tuple[int, ...] = ()  # the buckets themselves (default: shared/decode_graphs.bucket_sizes)
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    quantization: str | None = None  # None | "w8a8_int8": the dense layers' matmuls in int8 (shared/int8_linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "w8a8_int8"):
+            raise ValueError(f"quantization must be w8a8_int8 or None, got {self.quantization!r}")
         if self.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs must be auto, static or off, got {self.decode_graphs!r}")
         if self.attention_backend not in ("auto", "native", "torch", "triton"):

@@ -73,7 +73,8 @@ class ModelRunner:
         self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
         self.hidden_output = config.is_embedding or mc.is_bare  # an embedding model: no LM head
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
-                                     batch_invariant=config.deterministic, hidden_output=self.hidden_output)
+                                     batch_invariant=config.deterministic, hidden_output=self.hidden_output,
+                                     quantization=config.quantization)
         self.model.load(config.model_path)
         self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
         if config.lora is not None:
@@ -109,7 +110,8 @@ class ModelRunner:
         converted. Compute: call it on the engine thread. Raises WeightsError."""
         check_finite(checkpoint.tensors)
         staged = LlamaForCausalLM(self.model_config, self.dtype, self.device, self.context_length,
-                                  batch_invariant=self.config.deterministic, hidden_output=self.hidden_output)
+                                  batch_invariant=self.config.deterministic, hidden_output=self.hidden_output,
+                                  quantization=self.config.quantization)
         try:
             staged.load(checkpoint.directory, checkpoint.tensors)
         except (RuntimeError, ValueError) as exc:  # out of memory, or a tensor the checks could not foresee

@@ -82,7 +82,9 @@ def _machine_lines() -> list[str]:
                   if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in cpu_flags]
     try:
-        kernels = f"native kernels -march={native.default_march()} ({native.load().isa()} paths)"
+        lib = native.load()
+        int8 = "fused native (VNNI)" if lib.int8_linear_supported() else "two passes around oneDNN's"
+        kernels = f"native kernels -march={native.default_march()} ({lib.isa()} paths); int8 matmuls {int8}"
     except native.NativeUnavailable as exc:
         kernels = f"native kernels unavailable ({exc}): torch twins"
     return [f"cpu: {model}, {os.cpu_count()} cores; torch {torch.__version__} capability "

@@ -8,6 +8,10 @@
 namespace pdserve {
 std::vector<at::Tensor> rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                 const c10::optional<at::Tensor>& residual);
+bool int8_linear_supported();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& col_scale,
+                       const at::Tensor& col_sum, const at::Tensor& sum128, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& inv_smooth);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos_sin, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads);
@@ -53,5 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_apply", &pdserve::lora_apply, release());
   m.def("quantize_rows", &pdserve::quantize_rows, release());
   m.def("dequantize_rows", &pdserve::dequantize_rows, release());
+  m.def("int8_linear_supported", &pdserve::int8_linear_supported);
+  m.def("int8_linear", &pdserve::int8_linear, release());
   m.def("isa", &pdserve::isa);
 }

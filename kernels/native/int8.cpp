@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 // The scalar loops (a row's tail, or all of it without AVX-512) must round x * inv_smooth before subtracting, as
 // the torch twin does (q is bit-identical across implementations): no fused multiply-add, which -march builds
@@ -142,6 +144,179 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const
     }
   });
   return out;
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole w8a8 layer in one call where the CPU has AVX512-VNNI (contract: shared/int8_linear.py): the rows of x
+// are quantized as quantize_rows does (the same codes), shifted to unsigned (u = q + 128, the operand
+// VPDPBUSD multiplies with signed weights), multiplied with the packed weight, and dequantized as
+// dequantize_rows does, `128 * sum_k w[n, k]` taken back out of each integer sum first, so every sum equals
+// oneDNN's s8 x s8 one and the outputs equal the two-pass path's. Weights are packed [N / 32][K / 4][32][4]: one
+// 64-byte vector holds four consecutive k of 16 output channels, so a row's four codes, broadcast, meet 16
+// channels per instruction and no sum is reduced across lanes. A register tile is up to 8 rows x 32 channels (16
+// accumulators); one decode row streams the weight once, and many rows reuse each block of it from cache.
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kBlockN = 32;
+constexpr int kVecs = kBlockN / 16;
+constexpr int kTileM = 8;
+
+// Rows [m0, m0 + MT) x one block of kBlockN channels: the integer sums in registers, then out = (acc - 128 sum w)
+// * scale * col_scale + zero * col_sum (+ bias) (+ residual), as dequantize_rows computes it, rounded once to T.
+template <int MT, typename T>
+void vnni_tile(const uint8_t* u, int64_t ku, const int8_t* wb, int64_t groups, int64_t m0, int64_t o0, int64_t n,
+               const float* scale, const float* zero, const int32_t* sum128, const float* cs, const float* csum,
+               const float* bias, const T* res, int64_t rs, T* y) {
+  __m512i acc[MT][kVecs];
+  for (int r = 0; r < MT; ++r) {
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_setzero_si512();
+  }
+  const uint8_t* um = u + m0 * ku;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[kVecs];
+    for (int j = 0; j < kVecs; ++j) w[j] = _mm512_loadu_si512(wb + (g * kVecs + j) * 64);
+    for (int r = 0; r < MT; ++r) {
+      int32_t four;
+      std::memcpy(&four, um + r * ku + 4 * g, sizeof(four));
+      const __m512i xb = _mm512_set1_epi32(four);
+      for (int j = 0; j < kVecs; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xb, w[j]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 vs = _mm512_set1_ps(scale[m]), vz = _mm512_set1_ps(zero[m]);
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t c = o0 + 16 * j;
+      if (c >= n) break;
+      const __m512i sums = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(sum128 + c));
+      const int64_t valid = std::min<int64_t>(16, n - c);
+      if (valid == 16) {
+        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), vs), _mm512_loadu_ps(cs + c),
+                                   _mm512_mul_ps(vz, _mm512_loadu_ps(csum + c)));
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
+        if (res) v = _mm512_add_ps(v, load16(res + m * rs + c));
+        store16(y + m * n + c, v);
+      } else {  // the channels' tail, computed as dequantize_rows computes its tail (no fused multiply-add)
+        alignas(64) int32_t part[16];
+        _mm512_store_si512(part, sums);
+        for (int64_t i = 0; i < valid; ++i) {
+          float v = static_cast<float>(part[i]) * scale[m] * cs[c + i] + zero[m] * csum[c + i];
+          if (bias) v += bias[c + i];
+          if (res) v += to_f32(res[m * rs + c + i]);
+          y[m * n + c + i] = from_f32<T>(v);
+        }
+      }
+    }
+  }
+}
+
+// f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
+template <int MT, typename F>
+void dispatch_rows(int64_t rows, F&& f) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return dispatch_rows<MT - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MT>());
+}
+#endif
+
+}  // namespace
+
+bool int8_linear_supported() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& col_scale,
+                       const at::Tensor& col_sum, const at::Tensor& sum128, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& inv_smooth) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.stride(1) == 1, "x must be a float32 or bfloat16 CPU [M, K] with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(2) == kBlockN && packed.size(3) == 4 && packed.size(0) * kBlockN >= n &&
+                  packed.size(1) * 4 >= x.size(1) && packed.size(1) * 4 < x.size(1) + 4,
+              "packed must be the int8 [ceil(N / 32), ceil(K / 4), 32, 4] weight of this layer");
+  const int64_t rows = x.size(0), k = x.size(1), groups = packed.size(1), ku = groups * 4;
+  const int64_t padded_n = packed.size(0) * kBlockN;
+  auto check_vec = [](const at::Tensor& t, at::ScalarType type, int64_t size, const char* name) {
+    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 1 && t.size(0) == size, name,
+                " must be a contiguous vector of ", size, " (padded to the packed channels)");
+  };
+  check_vec(col_scale, at::kFloat, padded_n, "col_scale");
+  check_vec(col_sum, at::kFloat, padded_n, "col_sum");
+  check_vec(sum128, at::kInt, padded_n, "sum128");
+  if (bias) check_vec(*bias, at::kFloat, padded_n, "bias");
+  if (inv_smooth) check_vec(*inv_smooth, at::kFloat, k, "inv_smooth");
+  if (residual) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->dim() == 2 && residual->size(0) == rows &&
+                    residual->size(1) == n && residual->stride(1) == 1,
+                "residual must be [M, N] of x's dtype with contiguous rows");
+  }
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  // Quantize: q as quantize_rows makes it, then u = q + 128 (flipping the sign bit); the padding columns stay 0.
+  at::Tensor u = at::zeros({rows, ku}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
+  uint8_t* up = u.data_ptr<uint8_t>();
+  float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
+  const float* smooth = inv_smooth ? inv_smooth->data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0);
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(is_bf16 ? k : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row;
+      if (is_bf16) {
+        const at::BFloat16* xb = x.data_ptr<at::BFloat16>() + t * xs;
+        for (int64_t i = 0; i < k; ++i) wide[i] = to_f32(xb[i]);
+        row = wide.data();
+      } else {
+        row = x.data_ptr<float>() + t * xs;
+      }
+      uint8_t* ut = up + t * ku;
+      quantize_row(row, smooth, k, reinterpret_cast<int8_t*>(ut), sp + t, zp + t);
+      for (int64_t i = 0; i < k; ++i) ut[i] ^= 0x80;
+    }
+  });
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* s128 = sum128.data_ptr<int32_t>();
+  const float *cs = col_scale.data_ptr<float>(), *csum = col_sum.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t blocks = packed.size(0), rs = residual ? residual->stride(0) : 0;
+  // Rows in chunks small enough that a chunk's codes stay in L1/L2 while every block of the band passes over them.
+  const int64_t chunk = std::max<int64_t>(kTileM, (32 * 1024 / ku) / kTileM * kTileM);
+  PDSERVE_DISPATCH(x.scalar_type(), [&] {
+    const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+        const int64_t c1 = std::min(rows, c0 + chunk);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int8_t* wb = wp + b * groups * kBlockN * 4;
+          for (int64_t m0 = c0; m0 < c1; m0 += kTileM) {
+            const int64_t mt = std::min<int64_t>(kTileM, c1 - m0);
+            auto tile = [&](auto rows_here) {
+              vnni_tile<decltype(rows_here)::value, scalar_t>(up, ku, wb, groups, m0, b * kBlockN, n, sp, zp, s128,
+                                                              cs, csum, bp, res, rs, yp);
+            };
+            dispatch_rows<kTileM>(mt, tile);
+          }
+        }
+      }
+    });
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8_linear needs a build with AVX512-VNNI (int8_linear_supported() is false here)");
+  return x;
+#endif
 }
 
 }  // namespace pdserve

@@ -154,8 +154,9 @@ class WorkerApp:
                 await self.peers.register_all(addrs, deadline_s=120)
             self.ready = True
             spec = self.config.speculative
+            weights = self.info.compat.dtype + (f" ({self.config.quantization})" if self.config.quantization else "")
             log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s%s", self.role.value, self.args.host,
-                     self.args.port, self.http_port, self.info.compat.dtype, self.info.attention_backend,
+                     self.args.port, self.http_port, weights, self.info.attention_backend,
                      f", speculative ngram (up to {spec.num_draft_tokens} draft tokens)"
                      if spec is not None and self.role != Role.PREFILL else "")
             await stop.wait()

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--schedule-policy", default=sched.policy, choices=["fcfs", "lpm"])
     parser.add_argument("--enable-mixed-chunk", action="store_true",
                         help="colocated: prefill new prompts in the same steps that decode running requests")
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
+                        help="run the layers' matmuls in int8: weights per output channel, activations per token "
+                             "(decoders: the dense layers' matmuls, the LM head and any MoE experts stay in --dtype; "
+                             "encoders: fp32 models, smoothed)")
     add_lora_arguments(parser)
     add_expert_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
@@ -91,9 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                  "(BERT family; chosen by itself for those) or a decoder whose last token's hidden "
                                  "state is the embedding (gte-Qwen2 style); sequence classifiers (reward models) "
                                  "are pooling models by themselves")
-        parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
-                            help="encoder embedding and cross-encoder models: run the layers' matmuls in int8 "
-                                 "(weights per channel, activations per token, smoothed; fp32 models on the CPU)")
     if command in ("colocated", "decode"):
         add_speculative_arguments(parser)
     if command == "decode":
@@ -175,6 +176,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
                                   local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens", 0)),
         lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
         is_embedding=getattr(args, "is_embedding", False),
+        quantization=args.quantization,
         speculative=speculative_config(args),
     )
 
@@ -205,9 +207,6 @@ def main(args: argparse.Namespace, command: str) -> int:
             from pdserve.services.worker.encoder_app import EncoderWorkerApp
 
             app = EncoderWorkerApp(config, args)
-        elif getattr(args, "quantization", None):
-            raise ValueError(f"--quantization {args.quantization} runs encoder models (BERT family) only; "
-                             f"{model_path} is served by the decoder runtime, which has no quantized path")
         else:
             app = WorkerApp(config, Role(command), args)
     except (ValueError, OSError, RuntimeError) as exc:

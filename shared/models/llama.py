@@ -19,6 +19,7 @@ from pdserve.kernels.rotary import build_cos_sin_cache, cos_sin_rows
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
+from pdserve.shared.int8_linear import Int8Linear
 from pdserve.shared.linear import Linear
 from pdserve.shared.lora import LoraPool
 from pdserve.shared.models.moe import DenseMLP, RouteHook, SparseMoE, load_sparse_moe
@@ -56,10 +57,14 @@ class LayerWeights:
 
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
-                 batch_invariant: bool = False, hidden_output: bool = False) -> None:
+                 batch_invariant: bool = False, hidden_output: bool = False, quantization: str | None = None) -> None:
         """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode).
-        `hidden_output`: an embedding model: forward returns the final hidden states, and no LM head is loaded."""
+        `hidden_output`: an embedding model: forward returns the final hidden states, and no LM head is loaded.
+        `quantization` "w8a8_int8": the attention and dense MLP matmuls in int8 (Int8Linear, whose rows are
+        independent of each other, so it is batch-invariant too); the LM head, MoE routers and experts stay in
+        `dtype`."""
         self.config = config
+        self.quantization = quantization
         self.batch_invariant = batch_invariant
         self.hidden_output = hidden_output
         self.dtype = dtype
@@ -91,6 +96,10 @@ class LlamaForCausalLM:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, batch_invariant=self.batch_invariant)
 
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+            """A layer's attention or MLP matmul, in int8 when the model is quantized."""
+            return Int8Linear(weight, bias) if self.quantization == "w8a8_int8" else linear(weight, bias)
+
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise ValueError(f"weight {name!r} missing from {model_dir}")
@@ -108,12 +117,12 @@ class LlamaForCausalLM:
             if i in sparse:
                 mlp = load_sparse_moe(i, p, cfg.moe, cfg.hidden_size, take, tensors.__contains__, linear)
             else:
-                mlp = DenseMLP(linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                               linear(take(p + "mlp.down_proj.weight")))
+                mlp = DenseMLP(dense(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                               dense(take(p + "mlp.down_proj.weight")))
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
-                o=linear(take(p + "self_attn.o_proj.weight")),
+                qkv=dense(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                o=dense(take(p + "self_attn.o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 mlp=mlp,
                 q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,

@@ -4,8 +4,11 @@ import pytest
 import torch
 from kernel_cases import TRITON_DEVICE, error_in_child, needs_native
 
+from pdserve.kernels import native
 from pdserve.kernels.int8_matmul import (dequantize_rows_native, dequantize_rows_torch, dequantize_rows_triton,
                                          int8_mm, quantize_rows_native, quantize_rows_torch, quantize_rows_triton)
+from pdserve.shared import int8_linear
+from pdserve.shared.int8_linear import Int8Linear
 
 
 def activations(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -125,5 +128,111 @@ BAD_INPUTS = {  # case: (call, what the error says)
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_native_refuses_bad_inputs(case):
     call, match = BAD_INPUTS[case]
+    message = error_in_child(call)
+    assert message.startswith("RuntimeError") and match in message, message
+
+
+# ---------------------------------------------------------------- the fused layer (Int8Linear)
+
+
+def _fused_available() -> bool:
+    try:
+        return native.load().int8_linear_supported()
+    except native.NativeUnavailable:
+        return False
+
+
+FUSED = _fused_available()
+needs_vnni = pytest.mark.skipif(not FUSED, reason="no AVX512-VNNI: Int8Linear runs its two passes around "
+                                                  "torch._int_mm here (tested below on every CPU)")
+
+
+def two_pass(monkeypatch, weight, bias=None, absmax=None) -> Int8Linear:
+    """The layer as it is built on a CPU without the fused kernel (AVX2, or no native build)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(int8_linear, "_fused_kernel", lambda device: None)
+        return Int8Linear(weight, bias, absmax)
+
+
+def by_definition(weight, bias, x, residual) -> torch.Tensor:
+    """y = dequantized (quantized x) @ (quantized w)^T, in float64 from the same codes."""
+    col_scale = weight.abs().amax(1).clamp_min(1e-12) / 127
+    wq = torch.round(weight / col_scale[:, None]).clamp(-127, 127)
+    q, scale, zero = quantize_rows_torch(x.float())
+    acc = (q.double() @ wq.double().t()).round().to(torch.int32)
+    return dequantize_definition(acc, scale, zero, col_scale, wq.sum(1) * col_scale, bias, residual.float())
+
+
+# Ragged shapes: a channel tail (N % 32), a K tail (K % 4), and the default model's widths.
+SHAPES = [(37, 13), (96, 64), (70, 130), (960, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_two_pass_layer_computes_the_definition(monkeypatch, n, k):
+    gen = torch.Generator().manual_seed(n)
+    weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+    x, residual = activations(19, k), torch.randn(19, n, generator=gen)
+    layer = two_pass(monkeypatch, weight, bias)
+    torch.testing.assert_close(layer(x, residual), by_definition(weight, bias, x, residual).float(),
+                               atol=2e-4, rtol=1e-5)
+    out = layer(x.bfloat16(), residual.bfloat16())
+    assert out.dtype == torch.bfloat16  # a bf16 model's layer answers in bf16
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 37])
+def test_fused_layer_equals_the_two_pass_one(monkeypatch, n, k, rows):
+    """The same codes and integer sums, the same epilogue: bit for bit, in fp32 and bf16, with every option."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+    absmax = torch.rand(k, generator=gen) * 10 + 0.1
+    x, residual = activations(max(rows, 3), k + 5)[:rows, :k], torch.randn(rows, n, generator=gen)  # strided rows
+    for b, smooth in ((None, None), (bias, absmax)):
+        fused, plain = Int8Linear(weight, b, smooth), two_pass(monkeypatch, weight, b, smooth)
+        assert fused.packed is not None
+        assert torch.equal(fused(x), plain(x))
+        assert torch.equal(fused(x, residual), plain(x, residual))
+        xb, rb = x.bfloat16(), residual.bfloat16()
+        assert torch.equal(fused(xb, rb), plain(xb, rb))
+
+
+@needs_vnni
+def test_fused_layer_rows_do_not_depend_on_their_batch():
+    """Each row is quantized and summed on its own: alone or among 45 others, the same bits (what the
+    deterministic mode needs from a quantized model)."""
+    weight = torch.randn(200, 96) * 0.05
+    layer = Int8Linear(weight)
+    x = activations(45, 96).bfloat16()
+    batch = layer(x)
+    for i in (0, 7, 8, 44):
+        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1])
+
+
+@needs_vnni
+def test_fused_layer_accepts_no_rows():
+    assert Int8Linear(torch.randn(40, 24))(torch.randn(0, 24)).shape == (0, 40)
+
+
+def _fused_call(layer: Int8Linear, x, residual=None, packed=None):
+    return native.load().int8_linear(x, layer.packed if packed is None else packed, layer.shape[0],
+                                     layer.col_scale, layer.col_sum, layer.sum128, layer.bias, residual, None)
+
+
+_LAYER = Int8Linear(torch.randn(40, 24)) if FUSED else None
+FUSED_BAD_INPUTS = {  # case: (call, what the error says)
+    "int8 activations": (lambda: _fused_call(_LAYER, torch.zeros(2, 24, dtype=torch.int8)), "float32 or bfloat16"),
+    "wrong width": (lambda: _fused_call(_LAYER, torch.randn(2, 32)), "packed"),
+    "flat weight": (lambda: _fused_call(_LAYER, torch.randn(2, 24), packed=torch.zeros(40, 24, dtype=torch.int8)),
+                    "packed"),
+    "residual dtype": (lambda: _fused_call(_LAYER, torch.randn(2, 24), torch.zeros(2, 40, dtype=torch.bfloat16)),
+                       "residual"),
+}
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", list(FUSED_BAD_INPUTS))
+def test_fused_layer_refuses_bad_inputs(case):
+    call, match = FUSED_BAD_INPUTS[case]
     message = error_in_child(call)
     assert message.startswith("RuntimeError") and match in message, message

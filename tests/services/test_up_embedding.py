@@ -42,3 +42,11 @@ def test_embedding_quantization_reaches_only_the_embedding_worker(tmp_path):
               if name in ("embedding", "colocated")}
     assert parsed["embedding"].quantization == "w8a8_int8"
     assert parsed["colocated"].quantization is None
+
+
+def test_quantization_reaches_the_generative_workers_only(tmp_path):
+    services = plan(tmp_path, "--embedding-model", "all-MiniLM-L6-v2", "--quantization", "w8a8_int8")
+    parsed = {name: cli.build_parser(s.args)[0].parse_args(s.args) for name, s in services.items()
+              if name in ("embedding", "prefill", "decode")}
+    assert parsed["prefill"].quantization == parsed["decode"].quantization == "w8a8_int8"
+    assert parsed["embedding"].quantization is None  # its own flag: --embedding-quantization

@@ -42,12 +42,6 @@ def test_invalid_cache_flags_name_the_flag(tiny_models):
     assert r.returncode == 1 and "--page-size must be >= 1" in r.stderr
 
 
-def test_int8_quantization_of_a_decoder_is_refused(tiny_models):
-    r = run_worker("--model-path", str(tiny_models["llama"]), "--quantization", "w8a8_int8")
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--quantization w8a8_int8 runs encoder models (BERT family) only" in r.stderr
-
-
 def test_unknown_quantization_names_the_choices(tiny_models):
     r = run_worker("--model-path", str(tiny_models["llama"]), "--quantization", "fp8")
     assert r.returncode == 2 and "invalid choice: 'fp8'" in r.stderr and "w8a8_int8" in r.stderr
