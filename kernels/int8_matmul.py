@@ -16,6 +16,8 @@ its scale and zero and dequantize_rows' output agree to float32 rounding.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -128,9 +130,22 @@ def dequantize_rows_triton(acc, scale, zero, col_scale, col_sum, bias=None, resi
 
 
 def int8_mm(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """q int8 [M, K] @ weight_t int8 [K, N] -> int32 [M, N], exactly. torch._int_mm (oneDNN's VNNI kernels on
-    CPU, cuBLASLt on CUDA) where it takes the shape; CUDA's wants more than 16 rows and multiples of 8, and
-    smaller steps go through float64, which holds every int32 sum exactly."""
-    if q.device.type == "cpu" or (q.shape[0] > 16 and q.shape[1] % 8 == 0 and weight_t.shape[1] % 8 == 0):
+    """q int8 [M, K] @ weight_t int8 [K, N] -> int32 [M, N], exactly. torch._int_mm where it is exact and takes
+    the shape: on CPU only where oneDNN multiplies with VNNI (its AVX2 kernel's 16-bit pair sums saturate:
+    `_int_mm_exact_on_cpu`), on CUDA (cuBLASLt) from 17 rows with multiples of 8. Elsewhere float64, which holds
+    every int32 sum exactly."""
+    if q.device.type == "cpu":
+        if _int_mm_exact_on_cpu():
+            return torch._int_mm(q, weight_t)
+    elif q.shape[0] > 16 and q.shape[1] % 8 == 0 and weight_t.shape[1] % 8 == 0:
         return torch._int_mm(q, weight_t)
     return (q.double() @ weight_t.double()).to(torch.int32)
+
+
+@functools.cache
+def _int_mm_exact_on_cpu() -> bool:
+    """Whether oneDNN's int8 GEMM sums exactly here: codes of 127 saturate VPMADDUBSW's pair sums (255 x 127 x 2
+    after oneDNN shifts the activations to unsigned) and not VPDPBUSD's. Asked of the kernel rather than read
+    from the CPU's flags, since ONEDNN_MAX_CPU_ISA can hold oneDNN below what the CPU has."""
+    q = torch.full((1, 64), 127, dtype=torch.int8)
+    return torch._int_mm(q, torch.full((64, 8), 127, dtype=torch.int8)).eq(127 * 127 * 64).all().item()

@@ -5,8 +5,16 @@ asymmetrically (pdserve.kernels.int8_matmul). Where activation maxima observed o
 the layer is smoothed first (SmoothQuant, alpha 0.5): input column j is divided by
 s_j = sqrt(max|x_j| / max|w_j|) and the weight's column j multiplied by it, which moves the few outlier
 channels of a transformer's residual stream (BERT's reach 30x the median) from the activations, quantized per
-row, into the weights, quantized per channel. On a CPU with AVX512-VNNI the int8 matmul is oneDNN's, 2.4-4x
-faster than the packed fp32 one at MiniLM's shapes; the two passes around it are native kernels.
+row, into the weights, quantized per channel.
+
+The layer is one native call where the build has it (kernels/native/int8.cpp): the rows quantized, multiplied
+with a packed copy of the weight and dequantized without leaving the kernel, in VPDPBUSD on AVX512-VNNI and in
+VPMADDWD on AVX2. The integer sums are exact either way, so it gives the two-pass path's outputs bit for bit. On
+the default model's shapes: with VNNI 0.55-0.65x the packed bf16 layers' time at 1 to 512 rows; on AVX2 0.35x
+fp32's at one row and 0.67x at 32. Without AVX512-VNNI oneDNN's int8 GEMM is not an option: its AVX2 kernel
+multiplies with VPMADDUBSW, whose 16-bit pair sums saturate (sums off by up to 10^5 measured on random codes).
+Elsewhere (no native build, CUDA) two passes around kernels.int8_matmul.int8_mm, native, Triton or torch
+kernels before and after it.
 """
 from __future__ import annotations
 
@@ -38,38 +46,37 @@ class Int8Linear:
         self.col_sum = (q.float().sum(1) * self.col_scale).contiguous()  # folds the activations' zero point out
         self.bias = None if bias is None else bias.float().contiguous()
         self._fused = _fused_kernel(weight.device)
-        if self._fused is not None:
-            self._pack(q)
-        else:
+        self.packed = self._pack(q) if self._fused is not None else None
+        if self._fused is None:
             self.weight_t = q.t()  # [in, out]: the layout torch._int_mm takes, without a copy
             self._quantize, self._dequantize = _kernels(weight.device)
 
-    def _pack(self, q: torch.Tensor) -> None:
-        """The fused kernel's layout (kernels/native/int8.cpp): [N / 32][K / 4][32][4], padded with zeros, and the
-        per-channel vectors padded to the packed channels."""
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        """The fused kernel's weight: [N / 32][K / 4][32][4], padded with zeros; and its per-channel vectors
+        padded to the packed channels."""
         n, k = q.shape
         pn, pk = -(-n // PACK_N) * PACK_N, -(-k // 4) * 4
         padded = torch.zeros(pn, pk, dtype=torch.int8)
         padded[:n, :k] = q
-        self.packed = padded.view(pn // PACK_N, PACK_N, pk // 4, 4).permute(0, 2, 1, 3).contiguous()
-        self.sum128 = padded.sum(1, dtype=torch.int32) * 128  # taken back out of the unsigned codes' sums
-        pad = pn - n
-        self.col_scale, self.col_sum = F.pad(self.col_scale, (0, pad)), F.pad(self.col_sum, (0, pad))
-        self.bias = None if self.bias is None else F.pad(self.bias, (0, pad))
+        pad = (0, pn - n)
+        self._vectors = (F.pad(self.col_scale, pad), F.pad(self.col_sum, pad),
+                         padded.sum(1, dtype=torch.int32) * 128,  # taken back out of the unsigned codes' sums
+                         None if self.bias is None else F.pad(self.bias, pad))
+        return padded.view(pn // PACK_N, PACK_N, pk // 4, 4).permute(0, 2, 1, 3).contiguous()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] float32 or bfloat16 -> [T, out] of x's dtype, plus `residual` [T, out] when given (one pass
         fewer)."""
         if self._fused is not None:
-            return self._fused(x, self.packed, self.shape[0], self.col_scale, self.col_sum, self.sum128, self.bias,
-                               residual, self.inv_smooth)
+            col_scale, col_sum, sum128, bias = self._vectors
+            return self._fused(x, self.packed, self.shape[0], col_scale, col_sum, sum128, bias, residual,
+                               self.inv_smooth)
         dtype = x.dtype
         q, scale, zero = self._quantize(x.float().contiguous(), self.inv_smooth)
         acc = ops.int8_mm(q, self.weight_t)
         out = self._dequantize(acc, scale, zero, self.col_scale, self.col_sum, self.bias,
                                None if residual is None else residual.float())
         return out.to(dtype)
-
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +85,7 @@ class Int8Linear:
 
 
 def _fused_kernel(device: torch.device):
-    """The native one-call layer, where this CPU has AVX512-VNNI; else None (two passes around torch._int_mm)."""
+    """The native one-call layer, where the build has it (AVX512-VNNI or AVX2); else None (two passes)."""
     if device.type != "cpu" or not native.available():
         return None
     lib = native.load()

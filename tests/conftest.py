@@ -83,7 +83,7 @@ def _machine_lines() -> list[str]:
     vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in cpu_flags]
     try:
         lib = native.load()
-        int8 = "fused native (VNNI)" if lib.int8_linear_supported() else "two passes around oneDNN's"
+        int8 = "fused native" if lib.int8_linear_supported() else "two passes around int8_mm"
         kernels = f"native kernels -march={native.default_march()} ({lib.isa()} paths); int8 matmuls {int8}"
     except native.NativeUnavailable as exc:
         kernels = f"native kernels unavailable ({exc}): torch twins"

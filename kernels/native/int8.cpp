@@ -156,10 +156,27 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const
 // 64-byte vector holds four consecutive k of 16 output channels, so a row's four codes, broadcast, meet 16
 // channels per instruction and no sum is reduced across lanes. A register tile is up to 8 rows x 32 channels (16
 // accumulators); one decode row streams the weight once, and many rows reuse each block of it from cache.
+// AVX2 builds have a path of their own below, with the same integer sums.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PDSERVE_INT8_VNNI 1
+#endif
+
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PDSERVE_INT8_VNNI) || defined(PDSERVE_AVX2)
 constexpr int64_t kBlockN = 32;
+
+// f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
+template <int MT, typename F>
+void dispatch_rows(int64_t rows, F&& f) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return dispatch_rows<MT - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MT>());
+}
+#endif
+
+#if defined(PDSERVE_INT8_VNNI)
 constexpr int kVecs = kBlockN / 16;
 constexpr int kTileM = 8;
 
@@ -211,21 +228,66 @@ void vnni_tile(const uint8_t* u, int64_t ku, const int8_t* wb, int64_t groups, i
     }
   }
 }
+#endif
 
-// f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
-template <int MT, typename F>
-void dispatch_rows(int64_t rows, F&& f) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return dispatch_rows<MT - 1>(rows, f);
+#if defined(PDSERVE_AVX2)
+constexpr int kTileM = 4;  // 8 accumulators, 2 weight vectors and a broadcast of AVX2's 16 registers
+
+// Without VNNI (AVX2: AMD up to Zen 3, Intel before Ice Lake) the same packed weight and the same integer sums, from
+// VPMADDWD on 16-bit operands (VPMADDUBSW's 8-bit products would saturate at 255 x 127 x 2): the codes of a row
+// are widened to int16 once, four of them broadcast meet 4 channels x 4 k (16 weights widened as they load), and
+// each channel's two partial sums are added at the end. Rows [m0, m0 + MT) x channels [c, c + 8) of a block.
+template <int MT, typename T>
+void avx2_tile(const int16_t* u16, int64_t ku, const int8_t* wb, int64_t groups, int64_t m0, int64_t c, int64_t n,
+               int j, const float* scale, const float* zero, const int32_t* sum128, const float* cs,
+               const float* csum, const float* bias, const T* res, int64_t rs, T* y) {
+  __m256i acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int16_t* um = u16 + m0 * ku;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* w = wb + g * kBlockN * 4 + j * 32;
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int r = 0; r < MT; ++r) {
+      int64_t four;
+      std::memcpy(&four, um + r * ku + 4 * g, sizeof(four));
+      const __m256i xb = _mm256_set1_epi64x(four);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(xb, lo));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(xb, hi));
+    }
   }
-  f(std::integral_constant<int, MT>());
+  // hadd leaves channels in the order 0 1 4 5 2 3 6 7; the permutation puts them back.
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  const int64_t valid = std::min<int64_t>(8, n - c);
+  for (int r = 0; r < MT; ++r) {
+    const int64_t m = m0 + r;
+    const __m256i sums = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]), order),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum128 + c)));
+    if (valid == 8) {  // as dequantize_rows computes it on this build (no fused multiply-add)
+      const __m256 va = _mm256_cvtepi32_ps(sums);
+      __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(va, _mm256_set1_ps(scale[m])), _mm256_loadu_ps(cs + c)),
+                               _mm256_mul_ps(_mm256_set1_ps(zero[m]), _mm256_loadu_ps(csum + c)));
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+      if (res) v = _mm256_add_ps(v, load8(res + m * rs + c));
+      store8(y + m * n + c, v);
+    } else {
+      alignas(32) int32_t part[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(part), sums);
+      for (int64_t i = 0; i < valid; ++i) {
+        float v = static_cast<float>(part[i]) * scale[m] * cs[c + i] + zero[m] * csum[c + i];
+        if (bias) v += bias[c + i];
+        if (res) v += to_f32(res[m * rs + c + i]);
+        y[m * n + c + i] = from_f32<T>(v);
+      }
+    }
+  }
 }
 #endif
 
 }  // namespace
 
 bool int8_linear_supported() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PDSERVE_INT8_VNNI) || defined(PDSERVE_AVX2)
   return true;
 #else
   return false;
@@ -235,7 +297,7 @@ bool int8_linear_supported() {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& col_scale,
                        const at::Tensor& col_sum, const at::Tensor& sum128, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& inv_smooth) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PDSERVE_INT8_VNNI) || defined(PDSERVE_AVX2)
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1, "x must be a float32 or bfloat16 CPU [M, K] with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
@@ -260,17 +322,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   }
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  // Quantize: q as quantize_rows makes it, then u = q + 128 (flipping the sign bit); the padding columns stay 0.
-  at::Tensor u = at::zeros({rows, ku}, x.options().dtype(at::kByte));
+  // Quantize: q as quantize_rows makes it, then the code u = q + 128 the multiply takes (VPDPBUSD's unsigned
+  // operand, or int16 for VPMADDWD); the padding columns stay 0.
+#if defined(PDSERVE_INT8_VNNI)
+  using code_t = uint8_t;
+#else
+  using code_t = int16_t;
+#endif
+  at::Tensor u = at::zeros({rows, ku}, x.options().dtype(sizeof(code_t) == 1 ? at::kByte : at::kShort));
   at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor zero = at::empty({rows}, x.options().dtype(at::kFloat));
-  uint8_t* up = u.data_ptr<uint8_t>();
+  code_t* up = u.data_ptr<code_t>();
   float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
   const float* smooth = inv_smooth ? inv_smooth->data_ptr<float>() : nullptr;
   const int64_t xs = x.stride(0);
   const bool is_bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(is_bf16 ? k : 0);
+    std::vector<int8_t> q(k);
     for (int64_t t = begin; t < end; ++t) {
       const float* row;
       if (is_bf16) {
@@ -280,9 +349,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       } else {
         row = x.data_ptr<float>() + t * xs;
       }
-      uint8_t* ut = up + t * ku;
-      quantize_row(row, smooth, k, reinterpret_cast<int8_t*>(ut), sp + t, zp + t);
-      for (int64_t i = 0; i < k; ++i) ut[i] ^= 0x80;
+      quantize_row(row, smooth, k, q.data(), sp + t, zp + t);
+      code_t* ut = up + t * ku;
+      for (int64_t i = 0; i < k; ++i) ut[i] = static_cast<code_t>(q[i] + 128);
     }
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -291,7 +360,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const int64_t blocks = packed.size(0), rs = residual ? residual->stride(0) : 0;
   // Rows in chunks small enough that a chunk's codes stay in L1/L2 while every block of the band passes over them.
-  const int64_t chunk = std::max<int64_t>(kTileM, (32 * 1024 / ku) / kTileM * kTileM);
+  const int64_t chunk = std::max<int64_t>(kTileM, (32 * 1024 / (ku * sizeof(code_t))) / kTileM * kTileM);
   PDSERVE_DISPATCH(x.scalar_type(), [&] {
     const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -301,12 +370,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
         for (int64_t b = b0; b < b1; ++b) {
           const int8_t* wb = wp + b * groups * kBlockN * 4;
           for (int64_t m0 = c0; m0 < c1; m0 += kTileM) {
-            const int64_t mt = std::min<int64_t>(kTileM, c1 - m0);
-            auto tile = [&](auto rows_here) {
-              vnni_tile<decltype(rows_here)::value, scalar_t>(up, ku, wb, groups, m0, b * kBlockN, n, sp, zp, s128,
-                                                              cs, csum, bp, res, rs, yp);
-            };
-            dispatch_rows<kTileM>(mt, tile);
+#if defined(PDSERVE_INT8_VNNI)
+            dispatch_rows<kTileM>(std::min<int64_t>(kTileM, c1 - m0), [&](auto mt) {
+              vnni_tile<decltype(mt)::value, scalar_t>(up, ku, wb, groups, m0, b * kBlockN, n, sp, zp, s128, cs,
+                                                       csum, bp, res, rs, yp);
+            });
+#else
+            for (int j = 0; j < kBlockN / 8 && b * kBlockN + 8 * j < n; ++j) {
+              dispatch_rows<kTileM>(std::min<int64_t>(kTileM, c1 - m0), [&](auto mt) {
+                avx2_tile<decltype(mt)::value, scalar_t>(up, ku, wb, groups, m0, b * kBlockN + 8 * j, n, j, sp, zp,
+                                                         s128, cs, csum, bp, res, rs, yp);
+              });
+            }
+#endif
           }
         }
       }
@@ -314,7 +390,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   });
   return y;
 #else
-  TORCH_CHECK(false, "int8_linear needs a build with AVX512-VNNI (int8_linear_supported() is false here)");
+  TORCH_CHECK(false, "int8_linear needs a build with AVX512-VNNI or AVX2 (int8_linear_supported() is false here)");
   return x;
 #endif
 }

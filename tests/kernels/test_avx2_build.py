@@ -63,8 +63,9 @@ def test_native_kernels_pass_their_tests_on_the_avx2_build():
     assert build.returncode == 0 and build.stdout.strip() == "avx2", build.stdout + build.stderr
     here = Path(__file__).parent
     # The bad-input checks come before any vector path: they run once, in the main run.
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rs",
-                          "-k", "(native and not refuses) or test_linear", *(str(here / m) for m in MODULES),
+    tests = "(native and not refuses) or test_linear or int8_mm"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rs", "-k", tests,
+                          *(str(here / m) for m in MODULES),
                           str(ROOT / "tests/shared/test_linear.py")],
                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     report = run.stdout[-6000:] + run.stderr[-2000:]
