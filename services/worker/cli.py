@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="colocated: prefill new prompts in the same steps that decode running requests")
     parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
                         help="run the layers' matmuls in int8: weights per output channel, activations per token "
-                             "(decoders: the dense layers' matmuls, the LM head and any MoE experts stay in --dtype; "
+                             "(decoders: attention, dense MLPs and the LM head, while MoE experts stay in --dtype; "
                              "encoders: fp32 models, smoothed)")
     add_lora_arguments(parser)
     add_expert_arguments(parser)

@@ -60,9 +60,9 @@ class LlamaForCausalLM:
                  batch_invariant: bool = False, hidden_output: bool = False, quantization: str | None = None) -> None:
         """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode).
         `hidden_output`: an embedding model: forward returns the final hidden states, and no LM head is loaded.
-        `quantization` "w8a8_int8": the attention and dense MLP matmuls in int8 (Int8Linear, whose rows are
-        independent of each other, so it is batch-invariant too); the LM head, MoE routers and experts stay in
-        `dtype`."""
+        `quantization` "w8a8_int8": the attention, dense MLP and LM head matmuls in int8 (Int8Linear, whose rows
+        are independent of each other, so it is batch-invariant too); a classifier's score head, MoE routers and
+        experts stay in `dtype`."""
         self.config = config
         self.quantization = quantization
         self.batch_invariant = batch_invariant
@@ -97,7 +97,7 @@ class LlamaForCausalLM:
             return Linear(weight, bias, batch_invariant=self.batch_invariant)
 
         def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
-            """A layer's attention or MLP matmul, in int8 when the model is quantized."""
+            """An attention, MLP or LM head matmul, in int8 when the model is quantized."""
             return Int8Linear(weight, bias) if self.quantization == "w8a8_int8" else linear(weight, bias)
 
         def take(name: str) -> torch.Tensor:
@@ -134,10 +134,10 @@ class LlamaForCausalLM:
         elif self.hidden_output:  # the caller pools the hidden state itself
             self.lm_head = None
         elif cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
-            # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed copy.
-            self.lm_head = linear(self.embed)
+            # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed (or int8) copy.
+            self.lm_head = dense(self.embed)
         else:
-            self.lm_head = linear(take("lm_head.weight"))
+            self.lm_head = dense(take("lm_head.weight"))
 
     def take_weights(self, other: LlamaForCausalLM) -> None:
         """Serve `other`'s weights from the next forward on; `other` has this model's config and was loaded from

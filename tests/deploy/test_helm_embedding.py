@@ -94,3 +94,11 @@ def test_quantization_reaches_the_embedding_workers_only_when_set(render):
     assert flag(render("--set", "embedding.enabled=true").container("embedding")["args"], "--quantization") == []
     r = render("--set", "embedding.enabled=true", "--set", "embedding.quantization=w8a8_int8")
     assert flag(r.container("embedding")["args"], "--quantization") == ["w8a8_int8"]
+    assert flag(r.container("decode")["args"], "--quantization") == []
+
+
+def test_worker_quantization_reaches_prefill_and_decode_not_the_embedding_workers(render):
+    r = render("--set", "embedding.enabled=true", "--set", "worker.quantization=w8a8_int8")
+    for role in ("prefill", "decode"):
+        assert flag(r.container(role)["args"], "--quantization") == ["w8a8_int8"]
+    assert flag(r.container("embedding")["args"], "--quantization") == []
