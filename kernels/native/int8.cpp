@@ -166,6 +166,20 @@ namespace {
 #if defined(PDSERVE_INT8_VNNI) || defined(PDSERVE_AVX2)
 constexpr int64_t kBlockN = 32;
 
+// Channels [c, c + valid) of row m from their integer sums (128 sum w already taken out), as dequantize_rows
+// computes a row's tail: no fused multiply-add, so both paths round alike.
+template <typename T>
+void store_tail(const int32_t* sums, int64_t valid, int64_t m, int64_t c, int64_t n, const float* scale,
+                const float* zero, const float* cs, const float* csum, const float* bias, const T* res, int64_t rs,
+                T* y) {
+  for (int64_t i = 0; i < valid; ++i) {
+    float v = static_cast<float>(sums[i]) * scale[m] * cs[c + i] + zero[m] * csum[c + i];
+    if (bias) v += bias[c + i];
+    if (res) v += to_f32(res[m * rs + c + i]);
+    y[m * n + c + i] = from_f32<T>(v);
+  }
+}
+
 // f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
 template <int MT, typename F>
 void dispatch_rows(int64_t rows, F&& f) {
@@ -215,15 +229,10 @@ void vnni_tile(const uint8_t* u, int64_t ku, const int8_t* wb, int64_t groups, i
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c));
         if (res) v = _mm512_add_ps(v, load16(res + m * rs + c));
         store16(y + m * n + c, v);
-      } else {  // the channels' tail, computed as dequantize_rows computes its tail (no fused multiply-add)
+      } else {
         alignas(64) int32_t part[16];
         _mm512_store_si512(part, sums);
-        for (int64_t i = 0; i < valid; ++i) {
-          float v = static_cast<float>(part[i]) * scale[m] * cs[c + i] + zero[m] * csum[c + i];
-          if (bias) v += bias[c + i];
-          if (res) v += to_f32(res[m * rs + c + i]);
-          y[m * n + c + i] = from_f32<T>(v);
-        }
+        store_tail(part, valid, m, c, n, scale, zero, cs, csum, bias, res, rs, y);
       }
     }
   }
@@ -273,12 +282,7 @@ void avx2_tile(const int16_t* u16, int64_t ku, const int8_t* wb, int64_t groups,
     } else {
       alignas(32) int32_t part[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(part), sums);
-      for (int64_t i = 0; i < valid; ++i) {
-        float v = static_cast<float>(part[i]) * scale[m] * cs[c + i] + zero[m] * csum[c + i];
-        if (bias) v += bias[c + i];
-        if (res) v += to_f32(res[m * rs + c + i]);
-        y[m * n + c + i] = from_f32<T>(v);
-      }
+      store_tail(part, valid, m, c, n, scale, zero, cs, csum, bias, res, rs, y);
     }
   }
 }
