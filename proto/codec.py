@@ -110,7 +110,8 @@ def compat_to_proto(compat: Compat) -> pb.Compat:
 def compat_from_proto(msg: pb.Compat) -> Compat:
     return Compat(model=msg.model, dtype=msg.dtype, page_size=msg.page_size, num_layers=msg.num_layers,
                   num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, transfer_backend=msg.transfer_backend,
-                  lora_adapters=tuple(msg.lora_adapters), weights_version=msg.weights_version)
+                  lora_adapters=tuple(msg.lora_adapters), weights_version=msg.weights_version,
+                  quantization=msg.quantization)
 
 
 # ------------------------------------------------------------------ weights version

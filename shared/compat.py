@@ -25,6 +25,9 @@ class Compat:
     # others. Until then, and while an update is under way, a prefill worker refuses each request of a peer on
     # other weights (ServedWeights.check_peer in shared/admin.py).
     weights_version: str = "0"
+    # --quantization ("" for none): the KV is laid out alike either way, but a quantized prefill's pages continued
+    # by an unquantized decode (or the reverse) would be neither model's output.
+    quantization: str = ""
 
     def mismatches(self, other: Compat, me: str = "this worker", peer: str = "the peer") -> list[str]:
         """Human-readable differences, e.g. "page_size: prefill has 16, decode has 32"."""
@@ -42,6 +45,8 @@ class Compat:
 
 
 def _show(value) -> str:
+    if value == "":
+        return "none"
     if isinstance(value, tuple):
         return "[" + ", ".join(value) + "]"
     return str(value)

@@ -80,7 +80,8 @@ class WorkerApp:
                              page_size=config.cache.page_size, num_layers=mc.num_layers,
                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend,
                              lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters.list())),
-                             weights_version=self.engine.weights.version.label)
+                             weights_version=self.engine.weights.version.label,
+                             quantization=config.quantization or "")
         self.info = pb.InfoReply(
             role=role.value, model_path=config.model_path,
             served_model_name=args.served_model_name or config.model_path,

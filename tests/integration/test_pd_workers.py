@@ -220,14 +220,18 @@ async def test_abort_rpc_ends_the_stream(pair, prompts):
     await assert_clean(paddr, daddr)
 
 
-async def test_mismatched_page_size_is_refused_at_registration():
-    prefill, paddr = start_worker("prefill", None, "--transfer-backend", "tcp", "--page-size", "16")
+@pytest.mark.parametrize("prefill_flags, decode_flags, says", [
+    (("--page-size", "16"), ("--page-size", "32"), "page_size: prefill has 16, decode has 32"),
+    (("--quantization", "w8a8_int8"), (), "quantization: prefill has w8a8_int8, decode has none"),
+])
+async def test_mismatched_settings_are_refused_at_registration(prefill_flags, decode_flags, says):
+    prefill, paddr = start_worker("prefill", None, "--transfer-backend", "tcp", *prefill_flags)
     prefill.wait_healthy()
     try:
-        decode, _ = start_worker("decode", None, "--transfer-backend", "tcp", "--page-size", "32", "--prefill", paddr)
+        decode, _ = start_worker("decode", None, "--transfer-backend", "tcp", *decode_flags, "--prefill", paddr)
         decode.popen.wait(120)
         assert decode.popen.returncode != 0
-        assert "page_size: prefill has 16, decode has 32" in decode.tail()
+        assert says in decode.tail()
     finally:
         prefill.stop()
 
