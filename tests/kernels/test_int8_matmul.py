@@ -152,8 +152,9 @@ def _fused_available() -> bool:
 
 
 FUSED = _fused_available()
-needs_vnni = pytest.mark.skipif(not FUSED, reason="no AVX512-VNNI: Int8Linear runs its two passes around "
-                                                  "torch._int_mm here (tested below on every CPU)")
+needs_fused = pytest.mark.skipif(not FUSED, reason="no native int8 kernel in this build (it needs AVX512-VNNI or "
+                                                   "AVX2): Int8Linear runs two passes around int8_mm here, "
+                                                   "tested below on every CPU")
 
 
 def two_pass(monkeypatch, weight, bias=None, absmax=None) -> Int8Linear:
@@ -188,7 +189,7 @@ def test_two_pass_layer_computes_the_definition(monkeypatch, n, k):
     assert out.dtype == torch.bfloat16  # a bf16 model's layer answers in bf16
 
 
-@needs_vnni
+@needs_fused
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 37])
 def test_native_fused_layer_equals_the_two_pass_one(monkeypatch, n, k, rows):
@@ -206,7 +207,7 @@ def test_native_fused_layer_equals_the_two_pass_one(monkeypatch, n, k, rows):
         assert torch.equal(fused(xb, rb), plain(xb, rb))
 
 
-@needs_vnni
+@needs_fused
 def test_native_fused_layer_rows_do_not_depend_on_their_batch():
     """Each row is quantized and summed on its own: alone or among 45 others, the same bits (what the
     deterministic mode needs from a quantized model)."""
@@ -218,7 +219,7 @@ def test_native_fused_layer_rows_do_not_depend_on_their_batch():
         assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1])
 
 
-@needs_vnni
+@needs_fused
 def test_native_fused_layer_accepts_no_rows():
     assert Int8Linear(torch.randn(40, 24))(torch.randn(0, 24)).shape == (0, 40)
 
@@ -240,7 +241,7 @@ FUSED_BAD_INPUTS = {  # case: (call, what the error says)
 }
 
 
-@needs_vnni
+@needs_fused
 @pytest.mark.parametrize("case", list(FUSED_BAD_INPUTS))
 def test_native_fused_layer_refuses_bad_inputs(case):
     call, match = FUSED_BAD_INPUTS[case]
