@@ -7,9 +7,11 @@
 Without --model-path it builds a random-weight model of SmolLM2-135M's shape (no download needed);
 --save-model writes that model next to real tokenizer files and stops (what gpu_check.sh serves). A run:
 (1) greedy fp32 output of the runtime (graphs on, as served) identical to transformers' greedy `generate`;
-(2) greedy bf16 output identical with decode graphs on and off; (3) bf16 decode step time at batch 1, 8, 32,
-64 with graphs on and off; (4) torch.profiler over 10 decode steps: GPU-busy fraction (CUDA kernel time over
-the step's wall time), kernels and host launches per step; (5) the baseline to beat: transformers with a
+(2) greedy bf16 output identical with decode graphs and overlapped steps on and off; (3) bf16 decode step
+time at batch 1, 8, 32, 64 as served (graphs, overlapped steps), with graphs but each step read before the next
+("serial"), and with neither, and where decode steps still make the host wait for the device; (4)
+torch.profiler over 10 decode steps: GPU-busy fraction (CUDA kernel time over the step's wall time), kernels
+and host launches per step; (5) the baseline to beat: transformers with a
 static KV cache and torch.compile (CUDA graphs), ms per token at batch 1 and 64; (6) a raw device-to-device
 copy's GB/s (the scale for the PD KV transfer); then the issue's runtime targets beside their figures.
 
@@ -50,12 +52,13 @@ class Setup:
     batches: tuple[int, ...]
     new_tokens: int  # tokens per request in the timed runs
     graphs: str  # decode_graphs with graphs on: "auto" captures on CUDA; "static" is that path uncaptured
+    overlap: str  # overlap_schedule as served: "auto" is on for CUDA; "on" runs that order on the CPU
     max_total_tokens: int
     tiny: bool  # a two-layer model instead of SmolLM2-135M's shape
 
 
-GPU = Setup("cuda", (1, 8, 32, 64), 64, "auto", 131072, tiny=False)
-CPU_DRY = Setup("cpu", (1, 4), 6, "static", 4096, tiny=True)
+GPU = Setup("cuda", (1, 8, 32, 64), 64, "auto", "auto", 131072, tiny=False)
+CPU_DRY = Setup("cpu", (1, 4), 6, "static", "on", 4096, tiny=True)
 
 
 def sync(setup: Setup) -> None:
@@ -90,12 +93,12 @@ def smollm_shaped(out_dir: str, tiny: bool = False, tokenizer_files: str | None 
 
 
 # ---------------------------------------------------------------- the runtime
-def engine_for(model_dir: str, dtype: str, setup: Setup, graphs: str) -> Engine:
+def engine_for(model_dir: str, dtype: str, setup: Setup, graphs: str, overlap: str = "off") -> Engine:
     return Engine(RuntimeConfig(model_path=model_dir, dtype=dtype, device=setup.device,
                                 attention_backend="triton" if setup.device == "cuda" else "auto",
                                 cache=CacheConfig(page_size=16, max_total_tokens=setup.max_total_tokens),
                                 scheduler=SchedulerConfig(max_running_requests=256, max_prefill_tokens=16384),
-                                decode_graphs=graphs, cuda_graph_max_bs=max(setup.batches)))
+                                decode_graphs=graphs, cuda_graph_max_bs=max(setup.batches), overlap_schedule=overlap))
 
 
 def captured(engine: Engine) -> list[int]:
@@ -133,21 +136,52 @@ def is_decoding(engine: Engine) -> bool:
 
 
 def decode_step_ms(engine: Engine, setup: Setup, batch: int) -> float:
-    """Median wall time of a decode step of `batch` sequences, 8-token prompts, synchronised each step."""
+    """Wall time per decode step of `batch` sequences (8-token prompts) over their whole decode, synchronised at
+    its ends only: with overlapped steps the host prepares a step while the device runs the one before."""
     prompts = [[1, 500 + i, 42, 9, 17, 88, 11, 7] for i in range(batch)]
     run(engine, prompts, [4] * batch)  # warm-up: compiles and tunes this batch's kernels
     add(engine, prompts, [setup.new_tokens] * batch, prefix="s")
-    steps = []
-    while engine.has_work():
-        sync(setup)
-        t0 = time.perf_counter()
-        decoding = is_decoding(engine)
+    while not is_decoding(engine):
         engine.step()
-        sync(setup)
-        if decoding:
-            steps.append(time.perf_counter() - t0)
+    sync(setup)
+    t0, steps = time.perf_counter(), 0
+    while is_decoding(engine):
+        engine.step()
+        steps += 1
+    while engine.has_work():  # the last step's tokens, read
+        engine.step()
+    sync(setup)
     engine.flush_cache()
-    return statistics.median(steps) * 1e3
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def sync_sites(engine: Engine, setup: Setup, batch: int, steps: int = 10) -> dict[str, float]:
+    """Where decode steps make the host wait for the device (torch's sync debug mode), per step: each one stalls
+    the host and so the overlap. Empty on a CPU (nothing to wait for)."""
+    if setup.device != "cuda":
+        return {}
+    import warnings
+
+    prompts = [[1, 900 + i, 42, 9, 17, 88, 11, 7] for i in range(batch)]
+    add(engine, prompts, [steps + 8] * batch, prefix="y")
+    while not is_decoding(engine) or len(engine.scheduler.running[0].output_ids) < 3:
+        engine.step()
+    sites: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    while engine.has_work():
+        engine.step()
+    engine.flush_cache()
+    return {site: n / steps for site, n in sites.most_common()}
 
 
 # ---------------------------------------------------------------- the profile
@@ -309,32 +343,44 @@ def measure(model_dir: str, setup: Setup, result: dict) -> None:
     decode_ms: dict[str, dict[str, float]] = {}
     profiles: dict[str, dict[str, dict]] = {}
     tokens = {}
-    for mode, graphs in (("on", setup.graphs), ("off", "off")):
-        engine = engine_for(model_dir, "bfloat16", setup, graphs)
+    # "on": as served (graphs, overlapped steps); "serial": graphs, each step read before the next; "off": neither.
+    for mode, graphs, overlap in (("on", setup.graphs, setup.overlap), ("serial", setup.graphs, "off"),
+                                  ("off", "off", "off")):
+        engine = engine_for(model_dir, "bfloat16", setup, graphs, overlap)
         if mode == "on":
             result["graphs_captured"] = captured(engine)
             print(f"decode graphs captured for batch sizes {result['graphs_captured'] or 'none (not on CUDA)'}")
         tokens[mode] = run(engine, prompts, new)
         decode_ms[mode] = {str(b): decode_step_ms(engine, setup, b) for b in setup.batches}
-        profile_at = (1, max(setup.batches)) if mode == "on" else (max(setup.batches),)
-        profiles[mode] = {str(b): asdict(profile_steps(engine, setup, b)) for b in profile_at}
-        for b, p in profiles[mode].items():
-            p["gpu_busy_fraction"] = p["gpu_busy_ms_per_step"] / decode_ms[mode][b]
+        if mode != "serial":
+            profile_at = (1, max(setup.batches)) if mode == "on" else (max(setup.batches),)
+            profiles[mode] = {str(b): asdict(profile_steps(engine, setup, b)) for b in profile_at}
+            for b, p in profiles[mode].items():
+                p["gpu_busy_fraction"] = p["gpu_busy_ms_per_step"] / decode_ms[mode][b]
+        if mode == "on":
+            result["sync_sites_per_step"] = {str(b): sync_sites(engine, setup, b) for b in (1, max(setup.batches))}
         del engine
         if setup.device == "cuda":
             torch.cuda.empty_cache()
     result["greedy_bf16_graphs"] = compare(tokens["on"], tokens["off"])
+    result["greedy_bf16_overlap"] = compare(tokens["on"], tokens["serial"])
     result["decode_ms"], result["profile"] = decode_ms, profiles
-    g = result["greedy_bf16_graphs"]
-    print(f"greedy bf16, {count} prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {new[0]}-{new[-1]} new: "
-          f"{g['identical']}/{g['of']} identical with graphs on and off (first differing position: {g['first_diff']})")
+    for key, what in (("greedy_bf16_graphs", "graphs and overlap on and off"), ("greedy_bf16_overlap", "overlap on "
+                                                                                                      "and off")):
+        g = result[key]
+        print(f"greedy bf16, {count} prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {new[0]}-{new[-1]} new: "
+              f"{g['identical']}/{g['of']} identical with {what} (first differing position: {g['first_diff']})")
+    for b, sites in result["sync_sites_per_step"].items():
+        print(f"host waits for the device per overlapped decode step, batch {b}: "
+              f"{sum(sites.values()):.1f} {sites if sites else ''}")
     hf_at = (1, max(setup.batches))
     result["transformers_compiled_ms"] = {str(b): transformers_ms_per_token(model_dir, setup, b) for b in hf_at}
     result["raw_d2d_copy_gbs"] = raw_copy_gbs(setup)
-    print(f"{'batch':>5} {'graphs ms':>9} {'off ms':>7} {'tok/s':>9} {'hf+compile ms':>13} {'vs hf':>6}")
+    print(f"{'batch':>5} {'served ms':>9} {'serial ms':>9} {'off ms':>7} {'tok/s':>9} {'hf+compile ms':>13} "
+          f"{'vs hf':>6}")
     for b in map(str, setup.batches):
         on, off, hf = decode_ms["on"][b], decode_ms["off"][b], result["transformers_compiled_ms"].get(b)
-        print(f"{b:>5} {on:>9.3f} {off:>7.3f} {int(b) / on * 1e3:>9.0f} "
+        print(f"{b:>5} {on:>9.3f} {decode_ms['serial'][b]:>9.3f} {off:>7.3f} {int(b) / on * 1e3:>9.0f} "
               f"{'' if hf is None else f'{hf:.3f}':>13} {'' if hf is None else f'{hf / on:.2f}x':>6}")
     for mode, by_batch in profiles.items():
         for b, p in by_batch.items():

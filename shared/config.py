@@ -293,6 +293,11 @@ class RuntimeConfig:
     cuda_graph_max_bs: int = 256  # the largest bucket; larger decode batches run without a graph
     cuda_graph_bs: tuple[int, ...] = ()  # the buckets themselves (default: shared/decode_graphs.bucket_sizes)
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    # Overlapped decode steps (shared/overlap.py): step i+1 is scheduled and launched before step i's tokens are
+    # read. "auto": on a GPU, where the device computes while the host schedules; off on the CPU, which computes
+    # the step itself, so reading late would only delay each token. "on" runs it anywhere (the CPU mode it is
+    # tested in); "off" is --disable-overlap-schedule. Speculative decoding reads its tokens at once: off there.
+    overlap_schedule: str = "auto"
     quantization: str | None = None  # None | "w8a8_int8": the dense layers' matmuls in int8 (shared/int8_linear.py)
 
     def __post_init__(self) -> None:
@@ -300,6 +305,8 @@ class RuntimeConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or None, got {self.quantization!r}")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs must be auto, static or off, got {self.decode_graphs!r}")
         if self.attention_backend not in ("auto", "native", "torch", "triton"):

@@ -28,11 +28,12 @@ from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.observer import RequestObserver, StepStats
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs
+from pdserve.shared.overlap import Overlap
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles import TransferFn, make_role
-from pdserve.shared.sampler import Sampler, make_generator
+from pdserve.shared.sampler import HostCopy, Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 from pdserve.shared.speculative import Speculator
@@ -62,6 +63,8 @@ class Engine:
         # Only roles that decode draft: a prefill worker samples each request's first token and no more.
         self.speculator = (Speculator(self, config.speculative)
                            if config.speculative is not None and role != Role.PREFILL and self.generates else None)
+        overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and config.device != "cpu")
+        self.overlap = Overlap(self) if overlap and self.speculator is None and self.generates else None
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
@@ -144,7 +147,8 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting or s.running or s.chunked or self.role.has_work())
+        in_flight = self.overlap is not None and self.overlap.pending is not None
+        return bool(s.waiting or s.running or s.chunked or in_flight or self.role.has_work())
 
     # ------------------------------------------------------------ requests (engine thread)
     def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> None:
@@ -165,6 +169,8 @@ class Engine:
         self.role.admit(req)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
+        if self.overlap is not None:
+            self.overlap.settle()  # its tokens first: outputs go out in order, and none stays a placeholder
         reqs = self.scheduler.find(rid)
         for req in reqs:
             self.scheduler.remove(req, cache=req.status >= ReqStatus.RUNNING)
@@ -173,6 +179,8 @@ class Engine:
         return bool(reqs)
 
     def _fail_all(self, error: str) -> None:
+        if self.overlap is not None:
+            self.overlap.drop()
         for req in self.scheduler.live_reqs():
             self.abort(req.rid, error=error)
 
@@ -185,13 +193,21 @@ class Engine:
             self.abort(exc.req.rid, error=str(exc))
             return
         if batch is None:
+            if self.overlap is not None:
+                self.overlap.settle()
             return
+        if self.overlap is not None:
+            batch.in_flight = self.overlap.tokens
         if self.speculator is not None and batch.is_decode:
             batch = self.speculator.propose(batch)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.steps += 1
+        if self.overlap is not None:
+            if self.overlap.launch(batch, logits, self.stats.last_step_s):
+                return
+            self.overlap.settle()
         if self.speculator is not None and (batch.is_decode or batch.drafts is not None):
             self.speculator.observe(batch, self.stats.last_step_s)
         if batch.drafts is not None:
@@ -205,6 +221,8 @@ class Engine:
         rows: list[int] = []
         reqs: list[Req] = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if req.status == ReqStatus.FINISHED:  # it ended with the overlapped step before (overlap.py)
+                continue
             req.num_computed += n
             if batch.is_decode or req.status == ReqStatus.RUNNING:  # a decode, alone or beside prefills
                 self.stats.decode_tokens += 1
@@ -241,25 +259,17 @@ class Engine:
 
     def sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
         """The next token (and its logprobs, where asked) of each of `reqs`, from `logits[rows]`."""
+        return self.launch_sample(logits, rows, reqs).read([r.params for r in reqs])
+
+    def launch_sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> HostCopy:
+        """`sample`, with the tokens left on their way to the host (read them with `.read(params)`)."""
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         if any(r.grammar is not None for r in reqs):
             apply_masks(logits, [r.grammar for r in reqs])
-        out = self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
-                                  [r.output_ids for r in reqs], [r.generator for r in reqs],
-                                  self.model_config.eos_token_ids)
-        tokens = out.token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
-        if out.logprobs is not None:
-            lps = out.logprobs.tolist()
-            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for i, req in enumerate(reqs):
-                if req.params.return_logprob or req.params.top_logprobs_num:
-                    k = req.params.top_logprobs_num
-                    logprobs[i] = TokenLogprobs(lps[i], top_ids[i][:k] if top_ids and k else [],
-                                                top_lps[i][:k] if top_lps and k else [])
-        return tokens, logprobs
+        return HostCopy(self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
+                                            [r.output_ids for r in reqs], [r.generator for r in reqs],
+                                            self.model_config.eos_token_ids))
 
     def _prompt_logprobs(self, batch: Batch) -> None:
         """Append to each request the logprobs of the prompt tokens this chunk's logits predict."""

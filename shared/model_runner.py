@@ -12,7 +12,7 @@ import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.decode_graphs import DecodeGraphs, bucket_sizes
-from pdserve.shared.host_memory import keep_freed_memory
+from pdserve.shared.host_memory import keep_freed_memory, upload
 from pdserve.shared.kernel_ops import get_kernel_ops, resolve_kernel_set
 from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.linear import cpu_has_bf16
@@ -178,17 +178,26 @@ class ModelRunner:
             seq_lens = [p + 1 for p in positions]
             q_start = list(range(len(ids)))
             extend_lens, is_decode = [1] * len(ids), True
-        dev = self.device
+        # Two host-to-device copies, one per integer width: on a GPU from pinned memory without blocking, so that
+        # building a step never waits for the step still running on the device (see shared/overlap.py).
+        n, b, w = len(ids), len(seq_lens), len(table[0])
+        longs = upload(ids + positions + slots + last_rows + prompt_rows, torch.int64, self.device)
+        has_lora = any(slot >= 0 for slot in lora_slots)
+        ints = upload([p for row in table for p in row] + seq_lens + list(extend_lens) + q_start
+                            + (lora_slots if has_lora else []), torch.int32, self.device)
+        input_ids = longs[:n]
+        if batch.in_flight is not None and min(ids) < 0:  # a token still on the device: its row of in_flight
+            input_ids = torch.where(input_ids >= 0, input_ids, batch.in_flight[(-1 - input_ids).clamp(min=0)])
+        at = b * w
         return ForwardBatch(
             is_decode=is_decode,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=dev),
-            q_start=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(last_rows + prompt_rows, dtype=torch.int64, device=dev),
-            lora_slots=(torch.tensor(lora_slots, dtype=torch.int32, device=dev)
-                        if any(slot >= 0 for slot in lora_slots) else None),
+            input_ids=input_ids,
+            positions=longs[n:2 * n],
+            slots=longs[2 * n:3 * n],
+            page_table=ints[:at].view(b, w),
+            seq_lens=ints[at:at + b],
+            extend_lens=ints[at + b:at + 2 * b],
+            q_start=ints[at + 2 * b:at + 3 * b],
+            last_rows=longs[3 * n:],
+            lora_slots=ints[at + 3 * b:] if has_lora else None,
         )

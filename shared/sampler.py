@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.shared.host_memory import upload
+from pdserve.shared.outputs import TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
 
 
@@ -35,6 +37,52 @@ class SampleOutput:
     logprobs: torch.Tensor | None  # [B] fp32: log_softmax(raw logits) at token_ids; None when no row asked
     top_ids: torch.Tensor | None  # [B, K] int64, most likely first; K = max top_logprobs_num, None when 0
     top_logprobs: torch.Tensor | None  # [B, K] fp32
+
+
+class HostCopy:
+    """A SampleOutput on its way to the host in one transfer, started at once; `read` waits for it.
+
+    On a GPU the tensors are packed into one float64 buffer (token ids are exact there) and copied without
+    blocking into pinned memory, with an event behind the copy: the host goes on scheduling and launching the
+    next step while the device finishes this one, and the single copy replaces a synchronising `tolist()` per
+    tensor. On the CPU the tensors are already on the host.
+    """
+
+    def __init__(self, out: SampleOutput) -> None:
+        self.out = out
+        self.packed: torch.Tensor | None = None
+        self.event = None
+        if out.token_ids.device.type == "cuda":
+            parts = [t.reshape(-1).double() for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+                     if t is not None]
+            flat = torch.cat(parts)
+            self.packed = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self.packed.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def read(self, params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Each row's token and, for rows whose params ask for them, its logprobs (top `top_logprobs_num`)."""
+        out = self.out
+        if self.packed is not None:
+            self.event.synchronize()
+            host, at, parts = self.packed, 0, []
+            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs):
+                parts.append(None if t is None else host[at:at + t.numel()].reshape(t.shape))
+                at += 0 if t is None else t.numel()
+            out = SampleOutput(parts[0].long(), parts[1], None if parts[2] is None else parts[2].long(), parts[3])
+        tokens = out.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if out.logprobs is not None:
+            lps = out.logprobs.tolist()
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            for i, p in enumerate(params):
+                if p.return_logprob or p.top_logprobs_num:
+                    k = p.top_logprobs_num
+                    logprobs[i] = TokenLogprobs(lps[i], top_ids[i][:k] if top_ids and k else [],
+                                                top_lps[i][:k] if top_lps and k else [])
+        return tokens, logprobs
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -113,7 +161,7 @@ def _bias_entries(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _index(values, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return upload(values, torch.int64, device)
 
 
 def _bans(params: list[SamplingParams], output_ids: list[list[int]],
@@ -183,11 +231,11 @@ def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list
         e.sub_(e.amax(-1, keepdim=True))
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        e.div_(torch.tensor(temps, device=device)[:, None])
+        e.div_(upload(temps, torch.float32, device)[:, None])
     e.exp_()
     mass = e.sum(-1)  # [R] total mass before any filter: top_p is a share of it
     e = _apply_thresholds(e, params)
-    return _draw(e, mass, torch.tensor([p.top_p for p in params], device=device), generators)
+    return _draw(e, mass, upload([p.top_p for p in params], torch.float32, device), generators)
 
 
 def _keep_above(e: torch.Tensor, threshold: torch.Tensor, strict: bool) -> torch.Tensor:
@@ -199,7 +247,7 @@ def _keep_above(e: torch.Tensor, threshold: torch.Tensor, strict: bool) -> torch
 def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """e with the tokens below each row's top_k / min_p cutoff zeroed (both are thresholds on e)."""
     vocab = e.shape[1]
-    thresholds = torch.tensor([p.min_p for p in params], device=e.device)
+    thresholds = upload([p.min_p for p in params], torch.float32, e.device)
     k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if k_rows:
         ks = _index([params[i].top_k for i in k_rows], e.device)

@@ -47,6 +47,8 @@ class Batch:
     # logits [rows, V] in that order.
     prompt_rows: list[tuple[Req, int, int]] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
+    # The sampled tokens of the step still in flight (shared/overlap.py), which negative input ids stand for.
+    in_flight: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)

@@ -156,10 +156,11 @@ class WorkerApp:
             self.ready = True
             spec = self.config.speculative
             weights = self.info.compat.dtype + (f" ({self.config.quantization})" if self.config.quantization else "")
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s%s", self.role.value, self.args.host,
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s%s%s", self.role.value, self.args.host,
                      self.args.port, self.http_port, weights, self.info.attention_backend,
                      f", speculative ngram (up to {spec.num_draft_tokens} draft tokens)"
-                     if spec is not None and self.role != Role.PREFILL else "")
+                     if spec is not None and self.role != Role.PREFILL else "",
+                     ", overlapped decode steps" if self.engine.overlap is not None else "")
             await stop.wait()
             await self._drain(calls)
         except PeerError as exc:

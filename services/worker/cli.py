@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "falls behind sends what it has in one message whatever this is")
     parser.add_argument("--disable-cuda-graph", action="store_true",
                         help="run every decode step as it comes, without captured CUDA graphs (GPU)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="read each decode step's tokens before the next step is scheduled (GPU; by default the "
+                             "next step is launched first, so the host's work hides behind the device's)")
+    parser.add_argument("--enable-overlap-schedule", action="store_true",
+                        help="launch each decode step before the previous one's tokens are read on a CPU too, where "
+                             "it only delays each token by a step: the GPU's order, for checking it on a CPU")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=RuntimeConfig.cuda_graph_max_bs,
                         help="largest decode batch captured as a CUDA graph; larger ones run without")
     parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="N",
@@ -166,6 +172,8 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
         model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         decode_graphs="off" if args.disable_cuda_graph else "auto", cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_bs=tuple(args.cuda_graph_bs or ()),
+        overlap_schedule=("off" if args.disable_overlap_schedule else "on" if args.enable_overlap_schedule
+                          else "auto"),
         context_length=args.context_length, deterministic=args.enable_deterministic_inference,
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                           mem_fraction=args.mem_fraction),

@@ -1,0 +1,95 @@
+"""Overlapped decode steps: step i+1 is scheduled and launched before step i's sampled tokens are read.
+
+On a GPU the host's part of a step (scheduling, building the inputs, launching; then reading the tokens,
+finishing requests, sending outputs) and the device's part otherwise take turns, each idle while the other
+works. Here a decode step is launched and left in flight: each of its requests gets a placeholder output
+token, -(row + 1), that stands for its row of the step's sampled tokens, still on the device (or on their way
+to the host: `HostCopy`). The next step is scheduled with the placeholders counted (a request's length, its
+pages) and the model runner takes a placeholder input from the in-flight tokens on the device
+(`Batch.in_flight`). Only then are the in-flight step's tokens read (`settle`): each placeholder becomes its
+token, and stop and length rules, outputs and page release run as after any step.
+
+What it costs: a request that finishes at step i is computed once more in step i+1, its row dropped (SGLang's
+overlap schedule pays the same). What is read at once instead: steps with prompts (their first tokens fork
+choices and start transfers), verify steps, and steps with a request whose sampling reads its tokens so far
+on the host (a grammar's mask, penalties). Anything else that must see final tokens (an abort) settles first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.sampler import HostCopy
+from pdserve.shared.scheduler import Batch
+
+if TYPE_CHECKING:
+    from pdserve.shared.engine import Engine
+
+
+def overlappable(req: Req) -> bool:
+    """Its next token can be sampled before its previous one is known on the host."""
+    return req.grammar is None and not req.params.has_penalty
+
+
+@dataclass
+class InFlight:
+    reqs: list[Req]
+    at: list[int]  # where each request's placeholder sits in its output_ids
+    copy: HostCopy
+    compute_s: float
+
+
+class Overlap:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending: InFlight | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The in-flight step's sampled tokens on the device (what placeholders index), or None."""
+        return self.pending.copy.out.token_ids if self.pending is not None else None
+
+    def launch(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> bool:
+        """Sample `batch` and leave it in flight, settling the step before it (True); False when it must be
+        read at once (then nothing was done: the caller settles and processes it as usual)."""
+        if not batch.is_decode or batch.drafts is not None or not all(overlappable(r) for r in batch.reqs):
+            return False
+        engine, reqs = self.engine, batch.reqs
+        copy = engine.launch_sample(logits, list(range(len(reqs))), reqs)
+        at = []
+        for row, req in enumerate(reqs):
+            req.num_computed += 1  # the KV of its newest token is being written by this step
+            at.append(len(req.output_ids))
+            req.output_ids.append(-(row + 1))
+        engine.stats.decode_tokens += len(reqs)
+        self.settle()
+        self.pending = InFlight(reqs, at, copy, compute_s)
+        return True
+
+    def settle(self) -> None:
+        """Read the in-flight step's tokens and take them as a step read at once would have."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return
+        engine = self.engine
+        tokens, logprobs = step.copy.read([r.params for r in step.reqs])
+        at = dict(zip(step.reqs, step.at))
+        live = [i for i, req in enumerate(step.reqs) if req.status != ReqStatus.FINISHED]  # else: a dropped row
+        decoding = engine.role.sampled([step.reqs[i] for i in live], [tokens[i] for i in live],
+                                       [logprobs[i] for i in live], step.compute_s)
+        for req, token, logprob in decoding:
+            later = req.output_ids[at[req] + 1:]  # the placeholder of the step launched since, if any
+            del req.output_ids[at[req]:]
+            engine.append_token(req, token, logprob)
+            engine.emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
+            if req.status != ReqStatus.FINISHED:
+                req.output_ids.extend(later)
+
+    def drop(self) -> None:
+        """Forget the in-flight step without reading it (after a failed step): its placeholders go."""
+        step, self.pending = self.pending, None
+        for req, at in zip(step.reqs, step.at) if step is not None else ():
+            del req.output_ids[at:]
