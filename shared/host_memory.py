@@ -38,7 +38,7 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`, without waiting for the device's queued work."""
-    host = torch.tensor(values, dtype=dtype)
+def upload(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, or a CPU tensor) as a tensor on `device`, without waiting for the device's queued work."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

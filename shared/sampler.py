@@ -93,6 +93,11 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 
 class Sampler:
+    def __init__(self, sync_free: bool | None = None) -> None:
+        """`sync_free`: sample rows with temperature by `_draw_nucleus`, which never waits for the device (default:
+        on a GPU, where a wait would stall the overlapped step; the CPU's rejection draw is faster there)."""
+        self.sync_free = sync_free
+
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
                output_ids: list[list[int]], generators: list[torch.Generator | None],
                eos_token_ids: tuple[int, ...]) -> SampleOutput:
@@ -106,26 +111,28 @@ class Sampler:
             x = logits.to(torch.float32, copy=True)  # [B, V]
             if biased:
                 entries = [_bias_entries(params[i]) for i in biased]
-                ids = torch.cat([e[0] for e in entries]).to(x.device)
-                counts = torch.tensor([len(e[0]) for e in entries], device=x.device)
+                ids = upload(torch.cat([e[0] for e in entries]), torch.int64, x.device)
+                counts = _index([len(e[0]) for e in entries], x.device)
                 rows = _index(biased, x.device).repeat_interleave(counts)
-                x.index_put_((rows, ids), torch.cat([e[1] for e in entries]).to(x.device), accumulate=True)
+                x.index_put_((rows, ids), upload(torch.cat([e[1] for e in entries]), torch.float32, x.device),
+                             accumulate=True)
             if penalised:
                 _apply_penalties(x, penalised, params, prompt_ids, output_ids)
             if bans:
                 rows, ids = zip(*bans)
                 x[_index(rows, x.device), _index(ids, x.device)] = float("-inf")
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        sync_free = self.sync_free if self.sync_free is not None else x.device.type == "cuda"
         if not sampled:
             tokens = _argmax(x)  # the common fast path: no copy, no softmax
         elif len(sampled) == batch:
-            tokens = _sample_rows(x, params, generators)
+            tokens = _sample_rows(x, params, generators, sync_free)
         else:
             greedy = [i for i, p in enumerate(params) if p.is_greedy]
             tokens = torch.empty(batch, dtype=torch.int64, device=x.device)
             g, s = _index(greedy, x.device), _index(sampled, x.device)
             tokens[g] = _argmax(x[g])
-            tokens[s] = _sample_rows(x[s], [params[i] for i in sampled], [generators[i] for i in sampled])
+            tokens[s] = _sample_rows(x[s], [params[i] for i in sampled], [generators[i] for i in sampled], sync_free)
         return _with_logprobs(logits, tokens, params)
 
 
@@ -219,8 +226,8 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, best.gather(1, pos // block) * block + pos % block
 
 
-def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-                 ) -> torch.Tensor:
+def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 sync_free: bool = False) -> torch.Tensor:
     """One token per row of x [R, V] (read only) under each row's temperature and filters."""
     device = x.device
     # Unnormalised probabilities with the top one exactly 1: e = exp((x - max) / T); min_p compares with e directly.
@@ -234,8 +241,9 @@ def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list
         e.div_(upload(temps, torch.float32, device)[:, None])
     e.exp_()
     mass = e.sum(-1)  # [R] total mass before any filter: top_p is a share of it
-    e = _apply_thresholds(e, params)
-    return _draw(e, mass, upload([p.top_p for p in params], torch.float32, device), generators)
+    e = _apply_thresholds(e, params, sync_free)
+    top_p = upload([p.top_p for p in params], torch.float32, device)
+    return (_draw_nucleus if sync_free else _draw)(e, mass, top_p, generators)
 
 
 def _keep_above(e: torch.Tensor, threshold: torch.Tensor, strict: bool) -> torch.Tensor:
@@ -244,8 +252,9 @@ def _keep_above(e: torch.Tensor, threshold: torch.Tensor, strict: bool) -> torch
     return compare(e, threshold, out=torch.empty_like(e)).mul_(e)
 
 
-def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """e with the tokens below each row's top_k / min_p cutoff zeroed (both are thresholds on e)."""
+def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams], every_row: bool = False) -> torch.Tensor:
+    """e with the tokens below each row's top_k / min_p cutoff zeroed (both are thresholds on e). `every_row`:
+    compare every row, without asking the device which rows have a cutoff (a row with none keeps all of e)."""
     vocab = e.shape[1]
     thresholds = upload([p.min_p for p in params], torch.float32, e.device)
     k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
@@ -255,6 +264,8 @@ def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         k_e = e if len(k_rows) == e.shape[0] else e[k_idx]
         kth = _topk(k_e, int(ks.max()))[0].gather(1, ks[:, None] - 1).squeeze(1)
         thresholds[k_idx] = torch.maximum(thresholds[k_idx], kth)
+    if every_row:
+        return _keep_above(e, thresholds[:, None], strict=False)
     cut = [i for i, t in enumerate(thresholds.tolist()) if t > 0]
     if len(cut) == e.shape[0]:
         return _keep_above(e, thresholds[:, None], strict=False)
@@ -299,6 +310,24 @@ def _draw(e: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor,
         generators = [generators[i] for i in redo.tolist()]
     tokens[todo] = _argmax(e)
     return tokens
+
+
+def _draw_nucleus(e: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor,
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """`_draw`'s distribution in a fixed sequence of device operations, none of which waits for the device.
+
+    Each row's nucleus is cut after a sort: with e in descending order, a token is in the nucleus when the mass
+    sorted ahead of it is below top_p * mass; the smallest such value is the cutoff, and every token at least as
+    likely is kept (so ties at the cutoff are all kept, and the nucleus is `_draw`'s). Then one uniform per row
+    picks a token from what is kept. A sort of the vocabulary costs more than `_draw`'s rejections on a CPU, not
+    on a GPU, where `_draw`'s checks would each wait for the device.
+    """
+    ordered = torch.sort(e, dim=-1, descending=True).values  # [R, V]
+    ahead = ordered.cumsum(-1).sub_(ordered)  # mass sorted ahead of each position
+    limit = torch.where(top_p < 1.0, top_p * mass, torch.full_like(mass, float("inf")))
+    kept = (ahead < limit[:, None]).sum(-1, keepdim=True)  # >= 1: nothing is ahead of the top token
+    cutoff = ordered.gather(1, kept - 1)  # [R, 1]
+    return _inverse_cdf(_keep_above(e, cutoff, strict=False), upload(_uniforms(generators), torch.float32, e.device))
 
 
 def _inverse_cdf(e: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

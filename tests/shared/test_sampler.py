@@ -1,4 +1,8 @@
-"""Sampler: each sampling parameter does what it promises, seeded rows are reproducible, logprobs are the model's."""
+"""Sampler: each sampling parameter does what it promises, seeded rows are reproducible, logprobs are the model's.
+
+Every test runs twice: with the CPU's draw (top_p by rejection, filters only on the rows that have them) and with
+the GPU's, which never waits for the device (`sync_free`: filters on every row, the nucleus cut after a sort).
+"""
 from __future__ import annotations
 
 import math
@@ -16,6 +20,12 @@ EOS = 3
 # Vocabulary sizes for both code paths: 4096 splits into blocks (as the default model's 49152 does), 1001 does not.
 VOCABS = [4096, 1001]
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3; the rest of the vocabulary is (almost) impossible
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["rejection", "sync-free"])
+def sync_free(request, monkeypatch):
+    monkeypatch.setattr(Sampler, "__init__", lambda self, sync_free=request.param: setattr(self, "sync_free", sync_free))
+    return request.param
 
 
 def sample(logits, params, outputs=None, prompts=None, generators=None, eos=(EOS,)):
