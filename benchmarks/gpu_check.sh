@@ -130,6 +130,7 @@ pytest_run() {  # NAME ARGS...
 }
 if [ "$DEVICE" = cuda ]; then
   pytest_run kernels "$REPO/tests/kernels" -k "cuda or triton"
+  pytest_run overlap "$REPO/tests/shared/test_overlap.py" -k cuda  # no wait for the device in a decode step
 fi
 pytest_run decode_graphs "$REPO/tests/shared/test_decode_graphs.py"
 

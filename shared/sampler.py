@@ -262,7 +262,7 @@ def _apply_thresholds(e: torch.Tensor, params: list[SamplingParams], every_row: 
         ks = _index([params[i].top_k for i in k_rows], e.device)
         k_idx = _index(k_rows, e.device)
         k_e = e if len(k_rows) == e.shape[0] else e[k_idx]
-        kth = _topk(k_e, int(ks.max()))[0].gather(1, ks[:, None] - 1).squeeze(1)
+        kth = _topk(k_e, max(params[i].top_k for i in k_rows))[0].gather(1, ks[:, None] - 1).squeeze(1)
         thresholds[k_idx] = torch.maximum(thresholds[k_idx], kth)
     if every_row:
         return _keep_above(e, thresholds[:, None], strict=False)

@@ -7,6 +7,7 @@ aborted in between; outputs never carry a placeholder; pages stay accounted for 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig
 from pdserve.shared.engine import Engine
@@ -150,3 +151,36 @@ def test_the_cpu_default_reads_every_step_at_once_and_speculation_turns_it_off(t
 
     assert engine_for(tiny_models["llama"], "auto").overlap is None  # on a CPU it would only delay each token
     assert engine_for(tiny_models["llama"], "on", speculative=SpeculativeConfig()).overlap is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+def test_on_cuda_an_overlapped_step_never_waits_for_the_device(tiny_models):
+    # All requests end at the same step, so the overlapped run's batches are the plain run's, row for row.
+    requests = [("greedy", PROMPTS[0], greedy(16, min_new_tokens=16, return_logprob=True, top_logprobs_num=3)),
+                ("sampled", PROMPTS[1], dict(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_new_tokens=16,
+                                             min_new_tokens=16)),
+                ("plain", PROMPTS[2], dict(temperature=1.0, seed=8, max_new_tokens=16, min_new_tokens=16))]
+    runs = {}
+    for overlap in ("off", "auto"):
+        engine = Engine(RuntimeConfig(model_path=str(tiny_models["llama"]), dtype="float32", device="cuda",
+                                      overlap_schedule=overlap, cuda_graph_bs=(1, 4, 8),
+                                      cache=CacheConfig(page_size=4, max_total_tokens=4 * 96)))
+        assert (engine.overlap is not None) == (overlap == "auto") and engine.runner.graphs.graphs
+        client = Client(engine)
+        for rid, ids, params in requests:
+            client.add(rid, ids, **params)
+        while not engine.scheduler.running or len(engine.scheduler.running[0].output_ids) < 4:
+            client.step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises
+        try:
+            for _ in range(6):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runs[overlap] = client.run()
+    assert runs["auto"].tokens.keys() == runs["off"].tokens.keys()
+    for key, got in runs["auto"].tokens.items():
+        want = runs["off"].tokens[key]
+        assert [t for t, _ in got] == [t for t, _ in want], key
+    assert runs["auto"].in_flight_steps > 0
