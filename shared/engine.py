@@ -64,7 +64,7 @@ class Engine:
         self.speculator = (Speculator(self, config.speculative)
                            if config.speculative is not None and role != Role.PREFILL and self.generates else None)
         overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and config.device != "cpu")
-        self.overlap = Overlap(self) if overlap and self.speculator is None and self.generates else None
+        self.overlap = Overlap(self, enabled=overlap and self.speculator is None and self.generates)
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
@@ -147,8 +147,7 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        in_flight = self.overlap is not None and self.overlap.pending is not None
-        return bool(s.waiting or s.running or s.chunked or in_flight or self.role.has_work())
+        return bool(s.waiting or s.running or s.chunked or self.overlap.pending or self.role.has_work())
 
     # ------------------------------------------------------------ requests (engine thread)
     def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> None:
@@ -169,8 +168,7 @@ class Engine:
         self.role.admit(req)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
-        if self.overlap is not None:
-            self.overlap.settle()  # its tokens first: outputs go out in order, and none stays a placeholder
+        self.overlap.settle()  # its tokens first: outputs go out in order, and none stays a placeholder
         reqs = self.scheduler.find(rid)
         for req in reqs:
             self.scheduler.remove(req, cache=req.status >= ReqStatus.RUNNING)
@@ -179,8 +177,7 @@ class Engine:
         return bool(reqs)
 
     def _fail_all(self, error: str) -> None:
-        if self.overlap is not None:
-            self.overlap.drop()
+        self.overlap.drop()
         for req in self.scheduler.live_reqs():
             self.abort(req.rid, error=error)
 
@@ -193,21 +190,18 @@ class Engine:
             self.abort(exc.req.rid, error=str(exc))
             return
         if batch is None:
-            if self.overlap is not None:
-                self.overlap.settle()
+            self.overlap.settle()
             return
-        if self.overlap is not None:
-            batch.in_flight = self.overlap.tokens
+        batch.in_flight = self.overlap.tokens
         if self.speculator is not None and batch.is_decode:
             batch = self.speculator.propose(batch)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.steps += 1
-        if self.overlap is not None:
-            if self.overlap.launch(batch, logits, self.stats.last_step_s):
-                return
-            self.overlap.settle()
+        if self.overlap.launch(batch, logits, self.stats.last_step_s):
+            return
+        self.overlap.settle()
         if self.speculator is not None and (batch.is_decode or batch.drafts is not None):
             self.speculator.observe(batch, self.stats.last_step_s)
         if batch.drafts is not None:
@@ -218,6 +212,13 @@ class Engine:
     def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
         if batch.prompt_rows:
             self._prompt_logprobs(batch)
+        rows, reqs = self.account(batch, compute_s)
+        if reqs:
+            tokens, logprobs = self.sample(logits, rows, reqs)
+            self.take(self.role.sampled(reqs, tokens, logprobs, compute_s))
+
+    def account(self, batch: Batch, compute_s: float) -> tuple[list[int], list[Req]]:
+        """Book what the step computed; returns the requests that sample a token now and their logit rows."""
         rows: list[int] = []
         reqs: list[Req] = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
@@ -246,14 +247,16 @@ class Engine:
             for member in ([req] if req.output_ids else self.role.family(req)):
                 rows.append(i)
                 reqs.append(member)
-        if not reqs:
-            return
-        tokens, logprobs = self.sample(logits, rows, reqs)
-        decoding = self.role.sampled(reqs, tokens, logprobs, compute_s)
+        return rows, reqs
+
+    def join(self, req: Req) -> None:  # a request whose prompt is computed decodes from the next step on
+        if req.status != ReqStatus.RUNNING:
+            req.status = ReqStatus.RUNNING
+            self.scheduler.running.append(req)
+
+    def take(self, decoding: list[tuple[Req, int, TokenLogprobs | None]]) -> None:
         for req, tok, lp in decoding:
-            if req.status != ReqStatus.RUNNING:
-                req.status = ReqStatus.RUNNING
-                self.scheduler.running.append(req)
+            self.join(req)
             self.append_token(req, tok, lp)
         self.emit_all([req for req, _, _ in decoding])
 

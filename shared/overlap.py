@@ -9,10 +9,12 @@ pages) and the model runner takes a placeholder input from the in-flight tokens 
 (`Batch.in_flight`). Only then are the in-flight step's tokens read (`settle`): each placeholder becomes its
 token, and stop and length rules, outputs and page release run as after any step.
 
-What it costs: a request that finishes at step i is computed once more in step i+1, its row dropped (SGLang's
-overlap schedule pays the same). What is read at once instead: steps with prompts (their first tokens fork
-choices and start transfers), verify steps, and steps with a request whose sampling reads its tokens so far
-on the host (a grammar's mask, penalties). Anything else that must see final tokens (an abort) settles first.
+Prompts overlap too: a prompt computed in step i joins the running requests at once with its placeholder (its
+n > 1 choices forked from its pages first), so step i+1 decodes it. What it costs: a request that finishes at
+step i is computed once more in step i+1, its row dropped (SGLang's overlap schedule pays the same). What is
+read at once instead: a prefill worker's steps (their first tokens go out with the KV), steps asking for prompt
+logprobs, verify steps, and steps with a request whose sampling reads its tokens so far on the host (a
+grammar's mask, penalties). Anything else that must see final tokens (an abort) settles first.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.shared.config import Role
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.sampler import HostCopy
 from pdserve.shared.scheduler import Batch
@@ -43,8 +46,9 @@ class InFlight:
 
 
 class Overlap:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, enabled: bool) -> None:
         self.engine = engine
+        self.enabled = enabled  # False: every step is read at once, and nothing is ever in flight
         self.pending: InFlight | None = None
 
     @property
@@ -55,18 +59,20 @@ class Overlap:
     def launch(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> bool:
         """Sample `batch` and leave it in flight, settling the step before it (True); False when it must be
         read at once (then nothing was done: the caller settles and processes it as usual)."""
-        if not batch.is_decode or batch.drafts is not None or not all(overlappable(r) for r in batch.reqs):
+        engine = self.engine
+        if (not self.enabled or batch.drafts is not None or batch.prompt_rows or engine.role.kind == Role.PREFILL
+                or not all(overlappable(r) for r in batch.reqs)):
             return False
-        engine, reqs = self.engine, batch.reqs
-        copy = engine.launch_sample(logits, list(range(len(reqs))), reqs)
+        rows, reqs = engine.account(batch, compute_s)
+        copy = engine.launch_sample(logits, rows, reqs) if reqs else None
         at = []
-        for row, req in enumerate(reqs):
-            req.num_computed += 1  # the KV of its newest token is being written by this step
+        for k, req in enumerate(reqs):
+            engine.join(req)  # a prompt just computed decodes in the next step, from its placeholder
             at.append(len(req.output_ids))
-            req.output_ids.append(-(row + 1))
-        engine.stats.decode_tokens += len(reqs)
+            req.output_ids.append(-(k + 1))
         self.settle()
-        self.pending = InFlight(reqs, at, copy, compute_s)
+        if reqs:
+            self.pending = InFlight(reqs, at, copy, compute_s)
         return True
 
     def settle(self) -> None:

@@ -160,7 +160,7 @@ class WorkerApp:
                      self.args.port, self.http_port, weights, self.info.attention_backend,
                      f", speculative ngram (up to {spec.num_draft_tokens} draft tokens)"
                      if spec is not None and self.role != Role.PREFILL else "",
-                     ", overlapped decode steps" if self.engine.overlap is not None else "")
+                     ", overlapped decode steps" if self.engine.overlap.enabled else "")
             await stop.wait()
             await self._drain(calls)
         except PeerError as exc:

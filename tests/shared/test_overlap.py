@@ -46,8 +46,7 @@ class Client:
 
     def step(self) -> None:
         self.engine.step()
-        overlap = self.engine.overlap
-        self.in_flight_steps += overlap is not None and overlap.pending is not None
+        self.in_flight_steps += self.engine.overlap.pending is not None
         report = self.engine.scheduler.check_integrity()
         assert report.ok, report.message
 
@@ -115,6 +114,17 @@ def test_retraction_when_pages_run_out_loses_nothing(tiny_models):
     assert all(len(v) == 18 for v in plain.tokens.values())
 
 
+def test_a_computed_prompt_decodes_in_the_next_step_from_its_placeholder(tiny_models):
+    client = Client(engine_for(tiny_models["llama"], "on"))
+    client.add("a", PROMPTS[0], **greedy(5))
+    client.step()  # the prompt's step: its first token is sampled and left on the device
+    engine = client.engine
+    assert engine.overlap.pending is not None and [r.output_ids for r in engine.scheduler.running] == [[-1]]
+    assert ("a", 0) not in client.tokens
+    client.step()  # decodes from the placeholder; the first token is read and goes out meanwhile
+    assert len(client.tokens[("a", 0)]) == 1 and len(engine.scheduler.running[0].output_ids) == 2
+
+
 def test_requests_that_read_their_tokens_on_the_host_are_not_overlapped(tiny_models):
     requests = [("pen", PROMPTS[0], greedy(8, repetition_penalty=1.3, frequency_penalty=0.5)),
                 ("plain", PROMPTS[1], greedy(8))]
@@ -149,8 +159,8 @@ def test_overlap_on_the_static_decode_buffers_as_on_a_gpu(tiny_models):
 def test_the_cpu_default_reads_every_step_at_once_and_speculation_turns_it_off(tiny_models):
     from pdserve.shared.config import SpeculativeConfig
 
-    assert engine_for(tiny_models["llama"], "auto").overlap is None  # on a CPU it would only delay each token
-    assert engine_for(tiny_models["llama"], "on", speculative=SpeculativeConfig()).overlap is None
+    assert not engine_for(tiny_models["llama"], "auto").overlap.enabled  # on a CPU it would only delay each token
+    assert not engine_for(tiny_models["llama"], "on", speculative=SpeculativeConfig()).overlap.enabled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
@@ -165,7 +175,7 @@ def test_on_cuda_an_overlapped_step_never_waits_for_the_device(tiny_models):
         engine = Engine(RuntimeConfig(model_path=str(tiny_models["llama"]), dtype="float32", device="cuda",
                                       overlap_schedule=overlap, cuda_graph_bs=(1, 4, 8),
                                       cache=CacheConfig(page_size=4, max_total_tokens=4 * 96)))
-        assert (engine.overlap is not None) == (overlap == "auto") and engine.runner.graphs.graphs
+        assert engine.overlap.enabled == (overlap == "auto") and engine.runner.graphs.graphs
         client = Client(engine)
         for rid, ids, params in requests:
             client.add(rid, ids, **params)
