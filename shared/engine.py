@@ -3,11 +3,11 @@
     role.before_step(); batch = role.schedule(); logits = runner.forward(batch); self.postprocess(batch, logits)
 
 What only a prefill or a decode worker does lives in its role (`shared/roles/`), called at those fixed points;
-what an operator changes while serving (adapters, expert recording, weights) in `shared/admin.py`.
+what an operator changes while serving (adapters, expert recording, weights) in `shared/admin.py`; how a step's
+tokens may be read after the next step is launched, in `shared/overlap.py`.
 
-Other threads never touch the scheduler, pool or cache: they hand the engine a
-function with `call(fn)` and get a Future back. Results leave through each
-request's `on_output` callback, called from the engine thread.
+Other threads never touch the scheduler, pool or cache: they hand the engine a function with `call(fn)` and get
+a Future back. Results leave through each request's `on_output` callback, called from the engine thread.
 """
 from __future__ import annotations
 
@@ -63,8 +63,7 @@ class Engine:
         # Only roles that decode draft: a prefill worker samples each request's first token and no more.
         self.speculator = (Speculator(self, config.speculative)
                            if config.speculative is not None and role != Role.PREFILL and self.generates else None)
-        overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and config.device != "cpu")
-        self.overlap = Overlap(self, enabled=overlap and self.speculator is None and self.generates)
+        self.overlap = Overlap(self)
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
@@ -193,6 +192,7 @@ class Engine:
             self.overlap.settle()
             return
         batch.in_flight = self.overlap.tokens
+        start = time.perf_counter()
         if self.speculator is not None and batch.is_decode:
             batch = self.speculator.propose(batch)
         t0 = time.perf_counter()
@@ -202,12 +202,12 @@ class Engine:
         if self.overlap.launch(batch, logits, self.stats.last_step_s):
             return
         self.overlap.settle()
-        if self.speculator is not None and (batch.is_decode or batch.drafts is not None):
-            self.speculator.observe(batch, self.stats.last_step_s)
         if batch.drafts is not None:
             self.speculator.verify(batch, logits)
         else:
             self.postprocess(batch, logits, self.stats.last_step_s)
+        if self.speculator is not None and (batch.is_decode or batch.drafts is not None):
+            self.speculator.observe(batch, time.perf_counter() - start)
 
     def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
         if batch.prompt_rows:

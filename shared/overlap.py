@@ -46,9 +46,13 @@ class InFlight:
 
 
 class Overlap:
-    def __init__(self, engine: Engine, enabled: bool) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.enabled = enabled  # False: every step is read at once, and nothing is ever in flight
+        mode = engine.config.overlap_schedule
+        # Off: every step is read at once, and nothing is ever in flight. Speculation reads each step's tokens
+        # to draft the next; a model without an LM head samples nothing.
+        self.enabled = ((mode == "on" or (mode == "auto" and engine.config.device != "cpu"))
+                        and engine.speculator is None and engine.generates)
         self.pending: InFlight | None = None
 
     @property
