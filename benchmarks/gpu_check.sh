@@ -131,6 +131,7 @@ pytest_run() {  # NAME ARGS...
 if [ "$DEVICE" = cuda ]; then
   pytest_run kernels "$REPO/tests/kernels" -k "cuda or triton"
   pytest_run overlap "$REPO/tests/shared/test_overlap.py" -k cuda  # no wait for the device in a decode step
+  pytest_run transfer "$REPO/tests/shared/transfer/test_transfer_backends.py" -k cuda  # CUDA IPC and staged TCP
 fi
 pytest_run decode_graphs "$REPO/tests/shared/test_decode_graphs.py"
 

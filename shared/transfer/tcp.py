@@ -22,7 +22,9 @@ every destination page is in an open window (`open_window`: pages reserved for a
 KV is on its way); `close_window` waits for a write into those pages that already started.
 
 CPU pools are sent from and received into a byte view of the pool itself (no copies);
-CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time.
+CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time, unless the peer's pool is on a
+GPU of the same host: then pages go by device copies into it (cuda_ipc.py) and the socket only checks that
+the peer is alive when it is added.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.shared import cluster_auth
+from pdserve.shared.transfer import cuda_ipc
 from pdserve.shared.transfer.base import KVTransfer, Run, TransferError
 
 MAGIC = b"PDKV"
@@ -62,6 +65,7 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
     staging: torch.Tensor | None = None  # CUDA pools only
+    device_pool: torch.Tensor | None = None  # the peer's GPU pool as flat bytes, where CUDA IPC opened it
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -108,6 +112,7 @@ class TcpTransfer(KVTransfer):
         self._windows = threading.Condition()
         self._bytes = pool.reshape(-1).view(torch.uint8)  # the pool's memory as flat bytes
         self._host_view = None if pool.is_cuda else memoryview(self._bytes.numpy())
+        self._shared = cuda_ipc.share(pool)
         host = host or os.environ.get("PDSERVE_TRANSFER_HOST", "127.0.0.1")
         try:
             self._listener = socket.create_server((host, port))
@@ -122,7 +127,7 @@ class TcpTransfer(KVTransfer):
         self._accepter.start()
 
     def metadata(self) -> bytes:
-        return self._pack(host=self.host, port=self.port)
+        return self._pack(host=self.host, port=self.port, cuda_ipc=self._shared)
 
     # ------------------------------------------------------------ sending side
     def add_peer(self, peer_name: str, metadata: bytes, timeout: float = 10.0) -> None:
@@ -134,7 +139,16 @@ class TcpTransfer(KVTransfer):
             self.remove_peer(peer_name)
         peer = _Peer(str(md["host"]), int(md["port"]), int(md["num_pages"]), metadata)
         self._send(peer, [], timeout, f"connecting to {peer_name} at {peer.host}:{peer.port}")
+        if self.pool.is_cuda:
+            peer.device_pool = cuda_ipc.open_pool(md.get("cuda_ipc"), peer.num_pages * self.page_bytes, peer_name)
+        log.info("KV pages to %s go %s", peer_name,
+                 "by device copies (CUDA IPC)" if peer.device_pool is not None else f"over TCP to {peer.host}")
         self._peers[peer_name] = peer
+
+    def route(self, peer_name: str) -> str:
+        """How pages reach the peer: "cuda_ipc" (device copies) or "socket"."""
+        peer = self._peers.get(peer_name)
+        return "cuda_ipc" if peer is not None and peer.device_pool is not None else "socket"
 
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
@@ -150,8 +164,18 @@ class TcpTransfer(KVTransfer):
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
-        if runs:
+        if runs and peer.device_pool is not None:
+            self._copy(peer.device_pool, runs)
+        elif runs:
             self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+
+    def _copy(self, dst: torch.Tensor, runs: list[Run]) -> None:
+        """Device copies into the peer's pool, finished before returning: the peer reads the pages once told."""
+        pb = self.page_bytes
+        for r in runs:
+            dst[r.dst_start * pb:(r.dst_start + r.length) * pb].copy_(
+                self._bytes[r.src_start * pb:(r.src_start + r.length) * pb], non_blocking=True)
+        torch.cuda.current_stream(self.pool.device).synchronize()
 
     def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

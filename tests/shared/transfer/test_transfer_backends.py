@@ -122,12 +122,22 @@ def test_stalled_peer_times_out_instead_of_hanging(source, target):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("page_shape", [(2, 2, 4, 2, 16), (4, 2, 16, 8, 64)], ids=["1KiB-pages", "1MiB-pages"])
-def test_cuda_pools_exchange_pages(backend, page_shape):
-    """GPU pools: NIXL registers VRAM; TCP stages through host memory (runs of 1 MiB pages span several chunks)."""
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "other-host"])
+def test_cuda_pools_exchange_pages(backend, page_shape, same_host, monkeypatch):
+    """GPU pools: NIXL registers VRAM; TCP writes a peer's pool on the same host by device copies (CUDA IPC) and
+    otherwise stages through host memory (runs of 1 MiB pages span several chunks)."""
+    if not same_host:
+        if backend != "tcp":
+            pytest.skip("only TCP chooses its route by host")
+        from pdserve.shared.transfer import cuda_ipc
+
+        monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "another-host")  # the peer's handle seems foreign here
     source = create_transfer(backend, _name("prefill"), make_pool(16, seed=2, page_shape=page_shape).cuda())
     peer = PeerProcess(backend, _name("decode"), device="cuda", page_shape=page_shape)
     try:
         source.add_peer("decode", peer.metadata)
+        if backend == "tcp":
+            assert source.route("decode") == ("cuda_ipc" if same_host else "socket")
         src, dst = [0, 1, 2, 12] + list(range(3, 12)), [30, 31, 5, 0] + list(range(7, 16))  # last run: 9 pages
         source.write_pages("decode", src, dst)
         expected = peer.initial.clone()
