@@ -42,11 +42,13 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the line's own fields)")
 
 
-def setup_logging(level: str = "info", json_lines: bool = False) -> None:
-    """Route every logger to stderr, in text or JSON, with the request id of the task that logs."""
+def setup_logging(level: str = "info", json_lines: bool = False, with_pid: bool = False) -> None:
+    """Route every logger to stderr, in text or JSON, with the request id of the task that logs. `with_pid`:
+    several processes of one service write to the same stderr, and each line says which (`name[pid]`, or the
+    JSON field `pid`)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(add_request_id)
-    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    handler.setFormatter(JsonFormatter(with_pid) if json_lines else TextFormatter(with_pid))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     # grpc's asyncio layer logs a line per call at debug level: noise, not what --log-level debug is for.
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
@@ -58,8 +60,8 @@ def add_request_id(record: logging.LogRecord) -> bool:
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def __init__(self, with_pid: bool = False) -> None:
+        super().__init__(f"%(asctime)s %(levelname)s %(name)s{'[%(process)d]' if with_pid else ''}: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -68,9 +70,15 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, with_pid: bool = False) -> None:
+        super().__init__()
+        self.with_pid = with_pid
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
                  "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if self.with_pid:
+            entry["pid"] = record.process
         rid = getattr(record, "request_id", None)
         if rid:
             entry["request_id"] = rid

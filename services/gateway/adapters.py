@@ -1,13 +1,20 @@
 """Which LoRA adapter a request names, from what the workers report.
 
 The workers own the adapters; the gateway knows them from each worker's Info (refreshed whenever a worker
-joins) and from the replies of its load and unload calls (lora_api.py). An adapter is servable when every
+joins) and from the replies of its load and unload calls (lora_api.py). Another process of the gateway
+(--gateway-workers) or another replica may load or unload adapters meanwhile, so the lists are read again from
+the workers (`refresh_adapters`) when a request names an adapter this process does not know, before an admin
+call changes them, and for /v1/models; a request naming an adapter unloaded elsewhere is refused by the worker
+itself (400, it is not loaded). An adapter is servable when every
 healthy worker of the serving roles has it at one version, so a request never reaches a worker without it,
 and a prefill and a decode worker never disagree on its weights. A request names its adapter by `model`
 ("base:adapter" or "adapter") or by `lora_path` (a name, or the directory an adapter was loaded from): a
 server path that was never loaded is refused, so client input never makes a worker read a file.
 """
 from __future__ import annotations
+
+import asyncio
+from typing import Iterable
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.errors import ApiError
@@ -24,6 +31,21 @@ def loaded_adapters(workers: list[Worker]) -> dict[str, pb.LoraAdapterInfo]:
         theirs = {(a.name, a.version) for a in info.lora_adapters}
         common = {name: a for name, a in common.items() if (name, a.version) in theirs}
     return common
+
+
+async def refresh_adapters(workers: list[Worker], timeout_s: float) -> None:
+    """Read again from each healthy worker of `workers` (its Info) the adapters it has loaded now."""
+    healthy = [w for w in workers if w.healthy and w.info is not None]
+    replies = await asyncio.gather(*(w.stub.Info(pb.Empty(), timeout=timeout_s) for w in healthy),
+                                   return_exceptions=True)
+    for worker, reply in zip(healthy, replies):
+        if isinstance(reply, pb.InfoReply):  # a worker that does not answer keeps what was known
+            set_adapters(worker, reply.lora_adapters)
+
+
+def set_adapters(worker: Worker, adapters: Iterable[pb.LoraAdapterInfo]) -> None:
+    del worker.info.lora_adapters[:]
+    worker.info.lora_adapters.extend(adapters)
 
 
 def lora_enabled(workers: list[Worker]) -> bool:

@@ -26,6 +26,7 @@ from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
 from pdserve.services.gateway import responses_api
 from pdserve.services.gateway.responses_store import ResponseStore
+from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")
@@ -206,9 +207,10 @@ async def drain_requests(request: web.Request, handler):
 
 
 def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
-               responses: ResponseStore | None = None) -> web.Application:
+               responses: ResponseStore | None = None, siblings: Siblings | None = None) -> web.Application:
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model); `responses`: where
-    /v1/responses keeps stored responses (default: this process's memory)."""
+    /v1/responses keeps stored responses (default: this process's memory); `siblings`: the other processes of
+    this gateway (--gateway-workers), which the admin routes that act everywhere reach."""
     middlewares = [observe, messages_api.anthropic_errors, drain_requests, error_middleware, limit_body,
                    check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
@@ -218,6 +220,8 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     app[GATEWAY] = gateway
     app[CPU_POOL] = gateway.cpu
     app[DRAIN] = Drain()
+    if siblings is not None:
+        app[SIBLINGS] = siblings  # before the routes: they register what the siblings may ask
     openai_api.add_routes(app)
     responses_api.add_routes(app, responses)
     messages_api.add_routes(app)
@@ -233,7 +237,11 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
 
     async def pool_lifecycle(app: web.Application):
         await gateway.backend.start()
+        if siblings is not None:
+            await siblings.start()
         yield
+        if siblings is not None:
+            await siblings.close()
         await gateway.backend.close()
         gateway.cpu.close()
         gateway.close()
@@ -242,8 +250,11 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     return app
 
 
-async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_s: float = 30.0) -> None:
-    """Serve until `stop` (an asyncio.Event) is set, then drain for up to `drain_timeout_s` and close."""
+async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_s: float = 30.0,
+                reuse_port: bool = False, name: str = "gateway") -> None:
+    """Serve until `stop` (an asyncio.Event) is set, then drain for up to `drain_timeout_s` and close.
+    `reuse_port`: other processes of this gateway listen on the same port (SO_REUSEPORT); `name`: the process,
+    in the start log."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the worker request.
     # keepalive_timeout: a connection that has not sent a whole request head within it (a new one, or one idle
     # after its last answer) is closed; aiohttp's default holds a half-sent request for an hour. lingering_time:
@@ -253,8 +264,8 @@ async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_
                            keepalive_timeout=header_timeout_s, lingering_time=min(10.0, header_timeout_s))
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-        log.info("gateway listening on http://%s:%d", host, port)
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()
+        log.info("%s listening on http://%s:%d", name, host, port)
         await stop.wait()
         await drain(app, drain_timeout_s)
     finally:

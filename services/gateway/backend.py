@@ -6,7 +6,9 @@ request id, for /abort_request) and the worker-wide operations (abort, flush, on
 Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends, a
 prefill-only call (score, embeddings) one place while it runs.
 Beyond what the healthy workers run at once plus `max_queued_requests`, a request is refused at once with
-429 and Retry-After rather than left to queue for minutes.
+429 and Retry-After rather than left to queue for minutes. When several processes serve the gateway's port
+(--gateway-workers N), each admits its 1/N share of that room (at least one sequence), so that the gateway as a
+whole holds the limit without the processes sharing a counter.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class BackendSettings(GenerationSettings):
 
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED  # sequences waiting beyond the workers' (None: no limit)
     rpc_timeout_s: float = 10.0  # Abort, FlushCache and other small calls
+    processes: int = 1  # gateway processes serving the port: each admits its share of the room
 
 
 class Backend:
@@ -56,7 +59,11 @@ class Backend:
     # ------------------------------------------------------------ admission
     @property
     def queued(self) -> int:
-        return max(0, self.in_flight - self.pool.capacity())
+        return max(0, self.in_flight - self._share(self.pool.capacity()))
+
+    def _share(self, places: int) -> int:
+        """This process's part of `places` (all of them when it serves the port alone)."""
+        return places if self.settings.processes == 1 else max(1, places // self.settings.processes)
 
     @contextmanager
     def admit(self, count: int = 1) -> Iterator[None]:
@@ -83,7 +90,7 @@ class Backend:
 
     def _check_room(self, sequences: int) -> None:
         limit = self.settings.max_queued_requests
-        if limit is not None and self.in_flight + sequences - self.pool.capacity() > limit:
+        if limit is not None and self.in_flight + sequences > self._share(self.pool.capacity() + limit):
             raise Busy(429, f"The server is busy: {sequences} more sequence(s) would queue beyond the limit of "
                             f"{limit} (--max-queued-requests). Retry after {self.settings.retry_after_s} s.",
                        self.settings.retry_after_s)

@@ -32,7 +32,7 @@ async def rerank(request: web.Request) -> web.Response:
     body = await read_json(request)
     request.app[GATEWAY].limits.count(body.get("documents"), "max_list_items", "documents")
     req = parse(RerankRequest, body)
-    served = request.app[MODELS].require(req.model, CLASSIFY, "/v1/rerank")
+    served = await request.app[MODELS].require(req.model, CLASSIFY, "/v1/rerank")
     if served.num_labels != 1:
         raise ApiError(400, f"The model {served.name!r} has {served.num_labels} labels: /v1/rerank needs a "
                             "cross-encoder with one relevance output. Use /classify for its label scores.", "model")

@@ -7,12 +7,16 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from pdserve.services.gateway import limits as request_limits
 from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.shared.logs import add_log_arguments, setup_logging
+
+if TYPE_CHECKING:
+    from pdserve.services.gateway.siblings import Siblings
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -44,7 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "admin keys existed; by default they are refused (403) until one is set")
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="sequences (a request counts n) that may wait for a place on the workers beyond what "
-                             "they run at once; more are refused at once with 429 and Retry-After")
+                             "they run at once; more are refused at once with 429 and Retry-After. With "
+                             "--gateway-workers N, each process admits 1/N of what the workers run plus this "
+                             "(at least one sequence), so the limit holds for the gateway as a whole")
+    parser.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                        help="gateway processes serving --port together (SO_REUSEPORT: the kernel spreads "
+                             "connections over them), for when one process's CPU is the bottleneck; N > 1 needs "
+                             "--redis-url, where every process finds the stored /v1/responses")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, refuse new requests (503) and let those in progress finish for up to "
                              "this long; streams still running then end with an error")
@@ -89,17 +99,54 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def main(args: argparse.Namespace, command: str) -> int:
     setup_logging(args.log_level, args.log_format == "json")
+    problem = check(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.gateway_workers > 1:
+        from pdserve.services.gateway.processes import supervise
+
+        return supervise(args, serve_process)
+    _exit(run(args))
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """What makes these flags unusable, before anything starts (None: nothing)."""
+    if args.max_queued_requests < 0 or args.drain_timeout < 0:
+        return "--max-queued-requests and --drain-timeout must be >= 0"
+    if args.gateway_workers < 1:
+        return "--gateway-workers must be >= 1"
+    if args.gateway_workers > 1 and not args.redis_url:
+        return ("--gateway-workers > 1 needs --redis-url (or $PDSERVE_REDIS_URL): stored /v1/responses must be "
+                "readable from every process, and one process's memory is not")
+    return None
+
+
+def serve_process(args: argparse.Namespace, index: int, directory: str) -> None:
+    """One of the --gateway-workers processes (started by processes.supervise, which passes SIGINT on as
+    SIGTERM: a Ctrl-C reaching the whole process group must not break a start-up half-way)."""
+    from pdserve.services.gateway.siblings import Siblings
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(args.log_level, args.log_format == "json", with_pid=True)
+    _exit(run(args, f"gateway process {index} of {args.gateway_workers}",
+              Siblings(directory, index, args.gateway_workers)))
+
+
+def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | None = None) -> int:
+    """Build the app and serve it until SIGTERM; the exit status. `name`: the process, in its start log;
+    `siblings`: the gateway's other processes."""
     if args.log_requests:
         logging.getLogger("pdserve.requests").setLevel(logging.DEBUG)
-    if args.max_queued_requests < 0 or args.drain_timeout < 0:
-        print("error: --max-queued-requests and --drain-timeout must be >= 0", file=sys.stderr)
-        return 2
     try:
-        app = build(args)
+        app = build(args, siblings)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    code = asyncio.run(_serve(app, args))
+    return asyncio.run(_serve(app, args, name))
+
+
+def _exit(code: int) -> None:
     # Everything is closed by now: skip the interpreter's teardown of the modules loaded (torch among them),
     # 1-2 s that would hold up a drained gateway's exit.
     logging.shutdown()
@@ -118,8 +165,9 @@ def read_key_file(path: str, flag: str) -> str:
     return key
 
 
-def build(args: argparse.Namespace):
-    """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts)."""
+def build(args: argparse.Namespace, siblings: Siblings | None = None):
+    """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts), one of
+    several processes of the gateway with `siblings`."""
     from pdserve.services.gateway.app import create_app
     from pdserve.services.gateway.backend import Backend, BackendSettings
     from pdserve.services.gateway.context import Gateway
@@ -137,8 +185,9 @@ def build(args: argparse.Namespace):
     config = read_model_config(model_dir)
     pool = WorkerPool({"colocated": args.worker, "prefill": args.prefill, "decode": args.decode},
                       HealthSettings(interval_s=args.health_check_interval))
-    backend = Backend(tokenizer, pool, Router(pool, args.routing_policy), GatewayMetrics(),
-                      BackendSettings(max_queued_requests=args.max_queued_requests),
+    processes = args.gateway_workers
+    backend = Backend(tokenizer, pool, Router(pool, args.routing_policy), GatewayMetrics(multiprocess=processes > 1),
+                      BackendSettings(max_queued_requests=args.max_queued_requests, processes=processes),
                       default_context_length=config.max_position_embeddings)
     served = args.served_model_name or given
     # One model per gateway: "default" always names it, as in SGLang's examples and clients written for them.
@@ -163,19 +212,25 @@ def build(args: argparse.Namespace):
 
     if args.responses_ttl <= 0:
         raise ValueError("--responses-ttl must be > 0")
-    return create_app(gateway, [extra] if extra else [], open_store(args.redis_url, args.responses_ttl))
+    return create_app(gateway, [extra] if extra else [], open_store(args.redis_url, args.responses_ttl), siblings)
 
 
-async def _serve(app, args: argparse.Namespace) -> int:
+async def _serve(app, args: argparse.Namespace, name: str) -> int:
     from pdserve.services.gateway.app import serve
+    from pdserve.services.gateway.processes import watch_parent
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    shared = args.gateway_workers > 1
+    watcher = asyncio.create_task(watch_parent(stop)) if shared else None
     try:
-        await serve(app, args.host, args.port, stop, args.drain_timeout)
+        await serve(app, args.host, args.port, stop, args.drain_timeout, reuse_port=shared, name=name)
     except OSError as exc:
         log.error("cannot listen on %s:%d (%s); pass --port", args.host, args.port, exc)
         return 1
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     return 0

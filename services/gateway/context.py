@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from pdserve.services.gateway.adapters import adapter_of
+from pdserve.services.gateway.adapters import adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.cpu_pool import CpuPool
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
+from pdserve.services.gateway.worker_pool import Worker
 from pdserve.shared.sampling_params import SamplingParams
 
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
@@ -54,17 +55,29 @@ class Gateway:
     grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
     _grammars: GrammarChecker | None = field(default=None, init=False, repr=False)  # started at first use
 
-    def check_model(self, name: str | None) -> None:
+    async def check_model(self, name: str | None) -> None:
         """404 for a model this gateway does not serve (no name means the served model; a loaded LoRA adapter,
         which shares the base model's tokenizer, is served too)."""
-        self.adapter_of(name)
+        await self.adapter_of(name)
 
-    def adapter_of(self, model: str | None, lora_path: str | None = None) -> str | None:
-        """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py."""
+    async def adapter_of(self, model: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py.
+        One this process does not know is looked for again on the workers before it is refused."""
         if model in self.accepted_model_names and lora_path is None:
             return None
+        workers = self.backend.serving_workers()
+        try:
+            return self._adapter_of(model, lora_path, workers)
+        except ApiError:
+            if not lora_enabled(workers):
+                raise
+        # Another process of this gateway, or another replica, may have loaded it since this one last asked.
+        await refresh_adapters(workers, self.backend.settings.rpc_timeout_s)
+        return self._adapter_of(model, lora_path, workers)
+
+    def _adapter_of(self, model: str | None, lora_path: str | None, workers: list[Worker]) -> str | None:
         return adapter_of(model, lora_path, served=self.served_model_name, accepted=self.accepted_model_names,
-                          workers=self.backend.serving_workers())
+                          workers=workers)
 
     def prompt_ids(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, given as text or ids; checked against the vocabulary and the context."""

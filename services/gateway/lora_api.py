@@ -2,7 +2,8 @@
 
 POST /load_lora_adapter {"lora_name", "lora_path"} loads on every worker or, if any refuses, unloads it from
 the others again: nothing stays loaded half-way. POST /unload_lora_adapter {"lora_name"} is refused while
-requests use the adapter.
+requests use the adapter. Both first read what the workers hold now: another gateway process or replica may
+have changed it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from aiohttp import web
 from pydantic import Field
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.adapters import loaded_adapters
+from pdserve.services.gateway.adapters import loaded_adapters, refresh_adapters, set_adapters
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.protocol import _Schema, parse
@@ -49,7 +50,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     req = parse(LoadLoraRequest, await read_json(request))
     if req.lora_name in gw.accepted_model_names:
         raise ApiError(400, f"'lora_name' {req.lora_name!r} is the base model's name.", "lora_name")
-    workers = _reachable(gw)
+    workers = await _reachable(gw)
     replies = await _call(workers, lambda w: w.stub.LoadLoraAdapter(
         pb.LoadLoraRequest(name=req.lora_name, path=req.lora_path), timeout=RPC_TIMEOUT_S))
     errors = [error for _, error in replies if error]
@@ -65,15 +66,16 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse(UnloadLoraRequest, await read_json(request))
-    if req.lora_name not in {a.name for w in _reachable(gw) for a in w.info.lora_adapters}:
+    workers = await _reachable(gw)
+    if req.lora_name not in {a.name for w in workers for a in w.info.lora_adapters}:
         raise ApiError(400, f"LoRA adapter {req.lora_name!r} is not loaded.", "lora_name")
-    replies = await _call(_reachable(gw), lambda w: w.stub.UnloadLoraAdapter(
+    replies = await _call(workers, lambda w: w.stub.UnloadLoraAdapter(
         pb.UnloadLoraRequest(name=req.lora_name), timeout=RPC_TIMEOUT_S))
     errors = [error for _, error in replies if error]
     return _failure(errors[0], "lora_name") if errors else _success(gw)
 
 
-def _reachable(gw: Gateway) -> list[Worker]:
+async def _reachable(gw: Gateway) -> list[Worker]:
     workers = gw.backend.serving_workers()
     down = [w.address for w in workers if not w.healthy or w.info is None]
     if not workers or down:
@@ -81,6 +83,7 @@ def _reachable(gw: Gateway) -> list[Worker]:
                             "worker at once, so try again when all are healthy.", None)
     if not all(w.info.lora_enabled for w in workers):
         raise ApiError(400, "LoRA is not enabled on this server (start it with --enable-lora).", None)
+    await refresh_adapters(workers, RPC_TIMEOUT_S)
     return workers
 
 
@@ -94,8 +97,7 @@ async def _call(workers: list[Worker], rpc) -> list[tuple[Worker, str]]:
     out = []
     for worker, reply in zip(workers, replies):
         if isinstance(reply, pb.LoraReply):
-            del worker.info.lora_adapters[:]
-            worker.info.lora_adapters.extend(reply.adapters)
+            set_adapters(worker, reply.adapters)
             out.append((worker, reply.error if not reply.ok else ""))
         elif isinstance(reply, grpc.aio.AioRpcError):
             out.append((worker, f"worker {worker.address}: {reply.details() or reply.code().name}"))

@@ -38,9 +38,9 @@ PING_INTERVAL_S = 10.0
 
 
 # ---------------------------------------------------------------- the prompt
-def _prompt(gw: Gateway, req: CountTokensRequest | MessagesRequest) -> tuple[list[int], ToolPlan, str | None]:
+async def _prompt(gw: Gateway, req: CountTokensRequest | MessagesRequest) -> tuple[list[int], ToolPlan, str | None]:
     """(prompt ids, tool plan, reasoning parser) of a request, as chat renders them."""
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     tools = plan_tools(req, gw.tool_call_parser)
     thinking = req.thinking.type if req.thinking is not None else None
     kwargs = None if thinking is None else {"enable_thinking": thinking != "disabled"}
@@ -63,7 +63,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     if isinstance(body, dict):
         gw.limits.messages(body)  # before anything is parsed or rendered
     req = parse(CountTokensRequest, body)
-    ids, _, _ = _prompt(gw, req)
+    ids, _, _ = await _prompt(gw, req)
     return web.json_response({"input_tokens": len(ids)})
 
 
@@ -74,14 +74,14 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     if isinstance(body, dict):
         gw.limits.messages(body)  # before anything is parsed or rendered
     req = parse(MessagesRequest, body)
-    ids, tools, parser = _prompt(gw, req)
+    ids, tools, parser = await _prompt(gw, req)
     # Anthropic's clients ask for as much as their hosted models allow (32k and more): what the context leaves
     # after the prompt is all there is, so more is served as that much (SGLang's auto-truncation), not refused.
     max_new = min(req.max_tokens, gw.backend.context_length() - len(ids))
     draft = intake.read(ANTHROPIC_MESSAGES, req, max_new_tokens=max_new)
     draft.values, draft.names = tools.constrain(draft.values, draft.names)
     draft.values = after_reasoning(draft.values, parser, gw.tokenizer)
-    job = await intake.job(gw, draft, req, new_id(), ids, lora=gw.adapter_of(req.model),
+    job = await intake.job(gw, draft, req, new_id(), ids, lora=await gw.adapter_of(req.model),
                            public_id=fmt.new_message_id(), skip_special_tokens=not tools.needs_special_tokens)
     with gw.backend.admit(), gw.backend.generation(job) as gen:
         if req.stream:

@@ -6,6 +6,11 @@ clients see them.
 
 Request counts by route and status come from a middleware; latencies and token counts from each
 generation as it streams. Gauges of queue length and worker health are refreshed when scraped.
+
+With several gateway processes on one port (--gateway-workers), prometheus_client's multiprocess mode keeps each
+process's values in files under PROMETHEUS_MULTIPROC_DIR (which the parent sets before any of them imports
+prometheus_client): whichever process answers /metrics reads them all, so counters and histograms are summed
+over the processes, the request gauges too, and a worker's health is the view of the process that answers.
 """
 from __future__ import annotations
 
@@ -13,13 +18,15 @@ import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess: bool = False) -> None:
+        """`multiprocess`: this is one of several gateway processes, whose metrics /metrics reports together."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_gateway_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=r)
@@ -33,17 +40,29 @@ class GatewayMetrics:
         self.cached_tokens = Counter("pdserve_gateway_cached_tokens", "prompt tokens served from prefix caches",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_gateway_generation_tokens", "tokens generated", registry=r)
-        self.running = Gauge("pdserve_gateway_running_requests", "generations in flight", registry=r)
+        self.running = Gauge("pdserve_gateway_running_requests", "generations in flight", registry=r,
+                             multiprocess_mode="livesum")
         self.queued = Gauge("pdserve_gateway_queued_requests", "generations beyond what the workers run at once",
-                            registry=r)
+                            registry=r, multiprocess_mode="livesum")
         self.workers_healthy = Gauge("pdserve_gateway_worker_healthy", "1 if the worker is in rotation",
-                                     ["role", "address"], registry=r)
+                                     ["role", "address"], registry=r, multiprocess_mode="mostrecent")
         self.retries = Counter("pdserve_gateway_retries", "generations retried on another worker", registry=r)
         self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
                                   "mid-stream, continuing from the tokens already out", registry=r)
 
+        # What /metrics shows: this registry, or every process's files read at each scrape.
+        self.shown = r
+        if multiprocess:
+            self.shown = CollectorRegistry()
+            MultiProcessCollector(self.shown)
+
     def render(self) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.shown), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def samples(self, metric) -> list:
+        """The samples of one of these metrics as /metrics shows them (with several processes, their sums)."""
+        name = metric.describe()[0].name
+        return next((family.samples for family in self.shown.collect() if family.name == name), [])
 
 
 class TokenTimer:

@@ -13,6 +13,7 @@ from pdserve.services.gateway.weights_api import weight_version
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
 from pdserve.services.gateway.served_models import GENERATE, MODELS
+from pdserve.services.gateway.siblings import SIBLINGS
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
                                                parse, per_prompt, refuse_unsupported)
@@ -35,7 +36,7 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
     tops = per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
     starts = per_prompt(req.logprob_start_len, count, "logprob_start_len")
     rids = per_prompt(req.rid, count, "rid") if req.rid is not None else None
-    loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, count, "lora_path")]
+    loras = [await gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, count, "lora_path")]
     if rids is not None and batch and len(set(rids)) != len(rids):
         raise ApiError(400, "'rid' must be different for every prompt.", "rid")
     base = new_id()
@@ -237,7 +238,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse(TokenizeRequest, await read_json(request))
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     encode = gw.tokenizer.encode
     limit = gw.backend.context_length()
     if isinstance(req.prompt, str):
@@ -256,7 +257,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     req = parse(DetokenizeRequest, await read_json(request))
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     tok = gw.tokenizer
     single = not (req.tokens and isinstance(req.tokens[0], list))
     lists = [req.tokens] if single else req.tokens
@@ -274,19 +275,26 @@ async def detokenize(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------- abort and metrics
 async def abort_request(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
     req = parse(AbortRequestBody, await read_json(request))
-    running = list(gw.backend.generations.values())
-    if req.abort_all:
-        targets = running
-    elif req.rid:
-        # The requests created with this rid (or answered under this id): a client's rid is never the id the
-        # workers know a request by, so it cannot reach another client's request there.
-        targets = [g for g in running if g.job.public_id == req.rid]
-    else:
+    if not (req.abort_all or req.rid):
         raise ApiError(400, "Give 'rid' (or 'abort_all': true).", "rid")
+    gw = request.app[GATEWAY]
+    aborted = await abort_here(gw, req.rid, req.abort_all)
+    if SIBLINGS in request.app:  # the request may run in another process of this gateway
+        for answer in await request.app[SIBLINGS].tell("abort", {"rid": req.rid, "abort_all": req.abort_all},
+                                                       gw.backend.settings.rpc_timeout_s):
+            aborted += answer["aborted"]
+    return web.json_response({"rid": req.rid, "aborted": aborted})
+
+
+async def abort_here(gw: Gateway, rid: str | None, abort_all: bool) -> list[str]:
+    """Abort this process's generations of `rid` (or all of them); the ids of those the workers found."""
+    running = list(gw.backend.generations.values())
+    # The requests created with this rid (or answered under this id): a client's rid is never the id the
+    # workers know a request by, so it cannot reach another client's request there.
+    targets = running if abort_all else [g for g in running if g.job.public_id == rid]
     found = await asyncio.gather(*(gw.backend.abort(g.worker_rid) for g in targets))
-    return web.json_response({"rid": req.rid, "aborted": [g.job.public_id for g, f in zip(targets, found) if f]})
+    return [g.job.public_id for g, f in zip(targets, found) if f]
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -298,6 +306,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    if SIBLINGS in app:
+        gw = app[GATEWAY]
+
+        async def abort_for_sibling(body: dict) -> dict:
+            return {"aborted": await abort_here(gw, body["rid"], body["abort_all"])}
+
+        app[SIBLINGS].handle("abort", abort_for_sibling)
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)

@@ -38,7 +38,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse(ChatCompletionRequest, body)
     if isinstance(req.lora_path, list):
         raise ApiError(400, "'lora_path' of a chat completion is one adapter, not a list.", "lora_path")
-    lora = gw.adapter_of(req.model, req.lora_path)
+    lora = await gw.adapter_of(req.model, req.lora_path)
     tools = plan_tools(req, gw.tool_call_parser)
     messages = template_messages(req.template_messages())
     # The rendered prompt holds every message's text: more than the context can hold is refused unrendered.
@@ -156,7 +156,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse(CompletionRequest, body)
     prompts = req.prompts()
     many = len(prompts) > 1
-    loras = [gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, len(prompts), "lora_path")]
+    loras = [await gw.adapter_of(req.model, path)
+             for path in per_prompt(req.lora_path, len(prompts), "lora_path")]
     ids_list = await gw.prompts_ids(prompts, [f"prompt.{k}" if many else "prompt" for k in range(len(prompts))],
                                     "prompt")
     rid = req.rid or new_id()  # the answer's id; each prompt's job has its own server-side id
@@ -231,14 +232,14 @@ async def _stream_completions(request: web.Request, gw: Gateway, req: Completion
 # ---------------------------------------------------------------- models
 async def list_models(request: web.Request) -> web.Response:
     # Every served model: the gateway's own first, then any pooling model beside it (--embedding-model).
-    return web.json_response({"object": "list", "data": request.app[MODELS].cards()})
+    return web.json_response({"object": "list", "data": await request.app[MODELS].cards()})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     model = next((m for m in request.app[MODELS].models if name in m.gateway.accepted_model_names), None)
     if model is None:
-        card = next((c for c in request.app[MODELS].cards() if c["id"] == name), None)
+        card = next((c for c in await request.app[MODELS].cards() if c["id"] == name), None)
         if card is None:
             raise ApiError(404, f"The model {name!r} does not exist.", "model")
         return web.json_response(card)  # a LoRA adapter

@@ -184,7 +184,7 @@ async def score(request: web.Request) -> web.Response:
     limits.count(body.get("items"), "max_list_items", "items")
     limits.count(body.get("label_token_ids"), "max_score_labels", "label_token_ids")
     req = parse(ScoreRequest, body)
-    gw = request.app[MODELS].require(req.model, GENERATE, "/v1/score").gateway
+    gw = (await request.app[MODELS].require(req.model, GENERATE, "/v1/score")).gateway
     if req.query is None:
         raise ApiError(400, "Field 'query' is required.", "query")
     if not req.items:
@@ -237,7 +237,7 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
     request.app[GATEWAY].limits.list_of_prompts(body.get("input"), "input")
     req = parse(EmbeddingRequest, body)
-    served = request.app[MODELS].require(req.model, EMBED, "/v1/embeddings")
+    served = await request.app[MODELS].require(req.model, EMBED, "/v1/embeddings")
     gw = served.gateway
     if req.encoding_format not in ENCODING_FORMATS:
         raise ApiError(400, f"Unknown 'encoding_format' {req.encoding_format!r}; use 'float' or 'base64'.",
@@ -314,7 +314,7 @@ async def answer_native(request: web.Request, kind: str, endpoint: str) -> web.R
     limits.list_of_prompts(body.get("text"), "text")
     limits.list_of_prompts(body.get("input_ids"), "input_ids")
     req = parse(NativeEncodeRequest, body)
-    gw = request.app[MODELS].require(req.model, kind, endpoint).gateway
+    gw = (await request.app[MODELS].require(req.model, kind, endpoint)).gateway
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "Give exactly one of 'text' and 'input_ids'.", "text")
     given = req.text if req.text is not None else req.input_ids

@@ -83,7 +83,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background and req.stream:
         raise ApiError(400, "Streaming a background response is not supported: give 'background' or 'stream'.",
                        "stream")
-    lora = gw.adapter_of(req.model, req.lora_path)
+    lora = await gw.adapter_of(req.model, req.lora_path)
     plan = tool_plan(req, gw.tool_call_parser)
     history: list[dict] = []
     if req.previous_response_id is not None:

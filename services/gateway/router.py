@@ -8,12 +8,21 @@ room for the prompt: a decode worker holds the KV of the conversations it decode
 computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwise by load and free KV
 pages. `round_robin` ignores both, for comparison. The prefix tables are the router's only state: bounded
 LRU maps from hashes of leading pages of token ids to the worker address that last served them.
+
+Each gateway process (--gateway-workers) and replica keeps its own tables, so a conversation's next turn may
+reach one that has not seen it. A prompt whose prefix a router does not know goes to the least loaded worker,
+and among equally loaded ones to the one that rendezvous hashing of the prompt's first page picks: every router
+picks the same for the same first page, so while the workers' loads look alike to them (at light load, or
+evenly loaded) the turns of one conversation meet on one worker and its cache. Under uneven load their views
+differ and a turn may land elsewhere: its prompt is then computed again, never wrong.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
+from typing import Callable
 
 from pdserve.services.gateway.worker_pool import Worker, WorkerPool
 
@@ -74,22 +83,23 @@ class Router:
     def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> Worker:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)]
-        least = min(workers, key=lambda w: (load_of(w), w.address))
-        return self._by_prefix(workers, input_ids, least, self.prefixes)
+        hashes = self._prefix_hashes(input_ids, workers[0].page_size)
+        least = least_loaded(workers, hashes, load_of)
+        return self._by_prefix(workers, hashes, least, self.prefixes)
 
     def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> Worker:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)]
-        roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)]
-        least = min(roomy or workers, key=lambda w: (load_of(w), -w.free_pages, w.address))
-        return self._by_prefix(roomy or workers, input_ids, least, self.decode_prefixes)
+        roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)] or workers
+        hashes = self._prefix_hashes(input_ids, roomy[0].page_size)
+        least = least_loaded(roomy, hashes, lambda w: (load_of(w), -w.free_pages))
+        return self._by_prefix(roomy, hashes, least, self.decode_prefixes)
 
-    def _by_prefix(self, workers: list[Worker], input_ids: list[int], least: Worker,
+    def _by_prefix(self, workers: list[Worker], hashes: list[int], least: Worker,
                    table: OrderedDict[int, str]) -> Worker:
-        """The worker of `table` that last served the prompt's longest known prefix, unless it is clearly busier
-        than `least` (then `least`); the choice becomes the owner of the prompt's prefixes."""
+        """The worker of `table` that last served the prompt's longest known prefix (`hashes`), unless it is
+        clearly busier than `least` (then `least`); the choice becomes the owner of the prompt's prefixes."""
         by_address = {w.address: w for w in workers}
-        hashes = self._prefix_hashes(input_ids, workers[0].page_size)
         chosen = least
         for h in reversed(hashes):  # longest known prefix first
             owner = by_address.get(table.get(h, ""))
@@ -106,7 +116,8 @@ class Router:
 
     # ------------------------------------------------------------ prefix table
     def _prefix_hashes(self, input_ids: list[int], page_size: int) -> list[int]:
-        """Hash of the first 1, 2, ... full pages of the prompt (at most max_prefix_pages)."""
+        """Hash of the first 1, 2, ... full pages of the prompt (at most max_prefix_pages); the same in every
+        process, as Python hashes ints and tuples of them without a per-process seed."""
         hashes: list[int] = []
         h = 0
         pages = min(len(input_ids) // page_size, self.max_prefix_pages)
@@ -127,3 +138,19 @@ class Router:
         for table in (self.prefixes, self.decode_prefixes):
             for h in [h for h, a in table.items() if a == address]:
                 del table[h]
+
+
+def least_loaded(workers: list[Worker], hashes: list[int], load: Callable[[Worker], object]) -> Worker:
+    """The worker of least `load`; among equals, the rendezvous choice for the prompt's first page (`hashes[0]`),
+    which every router makes alike (by address for a prompt shorter than a page)."""
+    lowest = min(load(w) for w in workers)
+    tied = [w for w in workers if load(w) == lowest]
+    if not hashes:
+        return min(tied, key=lambda w: w.address)
+    return max(tied, key=lambda w: rendezvous(hashes[0], w.address))
+
+
+def rendezvous(first_page: int, address: str) -> int:
+    """The weight of `address` for a prompt: a hash of both that is the same in every process (Python's own
+    hash of a string changes from one process to the next)."""
+    return int.from_bytes(hashlib.blake2b(f"{first_page}:{address}".encode(), digest_size=8).digest(), "big")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pdserve.services.gateway.adapters import lora_enabled, refresh_adapters
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, parse_body
 from pdserve.shared.config import ENCODER_MODEL_TYPES
@@ -88,7 +89,7 @@ class ServedModels:
         self.models = models
         self.primary = models[0]
 
-    def pick(self, name: str | None) -> ServedModel:
+    async def pick(self, name: str | None) -> ServedModel:
         """The model a request names; 404 (or the primary's own 400 for an adapter name) for any other."""
         if name is None:
             return self.primary
@@ -96,7 +97,7 @@ class ServedModels:
             if name in model.gateway.accepted_model_names:
                 return model
         try:
-            self.primary.gateway.check_model(name)
+            await self.primary.gateway.check_model(name)
             return self.primary  # one of its LoRA adapters
         except ApiError as exc:
             if exc.status != 404:
@@ -104,18 +105,21 @@ class ServedModels:
         served = ", ".join(repr(m.name) for m in self.models)
         raise ApiError(404, f"The model {name!r} does not exist; this server serves {served}.", "model")
 
-    def require(self, name: str | None, kind: str, endpoint: str) -> ServedModel:
-        model = self.pick(name)
+    async def require(self, name: str | None, kind: str, endpoint: str) -> ServedModel:
+        model = await self.pick(name)
         if model.kind != kind:
             raise model.refuse(endpoint)
         return model
 
-    def cards(self) -> list[dict]:
-        """/v1/models entries, the primary first."""
+    async def cards(self) -> list[dict]:
+        """/v1/models entries, the primary first, with the adapters its workers hold now."""
         from pdserve.services.gateway.openai_format import model_card
 
         from pdserve.services.gateway.lora_api import adapter_cards
 
+        backend = self.primary.gateway.backend
+        if lora_enabled(backend.serving_workers()):
+            await refresh_adapters(backend.serving_workers(), backend.settings.rpc_timeout_s)
         cards = [model_card(m.name, m.gateway.created, m.gateway.backend.context_length()) for m in self.models]
         return cards[:1] + adapter_cards(self.primary.gateway) + cards[1:]
 
@@ -167,7 +171,7 @@ def build_embedding_gateway(args: argparse.Namespace, primary: Gateway) -> Gatew
     pool = WorkerPool({"colocated": args.embedding_worker, "prefill": [], "decode": []},
                       HealthSettings(interval_s=args.health_check_interval))
     backend = Backend(tokenizer, pool, Router(pool, args.routing_policy), primary.backend.metrics,
-                      BackendSettings(max_queued_requests=args.max_queued_requests),
+                      BackendSettings(max_queued_requests=args.max_queued_requests, processes=args.gateway_workers),
                       default_context_length=config.max_position_embeddings)
     return Gateway(backend=backend, tokenizer=tokenizer, served_model_name=served, model_path=given,
                    tokenizer_path=str(model_dir), model_config=config, api_key=primary.api_key,

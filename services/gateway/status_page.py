@@ -5,7 +5,8 @@ the key like every other route (the page asks for it and keeps it in sessionStor
 what the gateway already knows: the worker pool's last Health/Load answers, the generations in flight, and a
 ring buffer of throughput and TTFT samples. A background task takes one sample every `INTERVAL_S` from the
 gateway's own counters (output tokens, the TTFT histogram), keeping the last `WINDOW_S`: it starts and stops
-with the app. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
+with the app. With several gateway processes (--gateway-workers) the counters are summed over them, as /metrics
+shows them; the generations in flight are those of the process that answers. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ class Snapshot:
 
 
 def snapshot(metrics: GatewayMetrics) -> Snapshot:
-    tokens = sum(s.value for m in metrics.generation_tokens.collect() for s in m.samples if s.name.endswith("_total"))
-    buckets = tuple((float(s.labels["le"]), s.value) for m in metrics.ttft.collect() for s in m.samples
+    """As /metrics reports them: with several gateway processes, their sums."""
+    tokens = sum(s.value for s in metrics.samples(metrics.generation_tokens) if s.name.endswith("_total"))
+    buckets = tuple((float(s.labels["le"]), s.value) for s in metrics.samples(metrics.ttft)
                     if s.name.endswith("_bucket"))
     return Snapshot(time.time(), tokens, buckets)
 

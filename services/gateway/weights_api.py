@@ -17,6 +17,11 @@ One update, while new requests for the workers wait at the door (`UpdateGate`, S
    switched ones are put back on the weights they had.
 4. /get_model_info reports the new path; the gate opens.
 
+With several gateway processes (--gateway-workers), the one that takes the update holds them all
+(siblings.py): one update at a time over the processes, every process's requests wait at its door and are
+counted in the drain, and when the door opens each takes the new version, label and path and forgets its
+prefix tables, as the updating process does.
+
 The deployment's weights outlive its processes. A worker that (re)joins on older weights than the last commit
 (it restarted, and came back on its start-up checkpoint) is kept out of rotation while it is brought up to date
 (prepare and commit on it alone); a gateway that (re)starts takes the newest weights its workers report as the
@@ -38,6 +43,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.protocol import _Schema, parse
+from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.services.gateway.worker_pool import Worker
 
 log = logging.getLogger("pdserve.gateway")
@@ -49,7 +55,10 @@ LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 PREPARE_TIMEOUT_S = 900.0  # a worker reads the checkpoint, then builds the weights (its own limit: 600 s)
 COMMIT_TIMEOUT_S = 120.0  # a worker waits up to 60 s for its requests, then swaps
 DRAIN_TIMEOUT_S = 600.0  # for the requests in flight to finish on the old weights
-SMALL_TIMEOUT_S = 30.0  # discarding prepared weights
+SMALL_TIMEOUT_S = 30.0  # discarding prepared weights; a call to the other gateway processes
+# A process held by another one's update opens its door by itself after this long: the holder cannot be that
+# slow (drain, commit, roll back), so it is gone without telling.
+HOLD_LIMIT_S = DRAIN_TIMEOUT_S + COMMIT_TIMEOUT_S + PREPARE_TIMEOUT_S
 
 
 class UpdateWeightsRequest(_Schema):
@@ -61,17 +70,20 @@ class UpdateWeightsRequest(_Schema):
 
 class UpdateGate:
     """Requests for the workers pass while no update swaps weights, and are counted; an update closes the gate
-    (newcomers wait), waits for the count to reach zero, swaps, and opens it again. Updates run one at a time."""
+    (newcomers wait), waits for the count to reach zero, swaps, and opens it again. Updates run one at a time
+    (`updating`), over all the gateway's processes when it has `siblings`."""
 
-    def __init__(self) -> None:
+    def __init__(self, siblings: Siblings | None = None) -> None:
         self._open = asyncio.Event()
         self._open.set()
         self._drained = asyncio.Event()
         self._drained.set()
         self.in_flight = 0
-        self.lock = asyncio.Lock()
+        self._lock = asyncio.Lock()
+        self.siblings = siblings
         self.weight_version = "default"  # SGLang's label of the weights served, for /get_model_info
         self.committed: tuple[int, str] | None = None  # (number, path) every worker must serve; None: as started
+        self._reopen: asyncio.TimerHandle | None = None  # held by another process's update: the safety net
 
     @contextlib.asynccontextmanager
     async def request(self):
@@ -87,12 +99,32 @@ class UpdateGate:
                 self._drained.set()
 
     @contextlib.asynccontextmanager
+    async def updating(self):
+        """Held by one update (or catch-up) at a time, in this process and over its siblings."""
+        async with self._lock, contextlib.AsyncExitStack() as stack:
+            if self.siblings is not None:
+                await stack.enter_async_context(self.siblings.exclusive("weights"))
+            yield
+
+    @contextlib.asynccontextmanager
     async def closed(self):
         self._open.clear()
         try:
             yield
         finally:
             self._open.set()
+
+    def hold(self) -> None:
+        """Close the door for another process's update, until `release` (or HOLD_LIMIT_S)."""
+        if self._reopen is not None:
+            self._reopen.cancel()
+        self._open.clear()
+        self._reopen = asyncio.get_running_loop().call_later(HOLD_LIMIT_S, self.release)
+
+    def release(self) -> None:
+        if self._reopen is not None:
+            self._reopen.cancel()
+        self._open.set()
 
     async def drained(self, timeout: float) -> bool:
         try:
@@ -135,7 +167,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if req.load_format not in LOAD_FORMATS:
         return _answer(False, f"Failed to get model loader: load_format {req.load_format!r} is not supported "
                               "(supported: auto, safetensors, gguf).")
-    async with gate.lock:
+    async with gate.updating():
         workers = gw.backend.serving_workers()
         down = [w.address for w in workers if not w.healthy or w.info is None]
         if not workers or down:
@@ -156,10 +188,11 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
     before = {w.address: (w.info.weights.number, w.info.weights.path, w.info.weights.tag) for w in workers}
     number = 1 + max(n for n, _, _ in before.values())
     tag = gate.weight_version if req.weight_version is None else req.weight_version
-    async with gate.closed():
-        if not req.abort_all_requests and not await gate.drained(DRAIN_TIMEOUT_S):
+    async with gate.closed(), _held_everywhere(gw, gate):
+        running = 0 if req.abort_all_requests else await _running_after(gate, DRAIN_TIMEOUT_S)
+        if running:
             await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
-            return _refused(f"{gate.in_flight} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
+            return _refused(f"{running} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
                             "or pass abort_all_requests)")
         outcomes = await _step(workers, pb.WEIGHTS_COMMIT, req.model_path, timeout=COMMIT_TIMEOUT_S,
                                abort_all_requests=req.abort_all_requests, version=number, tag=tag)
@@ -171,15 +204,48 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
         for worker in workers:
             gw.backend.router.forget(worker.address)  # the prefixes it held were flushed
         gate.committed = (number, req.model_path)
-        gw.model_path = req.model_path
-        if "model_path" in gw.server_args:
-            gw.server_args["model_path"] = req.model_path
+        _serve_path(gw, req.model_path)
         message = "Succeeded to update model weights."
         if req.weight_version is not None:
             gate.weight_version = req.weight_version
             message += f" Weight version updated to {req.weight_version}."
     log.info("weights updated to version %d from %s", number, req.model_path)
     return _answer(True, message)
+
+
+def _serve_path(gw: Gateway, path: str) -> None:
+    """/get_model_info and /get_server_info name the checkpoint now served."""
+    gw.model_path = path
+    if "model_path" in gw.server_args:
+        gw.server_args["model_path"] = path
+
+
+# ---------------------------------------------------------------- the other gateway processes
+@contextlib.asynccontextmanager
+async def _held_everywhere(gw: Gateway, gate: UpdateGate):
+    """The other processes' doors closed too; on the way out, each takes what this one knows of the weights."""
+    if gate.siblings is None:
+        yield
+        return
+    await gate.siblings.tell("weights_hold", {}, SMALL_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        state = {"committed": gate.committed, "weight_version": gate.weight_version, "model_path": gw.model_path}
+        await asyncio.shield(gate.siblings.tell("weights_release", state, SMALL_TIMEOUT_S))
+
+
+async def _running_after(gate: UpdateGate, timeout_s: float) -> int:
+    """Requests for the workers still running, over every process, after waiting up to `timeout_s` for them."""
+    async def here() -> int:
+        await gate.drained(timeout_s)
+        return gate.in_flight
+
+    if gate.siblings is None:
+        return await here()
+    mine, theirs = await asyncio.gather(here(), gate.siblings.tell("weights_drained", {"timeout_s": timeout_s},
+                                                                  timeout_s + SMALL_TIMEOUT_S))
+    return mine + sum(answer["in_flight"] for answer in theirs)
 
 
 class CatchUp:
@@ -211,9 +277,7 @@ class CatchUp:
     def _adopt(self, number: int, path: str, tag: str) -> None:
         self.gate.committed = (number, path)
         self.gate.weight_version = tag or self.gate.weight_version
-        self.gw.model_path = path
-        if "model_path" in self.gw.server_args:
-            self.gw.server_args["model_path"] = path
+        _serve_path(self.gw, path)
         log.info("the workers serve weights version %d from %s", number, path)
         for worker in self.gw.backend.workers():  # admitted before: they rejoin through the check
             if worker.healthy and worker.info is not None and worker.info.weights.number < number:
@@ -221,7 +285,7 @@ class CatchUp:
                                                  f"older than version {number}")
 
     async def _bring_up(self, worker: Worker, number: int, path: str) -> None:
-        async with self.gate.lock:  # never beside an update
+        async with self.gate.updating():  # never beside an update
             if self.gate.committed != (number, path) or worker.info.weights.number >= number:
                 return  # superseded meanwhile: the next check decides again
             log.info("%s worker %s serves weights version %d: loading version %d from %s", worker.role,
@@ -291,8 +355,36 @@ def _answer(success: bool, message: str, status: int | None = None) -> web.Respo
                              status=status or (200 if success else 400))
 
 
+def _answer_siblings(gw: Gateway, gate: UpdateGate, siblings: Siblings) -> None:
+    """Another process's update: hold this one's requests, say when they are done, take the new weights."""
+    async def hold(body: dict) -> dict:
+        log.info("another process of the gateway updates the weights: requests for the workers wait")
+        gate.hold()
+        return {}
+
+    async def drained(body: dict) -> dict:
+        await gate.drained(body["timeout_s"])
+        return {"in_flight": gate.in_flight}
+
+    async def release(body: dict) -> dict:
+        committed = tuple(body["committed"]) if body["committed"] else None
+        if committed != gate.committed:
+            for worker in gw.backend.workers():
+                gw.backend.router.forget(worker.address)  # the prefixes they held were flushed
+        gate.committed, gate.weight_version = committed, body["weight_version"]
+        _serve_path(gw, body["model_path"])
+        gate.release()
+        return {}
+
+    siblings.handle("weights_hold", hold)
+    siblings.handle("weights_drained", drained)
+    siblings.handle("weights_release", release)
+
+
 def add_routes(app: web.Application) -> None:
-    app[GATE] = UpdateGate()
-    app[GATEWAY].backend.admit_workers_with(CatchUp(app[GATEWAY], app[GATE]))
+    gate = app[GATE] = UpdateGate(app.get(SIBLINGS))
+    app[GATEWAY].backend.admit_workers_with(CatchUp(app[GATEWAY], gate))
+    if gate.siblings is not None:
+        _answer_siblings(app[GATEWAY], gate, gate.siblings)
     app.middlewares.append(hold_during_update)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)

@@ -111,6 +111,12 @@ def test_replica_counts_per_role(render):
         ROLES, 1)
 
 
+def test_gateway_workers_become_the_gateways_flag(render):
+    assert flag(render().container("gateway")["args"], "--gateway-workers") == ["1"]
+    scaled = render(*VALUE_SETS["3-prefill-2-decode"]).container("gateway")["args"]
+    assert flag(scaled, "--gateway-workers") == ["2"] and flag(scaled, "--redis-url") == []  # Redis: in the env
+
+
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_every_variable_an_argument_uses_is_defined(render, value_set):
     """Kubernetes leaves an undefined $(VAR) as literal text: every reference must have its env entry."""

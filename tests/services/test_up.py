@@ -368,11 +368,11 @@ def test_gateway_flags_pass_through_up(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0]['content'] }}")
     argv = ("--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25", "--chat-template", str(template),
-            "--enable-cache-report")
+            "--enable-cache-report", "--gateway-workers", "3")
     gateway = by_name(up.build_plan(parse(*argv), tmp_path, cpus=2))["gateway"]
     parsed = cli.build_parser(gateway.args)[0].parse_args(gateway.args)
-    assert (parsed.reasoning_parser, parsed.tool_call_parser, parsed.chat_template, parsed.enable_cache_report) \
-        == ("qwen3", "qwen25", str(template), True)
+    assert (parsed.reasoning_parser, parsed.tool_call_parser, parsed.chat_template, parsed.enable_cache_report,
+            parsed.gateway_workers) == ("qwen3", "qwen25", str(template), True, 3)
 
 
 # ---------------------------------------------------------------- preflight
