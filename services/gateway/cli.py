@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "(at least one sequence), so the limit holds for the gateway as a whole")
     parser.add_argument("--gateway-workers", type=int, default=1, metavar="N",
                         help="gateway processes serving --port together (SO_REUSEPORT: the kernel spreads "
-                             "connections over them), for when one process's CPU is the bottleneck; N > 1 needs "
-                             "--redis-url, where every process finds the stored /v1/responses")
+                             "connections over them), for when one process's CPU is the bottleneck; without "
+                             "--redis-url the first process keeps the stored /v1/responses for all of them")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, refuse new requests (503) and let those in progress finish for up to "
                              "this long; streams still running then end with an error")
@@ -116,9 +116,6 @@ def check(args: argparse.Namespace) -> str | None:
         return "--max-queued-requests and --drain-timeout must be >= 0"
     if args.gateway_workers < 1:
         return "--gateway-workers must be >= 1"
-    if args.gateway_workers > 1 and not args.redis_url:
-        return ("--gateway-workers > 1 needs --redis-url (or $PDSERVE_REDIS_URL): stored /v1/responses must be "
-                "readable from every process, and one process's memory is not")
     return None
 
 
@@ -212,7 +209,8 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
 
     if args.responses_ttl <= 0:
         raise ValueError("--responses-ttl must be > 0")
-    return create_app(gateway, [extra] if extra else [], open_store(args.redis_url, args.responses_ttl), siblings)
+    return create_app(gateway, [extra] if extra else [], open_store(args.redis_url, args.responses_ttl, siblings),
+                      siblings)
 
 
 async def _serve(app, args: argparse.Namespace, name: str) -> int:

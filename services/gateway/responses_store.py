@@ -13,16 +13,28 @@ statuses it names, atomically, so a cancel and a finish never both win. Every wr
 Two places keep them. `RedisResponses` (--redis-url: the deployment's Redis, the one the jobs service uses):
 every gateway replica sees the same records and they outlive a gateway restart. Keys (prefix
 `pdserve:responses:`): `resp:{id}` hash {status, response (JSON), input (JSON)}. Without Redis,
-`MemoryResponses`: this process's memory, bounded, as SGLang and vLLM keep them; a restart forgets them.
+`MemoryResponses`: this process's memory, bounded, as SGLang and vLLM keep them; a restart forgets them. With
+several processes on the gateway's port (--gateway-workers) and no Redis, the first process keeps them in its
+memory and the others reach it over their Unix sockets (`SiblingResponses`, siblings.py), so every process
+sees every record.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from pdserve.services.gateway.errors import ApiError
+
+if TYPE_CHECKING:
+    from pdserve.services.gateway.siblings import Siblings
 
 PREFIX = "pdserve:responses:"
 DEFAULT_TTL_S = 7 * 24 * 3600
@@ -158,10 +170,74 @@ class RedisResponses(ResponseStore):
         await self.r.aclose()
 
 
+class SiblingResponses(ResponseStore):
+    """The records of the gateway's first process, which keeps them in memory (`serve_memory`), read and written
+    from another process over its Unix socket."""
+
+    where = "in the gateway's memory (no --redis-url): a restart forgets them and other replicas do not see them"
+    OWNER = 1  # the process that keeps the records
+    TIMEOUT_S = 10.0
+
+    def __init__(self, siblings: Siblings, ttl_s: float = DEFAULT_TTL_S) -> None:
+        super().__init__(ttl_s)
+        self.siblings = siblings
+
+    async def _ask(self, op: str, body: dict) -> dict:
+        try:
+            return await self.siblings.ask(self.OWNER, f"responses/{op}", body, self.TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise ApiError(503, f"The stored responses cannot be reached now ({exc or 'no answer'}); retry.",
+                           type="server_error") from None
+
+    async def put(self, record: Stored) -> None:
+        await self._ask("put", {"response": record.response, "input": record.input})
+
+    async def get(self, response_id: str) -> Stored | None:
+        found = (await self._ask("get", {"id": response_id}))["record"]
+        return None if found is None else Stored(found["response"], found["input"])
+
+    async def update(self, response: dict, when: tuple[str, ...]) -> bool:
+        return (await self._ask("update", {"response": response, "when": list(when)}))["done"]
+
+    async def delete(self, response_id: str) -> bool:
+        return (await self._ask("delete", {"id": response_id}))["done"]
+
+
+def serve_memory(store: MemoryResponses, siblings: Siblings) -> None:
+    """Answer the other processes' `SiblingResponses` calls from `store`."""
+    async def put(body: dict) -> dict:
+        await store.put(Stored(body["response"], body["input"]))
+        return {}
+
+    async def get(body: dict) -> dict:
+        record = await store.get(body["id"])
+        return {"record": None if record is None else {"response": record.response, "input": record.input}}
+
+    async def update(body: dict) -> dict:
+        return {"done": await store.update(body["response"], tuple(body["when"]))}
+
+    async def delete(body: dict) -> dict:
+        return {"done": await store.delete(body["id"])}
+
+    for name, handler in (("put", put), ("get", get), ("update", update), ("delete", delete)):
+        siblings.handle(f"responses/{name}", handler)
+
+
 def _copy(record: Stored) -> Stored:
     """Records in memory are handed out as copies, as Redis would: a caller's edits never reach the store."""
     return Stored(json.loads(json.dumps(record.response)), json.loads(json.dumps(record.input)))
 
 
-def open_store(redis_url: str | None, ttl_s: float = DEFAULT_TTL_S) -> ResponseStore:
-    return RedisResponses(redis_url, ttl_s) if redis_url else MemoryResponses(ttl_s)
+def open_store(redis_url: str | None, ttl_s: float = DEFAULT_TTL_S, siblings: Siblings | None = None) -> ResponseStore:
+    """Redis where given; else this process's memory, or with `siblings` (several processes on the port) the
+    first process's memory."""
+    if redis_url:
+        return RedisResponses(redis_url, ttl_s)
+    if siblings is None:
+        return MemoryResponses(ttl_s)
+    if siblings.index != SiblingResponses.OWNER:
+        return SiblingResponses(siblings, ttl_s)
+    store = MemoryResponses(ttl_s)
+    store.where = SiblingResponses.where
+    serve_memory(store, siblings)
+    return store

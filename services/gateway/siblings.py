@@ -47,6 +47,10 @@ class Siblings:
         answers = await asyncio.gather(*(self._call(i, name, body, timeout_s) for i in others))
         return list(answers)
 
+    async def ask(self, index: int, name: str, body: dict, timeout_s: float) -> dict:
+        """Call `name` in process `index` (which may be this one) and return its answer."""
+        return await self._call(index, name, body, timeout_s)
+
     async def _call(self, index: int, name: str, body: dict, timeout_s: float) -> dict:
         connector = aiohttp.UnixConnector(path=str(self.socket(index)))
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:

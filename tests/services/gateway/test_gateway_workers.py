@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -51,6 +50,7 @@ TRIES = 40  # requests until both processes have answered: each lands on one of 
 class Deployment:
     gateway: Gateway
     adapters: dict[str, Path]
+    worker: str  # its address
 
 
 def wait_both_listening(gw: Gateway, timeout: float = 120) -> Gateway:
@@ -71,7 +71,7 @@ def deployment(default_model_dir, default_model_adapters, tmp_path_factory):
     try:
         worker.wait_healthy(180)
         gw.proc.wait_healthy(120)
-        yield Deployment(wait_both_listening(gw), default_model_adapters)
+        yield Deployment(wait_both_listening(gw), default_model_adapters, address)
     finally:
         gw.proc.stop()
         worker.stop()
@@ -328,12 +328,28 @@ def test_the_processes_stop_when_their_parent_is_killed(default_model_dir):
         gw.proc.kill()
 
 
-def test_several_processes_need_redis(default_model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_REDIS_URL"}
-    out = subprocess.run([sys.executable, "-m", "pdserve", "gateway", "--model-path", str(default_model_dir),
-                          "--worker", "127.0.0.1:1", "--gateway-workers", "2"], capture_output=True, text=True,
-                         timeout=60, env=env)
-    assert out.returncode == 2 and "--gateway-workers > 1 needs --redis-url" in out.stderr
+def test_without_redis_the_first_process_keeps_the_stored_responses_of_both(deployment, default_model_dir,
+                                                                             monkeypatch):
+    monkeypatch.delenv("PDSERVE_REDIS_URL", raising=False)
+    gw = wait_both_listening(start_gateway(default_model_dir, "--worker", deployment.worker, "--gateway-workers", "2"))
+    try:
+        gw.proc.wait_healthy(60)
+        with client(gw) as c:
+            first = c.responses.create(model="default", input="Say hi", max_output_tokens=4)
+
+        def follow_up():  # each on a new connection: either process answers, and each finds `first`
+            with client(gw) as c:
+                return c.responses.create(model="default", input="And again", max_output_tokens=4,
+                                          previous_response_id=first.id)
+
+        replies = until_both_answer(gw, follow_up, "/v1/responses")
+        assert all(r.status != "failed" and r.usage.input_tokens > first.usage.input_tokens for r in replies)
+        with client(gw) as c:
+            c.responses.delete(first.id)
+        with client(gw) as c, pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(first.id)
+    finally:
+        gw.proc.stop()
 
 
 # ---------------------------------------------------------------- pure logic
@@ -347,8 +363,7 @@ def test_flags_are_checked_before_anything_starts(monkeypatch):
     monkeypatch.delenv("PDSERVE_REDIS_URL", raising=False)
     assert cli.check(parse()) is None
     assert "--gateway-workers must be >= 1" in cli.check(parse("--gateway-workers", "0"))
-    assert "needs --redis-url" in cli.check(parse("--gateway-workers", "2"))
-    assert cli.check(parse("--gateway-workers", "2", "--redis-url", "redis://127.0.0.1:1/0")) is None
+    assert cli.check(parse("--gateway-workers", "2")) is None
 
 
 def pool_of(addresses: list[str], max_running: int = 8) -> WorkerPool:
