@@ -28,9 +28,13 @@ DEVICE=${GPU_CHECK_DEVICE:-cuda}
 if [ "$DEVICE" = cpu ]; then
   # Small enough for a shared 2-core machine; one compute thread per worker so the processes do not thrash.
   LEVELS=(1 4) OUTPUT_LEN=8 PROMPT_LEN=40 RUNTIME_ARGS=(--device cpu --dry-run) MODEL_ARGS=(--dry-run)
+  GATEWAY_WORKERS=${GPU_CHECK_GATEWAY_WORKERS:-2}
   export OMP_NUM_THREADS=1
 else
   LEVELS=(1 64 256) OUTPUT_LEN=128 PROMPT_LEN=200 RUNTIME_ARGS=() MODEL_ARGS=()
+  # One gateway process writes ~10-20k SSE events per second at most: at the targets' rates it would be the
+  # bottleneck, not the GPU. (--gateway-workers needs no Redis: the first process keeps stored responses.)
+  GATEWAY_WORKERS=${GPU_CHECK_GATEWAY_WORKERS:-4}
 fi
 
 # The device first: nothing else is worth doing without one (torch is the machine's own).
@@ -183,7 +187,7 @@ serve_logs_on_failure() {  # NAMES...: the last lines of each service's log, whe
 log "serving: colocated"
 start colocated colocated "${WORKER_ARGS[@]}" --port $COLOCATED_PORT --max-running-requests 256
 start gateway_colocated gateway --model-path "$MODEL" --host 127.0.0.1 --port $GATEWAY_PORT \
-  --worker 127.0.0.1:$COLOCATED_PORT
+  --gateway-workers "$GATEWAY_WORKERS" --worker 127.0.0.1:$COLOCATED_PORT
 if wait_ready; then bench colocated; else failed serve_colocated; serve_logs_on_failure colocated gateway_colocated; fi
 stop_all
 
@@ -192,7 +196,7 @@ start prefill prefill "${WORKER_ARGS[@]}" --port $PREFILL_PORT --transfer-backen
 start decode decode "${WORKER_ARGS[@]}" --port $DECODE_PORT --prefill 127.0.0.1:$PREFILL_PORT \
   --transfer-backend tcp --max-running-requests 256
 start gateway_pd gateway --model-path "$MODEL" --host 127.0.0.1 --port $GATEWAY_PORT \
-  --prefill 127.0.0.1:$PREFILL_PORT --decode 127.0.0.1:$DECODE_PORT
+  --gateway-workers "$GATEWAY_WORKERS" --prefill 127.0.0.1:$PREFILL_PORT --decode 127.0.0.1:$DECODE_PORT
 if wait_ready; then
   bench pd
   # The prefill worker's KV transfer counters (bytes, seconds) for the GB/s of the PD row.
