@@ -188,26 +188,24 @@ def _apply_penalties(x: torch.Tensor, rows: list[int], params: list[SamplingPara
     device = x.device
     rep_rows = [r for r in rows if params[r].repetition_penalty != 1.0]
     if rep_rows:
-        seen = [torch.tensor(prompt_ids[r] + output_ids[r], dtype=torch.int64) for r in rep_rows]
-        row_idx = torch.cat([torch.full_like(t, r) for r, t in zip(rep_rows, seen)]).to(device)
-        tok_idx = torch.cat(seen).to(device)
-        pen = torch.tensor([params[r].repetition_penalty for r in rep_rows], device=device)
-        pen = pen.repeat_interleave(torch.tensor([len(t) for t in seen], device=device))
+        seen = [prompt_ids[r] + output_ids[r] for r in rep_rows]
+        row_idx = _index([r for r, ids in zip(rep_rows, seen) for _ in ids], device)
+        tok_idx = _index([t for ids in seen for t in ids], device)
+        pen = upload([params[r].repetition_penalty for r, ids in zip(rep_rows, seen) for _ in ids], torch.float32,
+                     device)
         vals = x[row_idx, tok_idx]  # duplicates read the same value and write the same result
         x[row_idx, tok_idx] = torch.where(vals > 0, vals / pen, vals * pen)
     add_rows = [r for r in rows if output_ids[r] and (params[r].frequency_penalty or params[r].presence_penalty)]
     if add_rows:
-        outs = [torch.tensor(output_ids[r], dtype=torch.int64) for r in add_rows]
-        row_idx = torch.cat([torch.full_like(t, r) for r, t in zip(add_rows, outs)]).to(device)
-        tok_idx = torch.cat(outs).to(device)
-        counts = torch.tensor([len(t) for t in outs], device=device)
-        freq = torch.tensor([params[r].frequency_penalty for r in add_rows], device=device)
-        x.index_put_((row_idx, tok_idx), -freq.repeat_interleave(counts), accumulate=True)
+        row_idx = _index([r for r in add_rows for _ in output_ids[r]], device)
+        tok_idx = _index([t for r in add_rows for t in output_ids[r]], device)
+        freq = upload([params[r].frequency_penalty for r in add_rows for _ in output_ids[r]], torch.float32, device)
+        x.index_put_((row_idx, tok_idx), -freq, accumulate=True)
         # Presence: once per distinct (row, token).
         flat = torch.unique(row_idx * x.shape[1] + tok_idx)
         u_rows, u_toks = flat // x.shape[1], flat % x.shape[1]
         pres = torch.zeros(x.shape[0], device=device)
-        pres[_index(add_rows, device)] = torch.tensor([params[r].presence_penalty for r in add_rows], device=device)
+        pres[_index(add_rows, device)] = upload([params[r].presence_penalty for r in add_rows], torch.float32, device)
         x.index_put_((u_rows, u_toks), -pres[u_rows], accumulate=True)
 
 
