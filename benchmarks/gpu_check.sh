@@ -32,8 +32,8 @@ if [ "$DEVICE" = cpu ]; then
   export OMP_NUM_THREADS=1
 else
   LEVELS=(1 64 256) OUTPUT_LEN=128 PROMPT_LEN=200 RUNTIME_ARGS=() MODEL_ARGS=()
-  # One gateway process writes ~10-20k SSE events per second at most: at the targets' rates it would be the
-  # bottleneck, not the GPU. (--gateway-workers needs no Redis: the first process keeps stored responses.)
+  # One gateway process writes, and one bench process reads, ~10-20k SSE events per second at most: at the
+  # targets' rates either would be the bottleneck, not the GPU; as many client processes as gateway processes.
   GATEWAY_WORKERS=${GPU_CHECK_GATEWAY_WORKERS:-4}
 fi
 
@@ -173,6 +173,7 @@ bench() {  # DEPLOYMENT: one `pdserve bench` per level, two waves of requests ea
   for c in "${LEVELS[@]}"; do
     n=$((c * 2 > 8 ? c * 2 : 8))
     timeout 240 "$PY" -m pdserve bench --base-url "http://127.0.0.1:$GATEWAY_PORT/v1" --concurrency "$c" \
+      --client-processes "$GATEWAY_WORKERS" \
       --num-requests "$n" --output-len "$OUTPUT_LEN" --prompt-len "$PROMPT_LEN" --timeout 120 --no-progress \
       --json "$RESULTS/bench_$1_$c.json" >"$LOGS/bench_$1_$c.log" 2>&1 || failed "bench_$1_$c"
     grep -A1 "^conc " "$LOGS/bench_$1_$c.log" >&2  # the table's header and its row

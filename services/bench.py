@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--workload", choices=["chat", "copy"], default="chat",
                         help="chat: distinct prompts of seeded words; copy: a passage of prose and code with an "
                              "instruction to repeat it, where speculative decoding's drafts are right (default: chat)")
+    parser.add_argument("--client-processes", type=int, default=1, metavar="N",
+                        help="send each level from N client processes, each with 1/N of the streams: one Python "
+                             "process reads some tens of thousands of events per second at most, and past that it "
+                             "would be what the figures measure (default: 1; no progress bars with N > 1)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -105,6 +109,8 @@ def load_from_args(args: argparse.Namespace) -> Load:
         raise ValueError("--request-rate must be positive (inf for a closed loop)")
     if args.timeout <= 0 or args.stall_timeout <= 0:
         raise ValueError("--timeout and --stall-timeout must be positive")
+    if args.client_processes < 1:
+        raise ValueError("--client-processes must be at least 1")
     extra = {}
     if args.extra_body:
         try:
@@ -141,13 +147,13 @@ async def _bench(args: argparse.Namespace) -> int:
           f"{rate}, concurrency {','.join(map(str, concurrencies))}", flush=True)
     if args.chain:
         return await _chain(args, target, load, concurrencies[0])
-    show = sys.stderr.isatty() if args.progress is None else args.progress
+    show = (sys.stderr.isatty() if args.progress is None else args.progress) and args.client_processes == 1
     bars = ProgressBars() if show else None
     summaries = await run_sweep(target, load, concurrencies, args.num_requests, args.warmup,
                                 on_level=lambda s: (bars and bars.close()) or print(
                                     f"[bench] concurrency {s.concurrency}: {s.completed} ok, {s.failed} failed "
                                     f"in {s.duration_s:.1f} s", flush=True),
-                                progress=bars.level if bars else None)
+                                progress=bars.level if bars else None, processes=args.client_processes)
     print(format_table(summaries))
     print(f"(times in ms; ITL tokens counted from {', '.join(sorted({s.itl_tokens_from for s in summaries}))})")
     if errors := format_errors(summaries):

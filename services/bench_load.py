@@ -28,7 +28,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -320,13 +320,56 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, api_key: st
     return models[0]["id"]
 
 
+def _share_of_level(target: Target, load: Load, prompts: list[str], concurrency: int
+                    ) -> tuple[list[RequestResult], float, float]:
+    """One client process's part of a level: its results, and when it started and ended (wall clock)."""
+    async def run() -> tuple[list[RequestResult], float, float]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+            start = time.time()
+            results, _ = await run_level(session, target, load, prompts, concurrency, lambda error: None)
+            return results, start, time.time()
+    return asyncio.run(run())
+
+
+async def run_level_in_processes(pool, processes: int, target: Target, load: Load, prompts: Sequence[str],
+                                 concurrency: int, on_error: Callable[[str], None]) -> tuple[list[RequestResult], float]:
+    """`run_level` from the `processes` processes of `pool` (a multiprocessing Pool): each takes an equal share of the
+    streams, of the prompts (dealt in turn) and of the arrival rate; the wall time runs from the first start to
+    the last end. For rates at which one Python process would be what limits the figures."""
+    n = min(processes, concurrency)
+    shares = [(list(prompts[i::n]), concurrency // n + (i < concurrency % n)) for i in range(n)]
+    paced = replace(load, request_rate=load.request_rate / n)
+    pending = [pool.apply_async(_share_of_level, (target, paced, p, c)) for p, c in shares if p]
+    loop = asyncio.get_running_loop()
+    done = await asyncio.gather(*(loop.run_in_executor(None, job.get) for job in pending))
+    results = [r for part, _, _ in done for r in part]
+    for result in results:
+        if result.error:
+            on_error(redact(result.error, target.api_key))
+    return results, max(end for _, _, end in done) - min(start for _, start, _ in done)
+
+
 async def run_sweep(target: Target, load: Load, concurrencies: Sequence[int], num_requests: int | None = None,
                     warmup: int = 0, on_error: Callable[[str], None] | None = None,
                     on_level: Callable[[LevelSummary], None] | None = None,
-                    progress: Callable[[int, int], Callable[[RequestResult], None]] | None = None
-                    ) -> list[LevelSummary]:
+                    progress: Callable[[int, int], Callable[[RequestResult], None]] | None = None,
+                    processes: int = 1) -> list[LevelSummary]:
     """`progress(concurrency, requests)`, if given, is called as each level starts and returns what is called
-    as each of its requests ends."""
+    as each of its requests ends. `processes` > 1: each level is sent from that many client processes
+    (`run_level_in_processes`), without progress."""
+    if processes > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            return await _sweep(target, load, concurrencies, num_requests, warmup, on_error, on_level, None,
+                                (pool, processes))
+    return await _sweep(target, load, concurrencies, num_requests, warmup, on_error, on_level, progress, None)
+
+
+async def _sweep(target: Target, load: Load, concurrencies: Sequence[int], num_requests: int | None, warmup: int,
+                 on_error: Callable[[str], None] | None, on_level: Callable[[LevelSummary], None] | None,
+                 progress: Callable[[int, int], Callable[[RequestResult], None]] | None, clients
+                 ) -> list[LevelSummary]:
     # Warm up, then one level per concurrency; each level gets prompts no earlier one has sent.
     on_error = on_error or ErrorReporter()
     counts = [requests_for(c, num_requests) for c in concurrencies]
@@ -340,8 +383,12 @@ async def run_sweep(target: Target, load: Load, concurrencies: Sequence[int], nu
                             on_error)
         used = warmup
         for concurrency, count in zip(concurrencies, counts):
-            results, duration = await run_level(session, target, load, prompts[used:used + count], concurrency,
-                                                on_error, progress(concurrency, count) if progress else None)
+            if clients is not None:
+                results, duration = await run_level_in_processes(*clients, target, load, prompts[used:used + count],
+                                                                 concurrency, on_error)
+            else:
+                results, duration = await run_level(session, target, load, prompts[used:used + count], concurrency,
+                                                    on_error, progress(concurrency, count) if progress else None)
             used += count
             summary = summarize(concurrency, results, duration, target.api_key)
             summaries.append(summary)

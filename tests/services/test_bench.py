@@ -222,3 +222,14 @@ def test_cli_progress_bars_and_a_throughput_latency_plot(server, capsys, tmp_pat
     assert f"plot: {png}" in out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000  # a drawn figure, not an empty canvas
+
+
+def test_several_client_processes_send_every_prompt_once_and_count_every_request(server):
+    base_url, behaviour = server
+    load = Load(output_len=5, prompt_len=40)
+    (s,) = asyncio.run(run_sweep(Target(base_url, MODEL), load, [4], num_requests=10, warmup=1, processes=2))
+    assert (s.requests, s.completed, s.failed, s.output_tokens) == (10, 10, 0, 50)
+    # Four streams in all, two per process: three rounds.
+    assert 3 * (TTFT_S + 4 * TOKEN_S) <= s.duration_s < 5.0
+    sent = [b["messages"][0]["content"] for b in behaviour.bodies]
+    assert len(sent) == 11 and sorted(sent) == sorted(make_prompts(11, 40, 0))  # warm-up included, none twice
