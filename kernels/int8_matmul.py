@@ -132,10 +132,10 @@ def dequantize_rows_triton(acc, scale, zero, col_scale, col_sum, bias=None, resi
 def int8_mm(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """q int8 [M, K] @ weight_t int8 [K, N] -> int32 [M, N], exactly. torch._int_mm where it is exact and takes
     the shape: on CPU only where oneDNN multiplies with VNNI (its AVX2 kernel's 16-bit pair sums saturate:
-    `_int_mm_exact_on_cpu`), on CUDA (cuBLASLt) from 17 rows with multiples of 8. Elsewhere float64, which holds
+    `int_mm_exact_on_cpu`), on CUDA (cuBLASLt) from 17 rows with multiples of 8. Elsewhere float64, which holds
     every int32 sum exactly."""
     if q.device.type == "cpu":
-        if _int_mm_exact_on_cpu():
+        if int_mm_exact_on_cpu():
             return torch._int_mm(q, weight_t)
     elif q.shape[0] > 16 and q.shape[1] % 8 == 0 and weight_t.shape[1] % 8 == 0:
         return torch._int_mm(q, weight_t)
@@ -143,7 +143,7 @@ def int8_mm(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _int_mm_exact_on_cpu() -> bool:
+def int_mm_exact_on_cpu() -> bool:
     """Whether oneDNN's int8 GEMM sums exactly here: codes of 127 saturate VPMADDUBSW's pair sums (255 x 127 x 2
     after oneDNN shifts the activations to unsigned) and not VPDPBUSD's. Asked of the kernel rather than read
     from the CPU's flags, since ONEDNN_MAX_CPU_ISA can hold oneDNN below what the CPU has."""

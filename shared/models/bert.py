@@ -204,7 +204,7 @@ class BertModel:
         for layer, seen in zip(self.layers, observers):
             for name, observer in seen.items():
                 linear = observer.linear
-                setattr(layer, name, Int8Linear(linear.dense_weight(), linear.bias, observer.absmax))
+                setattr(layer, name, Int8Linear(linear.dense_weight(), linear.bias, observer.absmax, batched=True))
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """Classifier logits [B, num_labels] from the [CLS] row, as BERT sequence classification heads do."""
