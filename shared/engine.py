@@ -3,8 +3,7 @@
     role.before_step(); batch = role.schedule(); logits = runner.forward(batch); self.postprocess(batch, logits)
 
 What only a prefill or a decode worker does lives in its role (`shared/roles/`), called at those fixed points;
-what an operator changes while serving (adapters, expert recording, weights) in `shared/admin.py`; how a step's
-tokens may be read after the next step is launched, in `shared/overlap.py`.
+what an operator changes while serving in `shared/admin.py`; reading a step's tokens late in `shared/overlap.py`.
 
 Other threads never touch the scheduler, pool or cache: they hand the engine a function with `call(fn)` and get
 a Future back. Results leave through each request's `on_output` callback, called from the engine thread.
@@ -25,6 +24,7 @@ from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
+from pdserve.shared.host_memory import upload
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.observer import RequestObserver, StepStats
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs
@@ -267,7 +267,7 @@ class Engine:
     def launch_sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> HostCopy:
         """`sample`, with the tokens left on their way to the host (read them with `.read(params)`)."""
         if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[upload(rows, torch.int64, logits.device)]  # a mixed step, or n > 1 choices
         if any(r.grammar is not None for r in reqs):
             apply_masks(logits, [r.grammar for r in reqs])
         return HostCopy(self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
