@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,6 +78,24 @@ class System:
             w.stop()
 
 
+@contextmanager
+def pd_pair(model_dir, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+    """A prefill and a decode worker of the default model (each with its extra flags) behind a gateway, all
+    healthy: yields (gateway, prefill proc, decode proc, decode address); everything stops at the end."""
+    system = System()
+    try:
+        prefill, prefill_addr = start_worker("prefill", None, *prefill_args)
+        decode, decode_addr = start_worker("decode", None, *decode_args, "--prefill", prefill_addr)
+        system.workers.update({prefill_addr: prefill, decode_addr: decode})
+        gw = start_gateway(model_dir, "--prefill", prefill_addr, "--decode", decode_addr)
+        system.gateways.append(gw)
+        for proc in (prefill, decode, gw.proc):
+            proc.wait_healthy(120)
+        yield gw, prefill, decode, decode_addr
+    finally:
+        system.stop()
+
+
 def worker_call(addr: str, method: str, timeout: float = 10.0):
     with grpc.insecure_channel(addr) as ch:
         return getattr(pb_grpc.WorkerStub(ch), method)(pb.Empty(), timeout=timeout)
@@ -92,8 +111,8 @@ def wait_idle(addr: str, timeout: float = 15.0) -> tuple[pb.LoadReply, pb.PoolSt
         time.sleep(0.1)
 
 
-__all__ = ["ADMIN_KEY", "API_KEY", "Gateway", "System", "start_gateway", "start_worker", "wait_idle", "wait_listening",
-           "worker_call"]
+__all__ = ["ADMIN_KEY", "API_KEY", "Gateway", "System", "pd_pair", "start_gateway", "start_worker", "wait_idle",
+           "wait_listening", "worker_call"]
 
 
 # ---------------------------------------------------------------- scripted worker (gateway logic tests)

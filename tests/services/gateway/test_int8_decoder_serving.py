@@ -6,25 +6,15 @@ from __future__ import annotations
 import openai
 import pytest
 
-from harness import System, start_gateway, start_worker
+from harness import pd_pair
 
 QUANTIZED = ("--quantization", "w8a8_int8")
 
 
 @pytest.fixture(scope="module")
 def pd_int8(default_model_dir):
-    system = System()
-    try:
-        prefill, prefill_addr = start_worker("prefill", None, *QUANTIZED)
-        decode, decode_addr = start_worker("decode", None, *QUANTIZED, "--prefill", prefill_addr)
-        system.workers.update({prefill_addr: prefill, decode_addr: decode})
-        gw = start_gateway(default_model_dir, "--prefill", prefill_addr, "--decode", decode_addr)
-        system.gateways.append(gw)
-        for proc in (prefill, decode, gw.proc):
-            proc.wait_healthy(120)
+    with pd_pair(default_model_dir, QUANTIZED, QUANTIZED) as (gw, prefill, decode, _):
         yield gw, prefill, decode
-    finally:
-        system.stop()
 
 
 def test_the_int8_model_answers_and_streams(pd_int8):

@@ -10,23 +10,13 @@ import openai
 import pytest
 import requests
 
-from harness import System, start_gateway, start_worker, wait_idle
+from harness import pd_pair, wait_idle
 
 
 @pytest.fixture(scope="module")
 def pd_overlap(default_model_dir):
-    system = System()
-    try:
-        prefill, prefill_addr = start_worker("prefill", None)
-        decode, decode_addr = start_worker("decode", None, "--enable-overlap-schedule", "--prefill", prefill_addr)
-        system.workers.update({prefill_addr: prefill, decode_addr: decode})
-        gw = start_gateway(default_model_dir, "--prefill", prefill_addr, "--decode", decode_addr)
-        system.gateways.append(gw)
-        for proc in (prefill, decode, gw.proc):
-            proc.wait_healthy(120)
+    with pd_pair(default_model_dir, decode_args=("--enable-overlap-schedule",)) as (gw, _, decode, decode_addr):
         yield gw, decode, decode_addr
-    finally:
-        system.stop()
 
 
 def client_for(gw) -> openai.OpenAI:
