@@ -33,6 +33,7 @@ _HEADERS = ("common.h",)
 _HERE = Path(__file__).resolve().parent
 
 
+@functools.cache  # read once: every native op asks for its module, and a process keeps one build
 def default_march() -> str:
     """The -march of the build the runtime loads: `$PDSERVE_NATIVE_MARCH`, else native."""
     return os.environ.get("PDSERVE_NATIVE_MARCH", "").strip() or "native"
