@@ -184,7 +184,7 @@ class ModelRunner:
         longs = upload(ids + positions + slots + last_rows + prompt_rows, torch.int64, self.device)
         has_lora = any(slot >= 0 for slot in lora_slots)
         ints = upload([p for row in table for p in row] + seq_lens + list(extend_lens) + q_start
-                            + (lora_slots if has_lora else []), torch.int32, self.device)
+                      + (lora_slots if has_lora else []), torch.int32, self.device)
         input_ids = longs[:n]
         if batch.in_flight is not None and min(ids) < 0:  # a token still on the device: its row of in_flight
             input_ids = torch.where(input_ids >= 0, input_ids, batch.in_flight[(-1 - input_ids).clamp(min=0)])

@@ -187,19 +187,21 @@ def _apply_penalties(x: torch.Tensor, rows: list[int], params: list[SamplingPara
     """Penalise x [B, V] in place; only the entries of tokens seen are touched, so the cost is O(tokens)."""
     device = x.device
     rep_rows = [r for r in rows if params[r].repetition_penalty != 1.0]
-    if rep_rows:
-        seen = [prompt_ids[r] + output_ids[r] for r in rep_rows]
-        row_idx = _index([r for r, ids in zip(rep_rows, seen) for _ in ids], device)
-        tok_idx = _index([t for ids in seen for t in ids], device)
-        pen = upload([params[r].repetition_penalty for r, ids in zip(rep_rows, seen) for _ in ids], torch.float32,
-                     device)
+    if rep_rows:  # index tensors built on the host from each row's ids at once, then one upload each
+        seen = [torch.tensor(prompt_ids[r] + output_ids[r], dtype=torch.int64) for r in rep_rows]
+        row_idx = upload(torch.cat([torch.full_like(t, r) for r, t in zip(rep_rows, seen)]), torch.int64, device)
+        tok_idx = upload(torch.cat(seen), torch.int64, device)
+        pen = torch.tensor([params[r].repetition_penalty for r in rep_rows])
+        pen = upload(pen.repeat_interleave(torch.tensor([len(t) for t in seen])), torch.float32, device)
         vals = x[row_idx, tok_idx]  # duplicates read the same value and write the same result
         x[row_idx, tok_idx] = torch.where(vals > 0, vals / pen, vals * pen)
     add_rows = [r for r in rows if output_ids[r] and (params[r].frequency_penalty or params[r].presence_penalty)]
     if add_rows:
-        row_idx = _index([r for r in add_rows for _ in output_ids[r]], device)
-        tok_idx = _index([t for r in add_rows for t in output_ids[r]], device)
-        freq = upload([params[r].frequency_penalty for r in add_rows for _ in output_ids[r]], torch.float32, device)
+        outs = [torch.tensor(output_ids[r], dtype=torch.int64) for r in add_rows]
+        row_idx = upload(torch.cat([torch.full_like(t, r) for r, t in zip(add_rows, outs)]), torch.int64, device)
+        tok_idx = upload(torch.cat(outs), torch.int64, device)
+        freq = torch.tensor([params[r].frequency_penalty for r in add_rows])
+        freq = upload(freq.repeat_interleave(torch.tensor([len(t) for t in outs])), torch.float32, device)
         x.index_put_((row_idx, tok_idx), -freq, accumulate=True)
         # Presence: once per distinct (row, token).
         flat = torch.unique(row_idx * x.shape[1] + tok_idx)
