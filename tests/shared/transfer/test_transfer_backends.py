@@ -120,24 +120,19 @@ def test_stalled_peer_times_out_instead_of_hanging(source, target):
     assert torch.equal(target.dump()[9], source.pool[9])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("page_shape", [(2, 2, 4, 2, 16), (4, 2, 16, 8, 64)], ids=["1KiB-pages", "1MiB-pages"])
-@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "other-host"])
-def test_cuda_pools_exchange_pages(backend, page_shape, same_host, monkeypatch):
-    """GPU pools: NIXL registers VRAM; TCP writes a peer's pool on the same host by device copies (CUDA IPC) and
-    otherwise stages through host memory (runs of 1 MiB pages span several chunks)."""
-    if not same_host:
-        if backend != "tcp":
-            pytest.skip("only TCP chooses its route by host")
-        from pdserve.shared.transfer import cuda_ipc
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PAGE_SHAPES = pytest.mark.parametrize("page_shape", [(2, 2, 4, 2, 16), (4, 2, 16, 8, 64)],
+                                      ids=["1KiB-pages", "1MiB-pages"])
 
-        monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "another-host")  # the peer's handle seems foreign here
+
+def exchange_cuda_pages(backend: str, page_shape: tuple[int, ...], route: str | None) -> None:
+    """A GPU pool's pages written into a peer process's GPU pool land exactly (by `route`, for TCP)."""
     source = create_transfer(backend, _name("prefill"), make_pool(16, seed=2, page_shape=page_shape).cuda())
     peer = PeerProcess(backend, _name("decode"), device="cuda", page_shape=page_shape)
     try:
         source.add_peer("decode", peer.metadata)
-        if backend == "tcp":
-            assert source.route("decode") == ("cuda_ipc" if same_host else "socket")
+        if route is not None:
+            assert source.route("decode") == route
         src, dst = [0, 1, 2, 12] + list(range(3, 12)), [30, 31, 5, 0] + list(range(7, 16))  # last run: 9 pages
         source.write_pages("decode", src, dst)
         expected = peer.initial.clone()
@@ -146,3 +141,21 @@ def test_cuda_pools_exchange_pages(backend, page_shape, same_host, monkeypatch):
     finally:
         peer.stop()
         source.close()
+
+
+@CUDA
+@PAGE_SHAPES
+def test_cuda_pools_exchange_pages(backend, page_shape):
+    """GPU pools on one host: NIXL registers VRAM; TCP writes the peer's pool by device copies (CUDA IPC)."""
+    exchange_cuda_pages(backend, page_shape, "cuda_ipc" if backend == "tcp" else None)
+
+
+@CUDA
+@PAGE_SHAPES
+def test_tcp_stages_gpu_pages_through_host_memory_to_another_host(page_shape, monkeypatch):
+    """A peer whose IPC handle comes from another host (a foreign boot id) gets the pages over the socket, staged
+    through pinned host memory (runs of 1 MiB pages span several chunks)."""
+    from pdserve.shared.transfer import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "boot_id", lambda: "another-host")
+    exchange_cuda_pages("tcp", page_shape, "socket")
