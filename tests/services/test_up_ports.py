@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from pdserve.services import up, up_preflight
-from test_up import ALL_STAND_INS, by_name, flag_values, get, parse, port_is_free, run_up  # noqa: F401 (a fixture)
+from test_up import ALL_STAND_INS, get, port_is_free, run_up  # noqa: F401 (a fixture)
+from up_plans import by_name, flag_values, parse
 
 LINUX_DEFAULT = range(32768, 61000)  # ip_local_port_range "32768 60999"
 

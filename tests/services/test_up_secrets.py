@@ -14,7 +14,8 @@ import pytest
 
 from pdserve.services import up
 from pdserve.services.supervisor import Console, Service, Supervisor
-from test_up import ALL_STAND_INS, UpRun, by_name, flag_values, free_ports, get, parse
+from test_up import ALL_STAND_INS, UpRun, free_ports, get
+from up_plans import by_name, flag_values, parse
 
 KEY = "sk-up-secret-3f9a1c"
 PASSWORD = "redis-pw-51c7e2"
