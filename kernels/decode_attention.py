@@ -6,8 +6,9 @@ head `h // (Hq // Hk)`. Scores and softmax are fp32; the output is in q's dtype.
 
 The Triton path is split-K (flash decoding): stage one gives each (sequence, kv head,
 split) program one slice of the sequence and all query heads of that kv head, writing a
-partial output and its log-sum-exp; stage two merges the splits. Splits past a
-sequence's end write an empty partial (weight zero), so no host sync on lengths is needed.
+partial output and its log-sum-exp; stage two merges, in order, the splits that hold tokens.
+Splits past a sequence's end write an empty partial and are never read, so no host sync on
+lengths is needed.
 
 The torch path gathers each sequence's pages into a padded batch. What that needs from the
 page table and lengths (rows grouped by length, page indices, padding mask) is the same for
@@ -24,7 +25,8 @@ import triton.language as tl
 
 from pdserve.kernels import native
 
-_MAX_SPLITS = 32
+_MAX_SPLITS = 64
+_SPLIT_LEN_GPU = 256
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr,
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
-    # An empty split (start >= seq_len) leaves l_i == 0: it stores zeros with lse -inf (weight 0).
+    # An empty split (start >= seq_len) leaves l_i == 0: it stores zeros with lse -inf (the merge skips it).
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -196,31 +198,37 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit
-def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr,
+def _decode_merge_kernel(o_part_ptr, lse_ptr, lens_ptr, out_ptr,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                         num_splits, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         split_len, head_dim, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
-    # Split 0 always holds at least one token (seq_len >= 1), so the max is finite.
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]
-    parts = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    # Only the splits that hold tokens, in order: how many splits the launch had (a graph bucket's page table
+    # is wider than an eager step's) then changes nothing in the sum, bit for bit.
+    used = tl.maximum(tl.cdiv(tl.load(lens_ptr + b), split_len), 1)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    top = tl.load(lse_row)  # split 0 always holds a token (seq_len >= 1), so the max is finite
+    for s in range(1, used):
+        top = tl.maximum(top, tl.load(lse_row + s))
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    for s in range(0, used):
+        w = tl.exp2(tl.load(lse_row + s) - top)
+        acc += w * tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s * stride_ps + d, mask=d_mask, other=0.0)
+        total += w
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _num_splits(device: torch.device, batch_kv_programs: int, max_len: int, block_n: int) -> int:
-    if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8  # the interpreter: keep a few splits so the merge path is exercised, but not many programs
-    splits = triton.cdiv(target, max(batch_kv_programs, 1))
-    return max(1, min(splits, triton.cdiv(max_len, block_n), _MAX_SPLITS))
+def _split_len(on_gpu: bool, max_len: int, block_n: int, num_splits: int | None) -> int:
+    """Tokens per split. Fixed per device kind rather than sized to the batch or the page table's width, so a
+    sequence is cut (and rounded) the same way in any batch and in any decode graph bucket: greedy output does
+    not change with graphs on or off. Past _MAX_SPLITS * that length (16k tokens on a GPU) splits grow longer."""
+    if num_splits:  # tests choose the count, to exercise the merge
+        return triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    split_len = _SPLIT_LEN_GPU if on_gpu else 2 * block_n  # the interpreter: short splits, the merge exercised
+    return max(split_len, triton.cdiv(triton.cdiv(max_len, _MAX_SPLITS), block_n) * block_n)
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -241,8 +249,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n = 64 if on_gpu else 16
     # Upper bound on any sequence's length, known without reading seq_lens on the host.
     max_len = page_table.shape[1] * page_size
-    splits = num_splits or _num_splits(q.device, B * num_kv_heads, max_len, block_n)
-    split_len = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    split_len = _split_len(on_gpu, max_len, block_n, num_splits)
     splits = triton.cdiv(max_len, split_len)
     o_part = torch.empty((B, num_heads, splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, num_heads, splits), dtype=torch.float32, device=q.device)
@@ -258,9 +265,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         NATIVE_DOT=native, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2)
     _decode_merge_kernel[(B, num_heads)](
-        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), splits, D,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        o_part, lse, seq_lens, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), split_len, D, BLOCK_D=block_d, num_warps=1)
     return out
 
 

@@ -112,15 +112,15 @@ class Sampler:
             if biased:
                 entries = [_bias_entries(params[i]) for i in biased]
                 ids = upload(torch.cat([e[0] for e in entries]), torch.int64, x.device)
-                counts = _index([len(e[0]) for e in entries], x.device)
-                rows = _index(biased, x.device).repeat_interleave(counts)
+                # Rows repeated on the host: repeat_interleave by a device tensor waits for the device.
+                rows = _index(torch.tensor(biased).repeat_interleave(torch.tensor([len(e[0]) for e in entries])),
+                              x.device)
                 x.index_put_((rows, ids), upload(torch.cat([e[1] for e in entries]), torch.float32, x.device),
                              accumulate=True)
             if penalised:
                 _apply_penalties(x, penalised, params, prompt_ids, output_ids)
-            if bans:
-                rows, ids = zip(*bans)
-                x[_index(rows, x.device), _index(ids, x.device)] = float("-inf")
+            if bans:  # filled through flat indices: assigning a Python scalar by index copies it and waits
+                x.view(-1).index_fill_(0, _index([r * x.shape[1] + t for r, t in bans], x.device), float("-inf"))
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         sync_free = self.sync_free if self.sync_free is not None else x.device.type == "cuda"
         if not sampled:

@@ -1,8 +1,9 @@
 """WorkerPool: the gateway's client records of the runtime workers, with their health checks and DNS discovery.
 
 `WorkerPool` owns one `Worker` per address. A background loop asks every worker for Health and Load about
-once a second with a short deadline; a worker whose address refuses the call (its process is gone) is taken
-out at the first failed check, one that fails otherwise (no answer in time, not ready) after two in a row.
+once a second (five times a second while none can serve) with a short deadline; a worker whose address
+refuses the call (its process is gone) is taken out at the first failed check, one that fails otherwise (no
+answer in time, not ready) after two in a row.
 Taking a worker out fails the requests in flight on it at once, through their `on_out` callbacks. A worker
 that says it is draining (shutting down) only stops getting new requests: those in flight finish. Either is
 back in rotation as soon as it answers again (a restarted worker included), unless `admission` holds it back
@@ -37,6 +38,10 @@ ROLES = ("colocated", "prefill", "decode")
 @dataclass(frozen=True)
 class HealthSettings:
     interval_s: float = 1.0  # between two checks of a worker
+    # Between two checks while no worker (pair) can serve, as at start-up: each gateway process finds a worker
+    # that has just come up within a fraction of a second, rather than answering 503 for up to `interval_s`
+    # after a sibling process on the same port has begun to serve.
+    unserved_interval_s: float = 0.2
     deadline_s: float = 2.0  # for one Health answer (a dead process is refused at once; this catches hangs)
     failures_to_remove: int = 2  # consecutive failed checks that take a worker out (refused: the first)
     resolve_interval_s: float = 5.0  # between two DNS resolutions of the worker lists
@@ -118,7 +123,10 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         next_resolve = loop.time() + self.settings.resolve_interval_s
         while True:
-            await asyncio.sleep(self.settings.interval_s)
+            interval = self.settings.interval_s
+            if not self.has_healthy_pair():
+                interval = min(interval, self.settings.unserved_interval_s)
+            await asyncio.sleep(interval)
             try:
                 if loop.time() >= next_resolve:
                     next_resolve = loop.time() + self.settings.resolve_interval_s

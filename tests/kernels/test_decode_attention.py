@@ -54,6 +54,24 @@ def test_triton_matches_torch(dtype, page_size, group, num_splits):
     assert_close(decode_attention_triton(*args, num_splits=num_splits), decode_attention_torch(*args), dtype)
 
 
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_gives_a_row_the_same_bits_in_any_batch_and_page_table_width(dtype):
+    # A decode graph bucket pads the batch and reads a page table as wide as the whole context; an eager step
+    # reads only its own rows and pages. Greedy output must not depend on which ran, so neither may one bit.
+    lens = [70, 3, 150]  # several splits (32 tokens each in the interpreter, 256 on a GPU) and a single one
+    q, kv = make_case(lens, 16, 3, dtype, TRITON_DEVICE)
+    args = (kv.k_cache, kv.v_cache)
+    narrow = decode_attention_triton(q, *args, kv.page_table, kv.seq_lens, D ** -0.5)
+    wide_table = torch.nn.functional.pad(kv.page_table, (0, 100))  # 1,600 more tokens of columns, all unused
+    pad_q = torch.cat([q, q[:1]])  # a padded row, as a bucket adds
+    wide = decode_attention_triton(pad_q, *args, torch.cat([wide_table, wide_table[:1]]),
+                                   torch.cat([kv.seq_lens, kv.seq_lens[:1]]), D ** -0.5)
+    assert torch.equal(wide[:3], narrow)
+    for b in range(3):  # each row alone
+        alone = decode_attention_triton(q[b:b + 1], *args, kv.page_table[b:b + 1], kv.seq_lens[b:b + 1], D ** -0.5)
+        assert torch.equal(alone, narrow[b:b + 1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_reference_with_one_long_sequence_among_short_ones(device):
     # Short and long rows are attended in separate groups; every row must still see exactly its own tokens.

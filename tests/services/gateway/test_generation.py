@@ -6,6 +6,7 @@ exactly (what is shown, what is counted, when the call is cancelled); real worke
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from pdserve.services.gateway.generation import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.worker_pool import WorkerPool
+from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
 from harness import ScriptedWorker
 
@@ -83,6 +84,30 @@ async def test_stop_token_is_counted_but_never_shown(tok):
         assert result.token_ids == ids + [EOS] and gen.completion_tokens == len(ids) + 1
     finally:
         await backend.pool.close()
+        await server.stop(0)
+
+
+async def test_a_worker_that_comes_up_after_the_gateway_serves_within_a_moment_not_a_check_interval():
+    # Gateway processes sharing a port each find the worker on their own; with nothing to serve, none may wait a
+    # whole check interval (30 s here) after the worker is up, answering 503 while a sibling already serves.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pool = WorkerPool({"colocated": [f"127.0.0.1:{port}"]}, HealthSettings(interval_s=30.0))
+    await pool.start()
+    server = grpc.aio.server()
+    try:
+        assert not pool.has_healthy_pair()  # nothing listens yet
+        pb_grpc.add_WorkerServicer_to_server(ScriptedWorker([[5]]), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        for _ in range(50):
+            if pool.has_healthy_pair():
+                break
+            await asyncio.sleep(0.1)
+        assert pool.has_healthy_pair()
+    finally:
+        await pool.close()
         await server.stop(0)
 
 
