@@ -123,9 +123,12 @@ class Scheduler:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Take n free pages, evicting unused cached prefixes if needed."""
+        """Take n free pages, evicting unused cached prefixes if needed: at least 1 % of the pool at a time, since
+        each eviction walks the whole cache tree (once the cache fills the pool, a decode batch needs a page or
+        more every step, and a walk per page made the scheduler's time per step grow with the cache)."""
         if not self.allocator.can_allocate(n):
-            self.allocator.free(self.cache.evict(n - self.allocator.num_free))
+            ahead = max(n - self.allocator.num_free, self.allocator.num_pages // 100)
+            self.allocator.free(self.cache.evict(ahead))
         return self.allocator.allocate(n)
 
     def grow(self, req: Req, num_tokens: int) -> bool:

@@ -115,6 +115,24 @@ def test_prefix_cache_hit_skips_cached_tokens_and_reports_them():
     assert_integrity(engine)
 
 
+def test_a_full_cache_is_evicted_a_slice_at_a_time_not_a_page_per_step(monkeypatch):
+    # Distinct prompts leave the pool full of cached pages; a later request then needs a page every few steps.
+    # Each eviction walks the whole cache tree, so it frees 1 % of the pool at once, not the one page asked for.
+    engine, outputs = make_engine(page_size=1, num_pages=400), {}
+    for i in range(13):
+        engine.add_request(make_req(f"fill{i}", [i * 40 + k for k in range(28)], outputs, max_new_tokens=4))
+    run_until_idle(engine)
+    assert engine.cache.evictable_pages() > 360 and engine.allocator.num_free < 40  # the pool is mostly cache
+    walks = []
+    evict = engine.cache.evict
+    monkeypatch.setattr(engine.cache, "evict", lambda n: walks.append(n) or evict(n))
+    engine.add_request(make_req("long", [900, 901], outputs, max_new_tokens=60))
+    run_until_idle(engine)
+    assert tokens_of(outputs, "long") == [(901 + k) % VOCAB for k in range(1, 61)]
+    assert walks and all(n >= 4 for n in walks) and len(walks) <= 62 // 4 + 1
+    assert_integrity(engine)
+
+
 def test_fully_cached_prompt_still_computes_its_last_token():
     engine, outputs = make_engine(page_size=4), {}
     prompt = list(range(1, 17))  # exactly four pages
