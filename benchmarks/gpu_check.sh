@@ -128,9 +128,12 @@ log "building the random-weight model in $MODEL"
 pytest_run() {  # NAME ARGS...
   local name=$1; shift
   log "tests: $name"
-  timeout 240 "$PY" -m pytest --rootdir "$REPO" -c "$REPO/pyproject.toml" -p no:cacheprovider -q "$@" \
-    >"$LOGS/tests_$name.log" 2>&1 || failed "tests_$name"
-  tail -1 "$LOGS/tests_$name.log" >&2
+  if ! timeout 240 "$PY" -m pytest --rootdir "$REPO" -c "$REPO/pyproject.toml" -p no:cacheprovider -q -rfE \
+      --tb=short "$@" >"$LOGS/tests_$name.log" 2>&1; then
+    failed "tests_$name"
+    grep -E "^(FAILED|ERROR) " "$LOGS/tests_$name.log" >&2  # which ones; the log has their tracebacks
+  fi
+  grep -E "[0-9]+ (passed|failed)" "$LOGS/tests_$name.log" | tail -1 >&2
 }
 if [ "$DEVICE" = cuda ]; then
   pytest_run kernels "$REPO/tests/kernels" -k "cuda or triton"

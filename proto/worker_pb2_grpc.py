@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pdserve.Worker/GenerateMany',
+                request_serializer=worker__pb2.GenerateCall.SerializeToString,
+                response_deserializer=worker__pb2.GenerateEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.Worker/Abort',
                 request_serializer=worker__pb2.AbortRequest.SerializeToString,
@@ -107,6 +112,12 @@ class WorkerServicer:
     """
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +203,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=worker__pb2.GenerateRequest.FromString,
                     response_serializer=worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=worker__pb2.GenerateCall.FromString,
+                    response_serializer=worker__pb2.GenerateEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -282,6 +298,33 @@ class Worker:
             '/pdserve.Worker/Generate',
             worker__pb2.GenerateRequest.SerializeToString,
             worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.Worker/GenerateMany',
+            worker__pb2.GenerateCall.SerializeToString,
+            worker__pb2.GenerateEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,7 +63,7 @@ def worker_channel(address: str, options=None) -> grpc.aio.Channel:
     interceptors = client_interceptors()
     token = cluster_token()
     if token is not None:
-        interceptors += [_UnaryToken(token), _StreamToken(token)]
+        interceptors += [_UnaryToken(token), _StreamToken(token), _BidiToken(token)]
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
@@ -81,6 +81,14 @@ class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
 
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with_token(details, self.token), request)
+
+
+class _BidiToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with_token(details, self.token), request_iterator)
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
@@ -113,6 +121,10 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # an async generator, as the streaming handler it replaces
 
+    if handler.stream_stream is not None:  # GenerateMany: refused before a single call on it is read
+        return handler._replace(stream_stream=refuse_stream)
+    if handler.stream_unary is not None:
+        return handler._replace(stream_unary=refuse)
     if handler.unary_stream is not None:
         return handler._replace(unary_stream=refuse_stream)
     return handler._replace(unary_unary=refuse)

@@ -294,7 +294,7 @@ class Generation:
     async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:
         resumed = self.produced
         self.pair, self._failure = pair, None
-        call = self._call = pair.generate.stub.Generate(self._request(pair))
+        call = self._call = pair.generate.generations.start(self._request(pair))
         held = list(pair.workers)
         for w in held:
             w.in_flight += 1

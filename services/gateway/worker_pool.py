@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.gateway.multiplex import GenerateStream
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.cluster_auth import worker_channel
 
@@ -62,6 +63,10 @@ class Worker:
     draining: bool = False  # it said it is shutting down: no new requests, its own finish
     # Requests in flight on this worker: each callback fails its request when the worker is taken out.
     on_out: set[Callable[[str], None]] = field(default_factory=set)
+    generations: GenerateStream = field(init=False)  # this process's generations on the worker, one stream
+
+    def __post_init__(self) -> None:
+        self.generations = GenerateStream(self.stub)
 
     @property
     def page_size(self) -> int:
@@ -117,6 +122,7 @@ class WorkerPool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(w.generations.close() for w in self.workers.values()), return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
 
     async def _loop(self) -> None:
@@ -149,6 +155,7 @@ class WorkerPool:
         for address in [a for a, w in self.workers.items() if a not in seen and w.in_flight == 0]:
             worker = self.workers.pop(address)
             log.info("%s worker %s no longer resolves: removed", worker.role, address)
+            await worker.generations.close()
             await worker.channel.close()
 
     # ------------------------------------------------------------ health

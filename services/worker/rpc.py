@@ -20,6 +20,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import (compat_to_proto, output_to_proto, params_from_proto, prompt_logprobs_to_proto,
                                  weights_to_proto)
 from pdserve.services.worker.kv_pull import KVPull
+from pdserve.services.worker.multiplex import serve_many
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
@@ -165,6 +166,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             async with contextlib.aclosing(self._generate(request, context)) as messages:
                 async for msg in messages:
                     yield msg
+
+    async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
+        """Generate for each call on one stream, the calls' messages of one engine step in one message
+        (pdserve.services.worker.multiplex): what the gateway uses."""
+        async with contextlib.aclosing(serve_many(self.Generate, calls, context)) as events:
+            async for message in events:
+                yield message
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.role == Role.PREFILL:

@@ -65,3 +65,14 @@ def test_a_decode_worker_without_the_token_stops_at_once_saying_why(system):
         assert "requires the cluster token" in proc.tail()
     finally:
         proc.stop()
+
+
+def test_a_generate_stream_without_the_token_is_refused_before_any_call_runs(system):
+    # GenerateMany carries many generations on one stream (the gateway's): the check covers it as a whole.
+    start = pb.GenerateCall(call=1, start=pb.GenerateRequest(rid="no-token", input_ids=[1, 2, 3],
+                                                             prefill_addr=system["prefill"]))
+    with grpc.insecure_channel(system["decode"]) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.WorkerStub(channel).GenerateMany(iter([start]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert TOKEN_ENV in info.value.details()

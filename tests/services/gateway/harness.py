@@ -11,6 +11,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.worker.multiplex import serve_many
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"
@@ -111,12 +112,20 @@ def wait_idle(addr: str, timeout: float = 15.0) -> tuple[pb.LoadReply, pb.PoolSt
         time.sleep(0.1)
 
 
-__all__ = ["ADMIN_KEY", "API_KEY", "Gateway", "System", "pd_pair", "start_gateway", "start_worker", "wait_idle",
-           "wait_listening", "worker_call"]
+__all__ = ["ADMIN_KEY", "API_KEY", "Gateway", "Multiplexed", "ScriptedWorker", "System", "pd_pair", "start_gateway",
+           "start_worker", "wait_idle", "wait_listening", "worker_call"]
 
 
 # ---------------------------------------------------------------- scripted worker (gateway logic tests)
-class ScriptedWorker(pb_grpc.WorkerServicer):
+class Multiplexed:
+    """GenerateMany over the stand-in's Generate, as the real worker serves it (the gateway calls GenerateMany)."""
+
+    async def GenerateMany(self, calls, context):
+        async for events in serve_many(self.Generate, calls, context):
+            yield events
+
+
+class ScriptedWorker(Multiplexed, pb_grpc.WorkerServicer):
     """Streams `script` (one list of token ids per message) for choice 0, then finishes as told."""
 
     def __init__(self, script: list[list[int]], finish: str = "length", stop_token: int = -1,

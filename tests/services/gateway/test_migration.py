@@ -24,6 +24,7 @@ from pdserve.services.gateway.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.worker_pool import WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
+from harness import Multiplexed
 
 
 def next_token(seq: list[int]) -> int:
@@ -37,7 +38,7 @@ def reference(prompt: list[int], count: int) -> list[int]:
     return seq[len(prompt):]
 
 
-class ModelWorker(pb_grpc.WorkerServicer):
+class ModelWorker(Multiplexed, pb_grpc.WorkerServicer):
     """Generates `next_token` one per message; dies (its whole server stops) after `die_after` messages."""
 
     def __init__(self, die_after: int | None = None, delay: float = 0.005) -> None:

@@ -20,14 +20,14 @@ import pytest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from harness import start_gateway
+from harness import Multiplexed, start_gateway
 
 MAX_RUNNING = 8  # what the stand-in reports in Info
 TOKEN = 1000  # an ordinary token id
 DELAY = 0.05
 
 
-class PacedWorker(pb_grpc.WorkerServicer):
+class PacedWorker(Multiplexed, pb_grpc.WorkerServicer):
     """Streams max_new_tokens tokens of choice 0, one per DELAY seconds."""
 
     async def Generate(self, request, context):
