@@ -7,7 +7,8 @@ head `h // (Hq // Hk)`. Scores and softmax are fp32; the output is in q's dtype.
 The Triton path is split-K (flash decoding): stage one gives each (sequence, kv head,
 split) program one slice of the sequence and all query heads of that kv head, writing a
 partial output and its log-sum-exp; stage two merges, in order, the splits that hold tokens.
-Splits past a sequence's end write an empty partial and are never read, so no host sync on
+Split boundaries are fixed (`_split_len`); how many programs share a sequence's splits is sized
+to the batch. Splits past a sequence's end are neither computed nor read, so no host sync on
 lengths is needed.
 
 The torch path gathers each sequence's pages into a padded batch. What that needs from the
@@ -137,15 +138,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr,
                          stride_qb, stride_qh,
                          stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                          stride_pt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         qk_scale, group, head_dim, page_size, split_len,
+                         qk_scale, group, head_dim, page_size, split_len, programs,
                          NATIVE_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    used = tl.cdiv(seq_len, split_len)  # splits holding tokens; the merge reads no other
 
     g = tl.arange(0, BLOCK_H)
     heads = kv_head * group + g
@@ -157,44 +156,44 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr,
     if not NATIVE_DOT:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        page = tl.load(pt_ptr + b * stride_pt + n // page_size, mask=n_mask, other=0).to(tl.int64)
-        offset = n % page_size
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (page * stride_kp + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if NATIVE_DOT:
-            s = tl.dot(q, tl.trans(k))
-        else:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if NATIVE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
-
-    # An empty split (start >= seq_len) leaves l_i == 0: it stores zeros with lse -inf (the merge skips it).
-    nonempty = l_i > 0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    # Program p computes splits p, p + programs, ...: how many programs share a sequence changes nothing in
+    # what each split computes.
+    for split in range(tl.program_id(2), used, programs):
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            page = tl.load(pt_ptr + b * stride_pt + n // page_size, mask=n_mask, other=0).to(tl.int64)
+            offset = n % page_size
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + (page * stride_kp + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr + (page * stride_vp + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if NATIVE_DOT:
+                s = tl.dot(q, tl.trans(k))
+            else:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 domain
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if NATIVE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+        # Every split read here holds at least one token, so l_i > 0.
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+                 acc / l_i[:, None], mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
@@ -219,6 +218,12 @@ def _decode_merge_kernel(o_part_ptr, lse_ptr, lens_ptr, out_ptr,
         acc += w * tl.load(o_part_ptr + b * stride_pb + h * stride_ph + s * stride_ps + d, mask=d_mask, other=0.0)
         total += w
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _programs(device: torch.device, batch_kv: int, splits: int) -> int:
+    """Programs per (sequence, kv head): enough for about two per SM across the batch, at most one per split."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(target, max(batch_kv, 1)), splits))
 
 
 def _split_len(on_gpu: bool, max_len: int, block_n: int, num_splits: int | None) -> int:
@@ -255,13 +260,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lse = torch.empty((B, num_heads, splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     native = on_gpu and q.dtype in (torch.float16, torch.bfloat16)
-    _decode_split_kernel[(B, num_kv_heads, splits)](
+    programs = _programs(q.device, B * num_kv_heads, splits)
+    _decode_split_kernel[(B, num_kv_heads, programs)](
         q, k_cache, v_cache, page_table, seq_lens, o_part, lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), page_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
-        scale * 1.4426950408889634, group, D, page_size, split_len,
+        scale * 1.4426950408889634, group, D, page_size, split_len, programs,
         NATIVE_DOT=native, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2)
     _decode_merge_kernel[(B, num_heads)](
