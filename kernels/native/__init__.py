@@ -16,12 +16,15 @@ and says so in its log.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -86,6 +89,31 @@ def load(march: str | None = None) -> ModuleType:
     return _load(march or default_march())
 
 
+BUILD_WAIT_S = 900  # another process's build of the same kernels: far longer than one takes on 2 cores
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One build at a time in `out`, across processes. torch's own lock is a file that a build killed midway
+    leaves behind, and every later load then waits for it forever; this one is an flock, which the kernel
+    releases when its holder dies, so while it is held a torch lock file in `out` can only be such a leftover."""
+    with open(out / "build.flock", "w") as handle:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {out} for {BUILD_WAIT_S} s") from None
+                time.sleep(0.5)
+        try:
+            (out / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def _load(march: str) -> ModuleType:
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
@@ -95,9 +123,10 @@ def _load(march: str) -> ModuleType:
 
         out = build_dir(march)
         out.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=_module_name(march), sources=[str(_HERE / s) for s in SOURCES],
-                                  extra_cflags=_flags(march), extra_ldflags=["-fopenmp"], build_directory=str(out),
-                                  verbose=False)
+        with _build_lock(out):
+            return cpp_extension.load(name=_module_name(march), sources=[str(_HERE / s) for s in SOURCES],
+                                      extra_cflags=_flags(march), extra_ldflags=["-fopenmp"],
+                                      build_directory=str(out), verbose=False)
     except Exception as exc:  # compiler missing, build failure, import failure: all mean "use the twins"
         raise NativeUnavailable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}") \
             from exc
