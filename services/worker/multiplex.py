@@ -1,25 +1,27 @@
-"""GenerateMany's worker side: many Generate calls served over one stream, a step's outputs in one message.
+"""GenerateMany's worker side: many generations served over one stream, a step's outputs in one message.
 
 Each gRPC message costs the worker's event loop a write and a wake-up from gRPC's completion thread, both under
 the GIL that the engine thread needs for its steps. With one Generate stream per generation, 64 generations
-cost 64 messages per engine step; over GenerateMany they cost one, since every generation's output of a step
-reaches the loop in one callback (`OutputRelay`) and is posted before the stream writes again.
+cost 64 messages per engine step; over GenerateMany they cost one. The relay hands a step's outputs over in one
+callback, and each generation's `StepSink` turns its share into a message there, so no coroutine per
+generation wakes per step either: its handler only waits for the end.
 
-Each call runs the servicer's own Generate handler, so admission, errors and aborts are the same as over
-Generate: `context.abort(code, details)` ends that call alone with that status. A cancel from the caller, or
-the stream ending, cancels the call's handler, which aborts its request in the engine.
+Admission, errors and aborts are Generate's: `context.abort(code, details)` ends that call alone with that
+status. A cancel from the caller, or the stream ending, cancels the call's handler, which aborts its request in
+the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.shared.logs import REQUEST_ID, SAFE_ID
+from pdserve.shared.outputs import ReqOutput
 
 log = logging.getLogger("pdserve.worker")
 
@@ -43,12 +45,84 @@ class CallContext:
         return self._stream.invocation_metadata()
 
 
-Generate = Callable[[pb.GenerateRequest, object], AsyncIterator[pb.GenerateResponse]]
+# A generation's handler on a GenerateMany stream: (request, context, post) where `post(message)` sends the call's
+# next GenerateResponse; it returns when the call has sent them all.
+Handler = Callable[[pb.GenerateRequest, object, Callable[[pb.GenerateResponse], None]], Awaitable[None]]
 
 
-async def serve_many(generate: Generate, calls: AsyncIterator[pb.GenerateCall],
+def posting(generate: Callable[[pb.GenerateRequest, object], AsyncIterator[pb.GenerateResponse]]) -> Handler:
+    """A Handler over a Generate handler (an async generator of messages): a message posted per message."""
+    async def handler(request, context, post) -> None:
+        async with contextlib.aclosing(generate(request, context)) as messages:
+            async for message in messages:
+                post(message)
+    return handler
+
+
+class StepSink:
+    """One generation's outputs, taken where the relay delivers them (`put_nowait` per output, then `flush`):
+    what a delivery brought becomes one message, posted at once, unless it holds fewer than `interval` tokens
+    (--stream-interval; 1 for the first message) and finishes nothing. `wait` returns when every choice has
+    finished, or with the error an output reported."""
+
+    def __init__(self, choices: int, interval: int, build: Callable[[list[ReqOutput], bool], tuple], post) -> None:
+        self.finished: set[int] = set()
+        self._choices, self._interval, self._build, self._post = choices, interval, build, post
+        self._pending: list[ReqOutput] = []
+        self._first = True
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+        self._progress = self._loop.time()
+        self._ended: asyncio.Future[str | None] = self._loop.create_future()
+
+    def put_nowait(self, out: ReqOutput) -> None:
+        self._pending.append(out)
+
+    def flush(self) -> None:
+        ready = self._pending
+        if self._closed or not ready:
+            return
+        self._progress = self._loop.time()
+        error = next((o.error for o in ready if o.error), None)
+        if error:
+            self._end(error)
+            return
+        if all(o.finish_reason is None for o in ready) and \
+                sum(len(o.token_ids) for o in ready) < (1 if self._first else self._interval):
+            return  # more tokens first (--stream-interval)
+        self._pending = []
+        message, finished = self._build(ready, self._first)
+        self._first = False
+        self.finished |= finished
+        self._post(message)
+        if len(self.finished) >= self._choices:
+            self._end(None)
+
+    async def wait(self, limit: Callable[[bool], float]) -> str | None:
+        """None once every choice finished, an output's error text, or TimeoutError after `limit(first)` seconds
+        without output."""
+        while True:
+            remaining = self._progress + limit(self._first) - self._loop.time()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._ended), remaining)
+            except asyncio.TimeoutError:
+                continue  # output may have come meanwhile: the deadline moves with it
+
+    def close(self) -> None:
+        self._closed = True
+        self._pending = []
+
+    def _end(self, error: str | None) -> None:
+        self._closed = True
+        if not self._ended.done():
+            self._ended.set_result(error)
+
+
+async def serve_many(generate: Handler, calls: AsyncIterator[pb.GenerateCall],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateEvents]:
-    """GenerateMany over `generate` (a servicer's Generate): events of all calls, as many per message as are ready."""
+    """GenerateMany over `generate`: events of all calls, as many per message as are ready."""
     posted: list[pb.GenerateEvent] = []
     ready = asyncio.Event()
     running: dict[int, asyncio.Task] = {}
@@ -60,9 +134,8 @@ async def serve_many(generate: Generate, calls: AsyncIterator[pb.GenerateCall],
     async def run(call: int, request: pb.GenerateRequest, request_id: str) -> None:
         REQUEST_ID.set(request_id if SAFE_ID.fullmatch(request_id) else None)  # this task's context only
         try:
-            async with contextlib.aclosing(generate(request, CallContext(context))) as messages:
-                async for message in messages:
-                    post(pb.GenerateEvent(call=call, response=message))
+            await generate(request, CallContext(context),
+                           lambda message: post(pb.GenerateEvent(call=call, response=message)))
             post(pb.GenerateEvent(call=call, end=True))
         except CallAborted as exc:
             log.warning("Generate failed: %s: %s", exc.code.name, exc.details)

@@ -33,3 +33,6 @@ class OutputRelay:
             items, self._pending = self._pending, []
         for queue, item in items:
             queue.put_nowait(item)
+        # A StepSink turns what it got into one message now: once per delivery, after all of its outputs.
+        for sink in {id(queue): queue for queue, _ in items if hasattr(queue, "flush")}.values():
+            sink.flush()

@@ -20,7 +20,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import (compat_to_proto, output_to_proto, params_from_proto, prompt_logprobs_to_proto,
                                  weights_to_proto)
 from pdserve.services.worker.kv_pull import KVPull
-from pdserve.services.worker.multiplex import serve_many
+from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.shared.compat import Compat
@@ -31,7 +31,7 @@ from pdserve.shared.grammar import Constraint, GrammarError
 from pdserve.shared.lora import AdapterNotFound, LoraAdapter, LoraError
 from pdserve.shared.outputs import ReqOutput, coalesce
 from pdserve.shared.req import Req
-from pdserve.shared.sampling_params import InvalidParam
+from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.weights import CheckpointNotFound, WeightsError
 
@@ -152,8 +152,56 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Admission, then `_generate`: a bounded number of sequences in progress (RESOURCE_EXHAUSTED beyond it),
-        and none new while the worker drains (UNAVAILABLE)."""
+        """One generation per stream, a message per step's outputs (or more, --stream-interval); a reader that
+        falls behind gets what queued meanwhile in one message."""
+        with self.calls.hold(await self._admit(request, context)):
+            outputs: asyncio.Queue[ReqOutput] = asyncio.Queue()
+            params = await self._start(request, context, outputs)
+            finished: set[int] = set()
+            first = True
+            try:
+                while len(finished) < params.n:
+                    ready = await next_outputs(outputs, self._wait_limit(first),
+                                               1 if first else self.stream_interval)
+                    error = next((o.error for o in ready if o.error), None)
+                    if error:
+                        await self._fail(context, error)
+                    msg, ended = self._message(request, ready, first)
+                    finished |= ended
+                    yield msg
+                    first = False
+            except asyncio.TimeoutError:
+                await self._stalled(request, context)
+            finally:
+                self._end(request, params, finished)
+
+    async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
+        """Generate for each call on one stream, every call's messages of one engine step in one message
+        (pdserve.services.worker.multiplex): what the gateway uses."""
+        async with contextlib.aclosing(serve_many(self._generate_posting, calls, context)) as events:
+            async for message in events:
+                yield message
+
+    async def _generate_posting(self, request: pb.GenerateRequest, context, post) -> None:
+        """A GenerateMany call: as Generate, but each relay delivery's outputs become a message there and then
+        (`StepSink`), without waking a coroutine per generation per step."""
+        with self.calls.hold(await self._admit(request, context)):
+            sink = StepSink(max(1, request.sampling.n), self.stream_interval,
+                            lambda ready, first: self._message(request, ready, first), post)
+            params = await self._start(request, context, sink)
+            try:
+                error = await sink.wait(self._wait_limit)
+                if error:
+                    await self._fail(context, error)
+            except asyncio.TimeoutError:
+                await self._stalled(request, context)
+            finally:
+                sink.close()
+                self._end(request, params, sink.finished)
+
+    async def _admit(self, request: pb.GenerateRequest, context) -> int:
+        """The sequences a generation holds: a bounded number in progress (RESOURCE_EXHAUSTED beyond it), and
+        none new while the worker drains (UNAVAILABLE)."""
         n = max(1, request.sampling.n)
         if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to "
@@ -162,19 +210,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this worker holds {self.calls.count} sequences, {n} more would pass its limit of "
                                 f"{self.max_sequences}: retry later")
-        with self.calls.hold(n):
-            async with contextlib.aclosing(self._generate(request, context)) as messages:
-                async for msg in messages:
-                    yield msg
+        return n
 
-    async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
-        """Generate for each call on one stream, the calls' messages of one engine step in one message
-        (pdserve.services.worker.multiplex): what the gateway uses."""
-        async with contextlib.aclosing(serve_many(self.Generate, calls, context)) as events:
-            async for message in events:
-                yield message
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _start(self, request: pb.GenerateRequest, context, outputs) -> SamplingParams:
+        """Checks the request and hands it to the engine; its outputs go to `outputs` (`put_nowait`, from the
+        relay on the event loop)."""
         if self.role == Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is a prefill worker: send Generate to a decode or colocated worker")
@@ -184,7 +224,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         if self.role == Role.DECODE and not request.prefill_addr:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr")
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[ReqOutput] = asyncio.Queue()
         try:
             params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
@@ -200,37 +239,37 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self._engine(lambda: self.engine.add_request(req, request.lora or None))
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finished: set[int] = set()
-        first = True
-        try:
-            while len(finished) < params.n:
-                ready = await next_outputs(outputs, self._wait_limit(first), 1 if first else self.stream_interval)
-                error = next((o.error for o in ready if o.error), None)
-                if error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE
-                                        else grpc.StatusCode.INTERNAL, error)
-                choices = coalesce(ready)
-                finished |= {c.index for c in choices if c.finish_reason is not None}
-                msg = pb.GenerateResponse(choices=[output_to_proto(c) for c in choices],
-                                          prompt_tokens=ready[0].prompt_tokens, cached_tokens=ready[0].cached_tokens)
-                prompt_lps = next((c.input_logprobs for c in choices if c.input_logprobs), None)
-                if prompt_lps:
-                    msg.input_logprobs.extend(prompt_logprobs_to_proto(prompt_lps))
-                timing = self.kv_pull.take_reply(request.rid) if first and self.kv_pull is not None else None
-                if timing is not None:
-                    msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
-                    msg.transfer_s = timing.transfer_s
-                    msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
-                yield msg
-                first = False
-        except asyncio.TimeoutError:
+        return params
+
+    def _message(self, request: pb.GenerateRequest, ready: list[ReqOutput],
+                 first: bool) -> tuple[pb.GenerateResponse, set[int]]:
+        """The message carrying `ready`, and the choices it finishes."""
+        choices = coalesce(ready)
+        msg = pb.GenerateResponse(choices=[output_to_proto(c) for c in choices],
+                                  prompt_tokens=ready[0].prompt_tokens, cached_tokens=ready[0].cached_tokens)
+        prompt_lps = next((c.input_logprobs for c in choices if c.input_logprobs), None)
+        if prompt_lps:
+            msg.input_logprobs.extend(prompt_logprobs_to_proto(prompt_lps))
+        timing = self.kv_pull.take_reply(request.rid) if first and self.kv_pull is not None else None
+        if timing is not None:
+            msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
+            msg.transfer_s = timing.transfer_s
+            msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
+        return msg, {c.index for c in choices if c.finish_reason is not None}
+
+    async def _fail(self, context, error: str) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE else grpc.StatusCode.INTERNAL,
+                            error)
+
+    async def _stalled(self, request: pb.GenerateRequest, context) -> None:
+        self._abort_soon(request.rid)
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
+
+    def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
+        if self.kv_pull is not None:
+            self.kv_pull.take_reply(request.rid)
+        if len(finished) < params.n:  # cancelled by the client, failed or timed out
             self._abort_soon(request.rid)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
-        finally:
-            if self.kv_pull is not None:
-                self.kv_pull.take_reply(request.rid)
-            if len(finished) < params.n:  # cancelled by the client, failed or timed out
-                self._abort_soon(request.rid)
 
     def _wait_limit(self, first: bool) -> float:
         if first and self.role == Role.DECODE:

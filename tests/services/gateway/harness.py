@@ -11,7 +11,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.multiplex import serve_many
+from pdserve.services.worker.multiplex import posting, serve_many
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"
@@ -121,7 +121,7 @@ class Multiplexed:
     """GenerateMany over the stand-in's Generate, as the real worker serves it (the gateway calls GenerateMany)."""
 
     async def GenerateMany(self, calls, context):
-        async for events in serve_many(self.Generate, calls, context):
+        async for events in serve_many(posting(self.Generate), calls, context):
             yield events
 
 

@@ -12,6 +12,8 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
+from pdserve.services.worker.multiplex import StepSink
+from pdserve.shared.outputs import ReqOutput
 from pdserve.shared.sampling_params import SamplingParams
 from procs import start_worker
 
@@ -106,3 +108,34 @@ def test_a_cancelled_call_stops_on_the_worker_while_the_others_finish(worker):
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert stub.Load(pb.Empty(), timeout=10).running == 0 and stub.Stats(pb.Empty(), timeout=10).used_pages == 0
+
+
+def test_a_step_sink_posts_each_delivery_as_one_message_gathering_up_to_the_interval():
+    def build(ready, first):  # stands in for the worker's message: the tokens, and the choices it finishes
+        return [t for o in ready for t in o.token_ids], {o.index for o in ready if o.finish_reason}
+
+    def deliver(sink, *outputs):  # what the relay does with one step's outputs
+        for out in outputs:
+            sink.put_nowait(out)
+        sink.flush()
+
+    async def run():
+        posted = []
+        sink = StepSink(2, 3, build, posted.append)  # n = 2, --stream-interval 3
+        deliver(sink, ReqOutput("r", 0, [1], []), ReqOutput("r", 1, [7], []))  # the first message: at once
+        deliver(sink, ReqOutput("r", 0, [2], []))
+        deliver(sink, ReqOutput("r", 0, [3], []), ReqOutput("r", 1, [8], []))  # three tokens: a message
+        deliver(sink, ReqOutput("r", 1, [], [], finish_reason="stop"))  # a finish goes at once
+        assert posted == [[1, 7], [2, 3, 8], []] and sink.finished == {1}
+        deliver(sink, ReqOutput("r", 0, [4], [], finish_reason="length"))
+        assert await sink.wait(lambda first: 5.0) is None and sink.finished == {0, 1}
+
+        failing = StepSink(1, 1, build, posted.append)
+        deliver(failing, ReqOutput("r", 0, [], [], error="the prefill worker is gone"))
+        assert await failing.wait(lambda first: 5.0) == "the prefill worker is gone"
+
+        quiet = StepSink(1, 1, build, posted.append)
+        with pytest.raises(asyncio.TimeoutError):
+            await quiet.wait(lambda first: 0.05)  # no output at all within the limit
+
+    asyncio.run(run())
