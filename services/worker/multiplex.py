@@ -100,7 +100,8 @@ class StepSink:
 
     async def wait(self, limit: Callable[[bool], float]) -> str | None:
         """None once every choice finished, an output's error text, or TimeoutError after `limit(first)` seconds
-        without output."""
+        without output (counted from this call: the request was only just handed to the engine)."""
+        self._progress = self._loop.time()
         while True:
             remaining = self._progress + limit(self._first) - self._loop.time()
             if remaining <= 0:
