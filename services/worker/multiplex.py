@@ -13,7 +13,6 @@ the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -35,28 +34,13 @@ class CallAborted(Exception):
 class CallContext:
     """What a Generate handler uses of its grpc.aio.ServicerContext, for one call on a GenerateMany stream."""
 
-    def __init__(self, stream: grpc.aio.ServicerContext) -> None:
-        self._stream = stream
-
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise CallAborted(code, details)
-
-    def invocation_metadata(self):
-        return self._stream.invocation_metadata()
 
 
 # A generation's handler on a GenerateMany stream: (request, context, post) where `post(message)` sends the call's
 # next GenerateResponse; it returns when the call has sent them all.
 Handler = Callable[[pb.GenerateRequest, object, Callable[[pb.GenerateResponse], None]], Awaitable[None]]
-
-
-def posting(generate: Callable[[pb.GenerateRequest, object], AsyncIterator[pb.GenerateResponse]]) -> Handler:
-    """A Handler over a Generate handler (an async generator of messages): a message posted per message."""
-    async def handler(request, context, post) -> None:
-        async with contextlib.aclosing(generate(request, context)) as messages:
-            async for message in messages:
-                post(message)
-    return handler
 
 
 class StepSink:
@@ -135,7 +119,7 @@ async def serve_many(generate: Handler, calls: AsyncIterator[pb.GenerateCall],
     async def run(call: int, request: pb.GenerateRequest, request_id: str) -> None:
         REQUEST_ID.set(request_id if SAFE_ID.fullmatch(request_id) else None)  # this task's context only
         try:
-            await generate(request, CallContext(context),
+            await generate(request, CallContext(),
                            lambda message: post(pb.GenerateEvent(call=call, response=message)))
             post(pb.GenerateEvent(call=call, end=True))
         except CallAborted as exc:

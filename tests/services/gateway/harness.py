@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.multiplex import posting, serve_many
+from pdserve.services.worker.multiplex import serve_many
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"
@@ -82,7 +83,8 @@ class System:
 @contextmanager
 def pd_pair(model_dir, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
     """A prefill and a decode worker of the default model (each with its extra flags) behind a gateway, all
-    healthy: yields (gateway, prefill proc, decode proc, decode address); everything stops at the end."""
+    healthy: yields (gateway, prefill proc, decode proc, prefill address, decode address); everything stops at
+    the end."""
     system = System()
     try:
         prefill, prefill_addr = start_worker("prefill", None, *prefill_args)
@@ -92,7 +94,7 @@ def pd_pair(model_dir, prefill_args: tuple[str, ...] = (), decode_args: tuple[st
         system.gateways.append(gw)
         for proc in (prefill, decode, gw.proc):
             proc.wait_healthy(120)
-        yield gw, prefill, decode, decode_addr
+        yield gw, prefill, decode, prefill_addr, decode_addr
     finally:
         system.stop()
 
@@ -121,7 +123,12 @@ class Multiplexed:
     """GenerateMany over the stand-in's Generate, as the real worker serves it (the gateway calls GenerateMany)."""
 
     async def GenerateMany(self, calls, context):
-        async for events in serve_many(posting(self.Generate), calls, context):
+        async def posting(request, call_context, post):  # each message of Generate posted as it comes
+            async with contextlib.aclosing(self.Generate(request, call_context)) as messages:
+                async for message in messages:
+                    post(message)
+
+        async for events in serve_many(posting, calls, context):
             yield events
 
 

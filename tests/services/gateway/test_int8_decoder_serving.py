@@ -13,7 +13,7 @@ QUANTIZED = ("--quantization", "w8a8_int8")
 
 @pytest.fixture(scope="module")
 def pd_int8(default_model_dir):
-    with pd_pair(default_model_dir, QUANTIZED, QUANTIZED) as (gw, prefill, decode, _):
+    with pd_pair(default_model_dir, QUANTIZED, QUANTIZED) as (gw, prefill, decode, _, _):
         yield gw, prefill, decode
 
 

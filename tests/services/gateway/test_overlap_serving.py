@@ -15,7 +15,7 @@ from harness import pd_pair, wait_idle
 
 @pytest.fixture(scope="module")
 def pd_overlap(default_model_dir):
-    with pd_pair(default_model_dir, decode_args=("--enable-overlap-schedule",)) as (gw, _, decode, decode_addr):
+    with pd_pair(default_model_dir, decode_args=("--enable-overlap-schedule",)) as (gw, _, decode, _, decode_addr):
         yield gw, decode, decode_addr
 
 

@@ -18,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from harness import System, start_gateway, start_worker, worker_call
+from harness import System, pd_pair, start_gateway, start_worker, worker_call
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 
@@ -224,19 +224,9 @@ def test_bad_score_requests_are_400s(colocated, body, param):
 @pytest.fixture(scope="module")
 def tiny_pd(tiny_models):
     model = tiny_models["llama"]
-    system = System()
-    try:
-        pproc, paddr = start_worker("prefill", str(model), "--transfer-backend", "tcp", "--page-size", "4")
-        dproc, daddr = start_worker("decode", str(model), "--transfer-backend", "tcp", "--page-size", "4",
-                                    "--prefill", paddr)
-        system.workers.update({paddr: pproc, daddr: dproc})
-        gw = start_gateway(model, "--prefill", paddr, "--decode", daddr)
-        system.gateways.append(gw)
-        for proc in (pproc, dproc, gw.proc):
-            proc.wait_healthy(120)
+    flags = ("--model-path", str(model), "--transfer-backend", "tcp", "--page-size", "4")
+    with pd_pair(model, flags, flags) as (gw, _, _, paddr, daddr):
         yield model, gw, paddr, daddr
-    finally:
-        system.stop()
 
 
 def test_pd_scores_come_from_prefill_alone(tiny_pd):
