@@ -65,14 +65,13 @@ class Backend:
         """This process's part of `places` (all of them when it serves the port alone)."""
         return places if self.settings.processes == 1 else max(1, places // self.settings.processes)
 
-    @contextmanager
-    def admit(self, count: int = 1) -> Iterator[None]:
-        """Let a request of `count` prompts in, or refuse it now: 503 when no worker pair is healthy, 429 when
-        even one sequence per prompt would not fit. Its generations then hold their places (`generation`)."""
-        if not self.pool.has_healthy_pair():
+    async def admit(self, count: int = 1) -> None:
+        """Let a request of `count` prompts in, or refuse it now: 503 when no worker pair is healthy (checked
+        now if none was at the last round), 429 when even one sequence per prompt would not fit. Its generations
+        then hold their places (`generation`)."""
+        if not await self.pool.served():
             raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
         self._check_room(count)
-        yield
 
     @contextmanager
     def encoding(self) -> Iterator[None]:
@@ -204,8 +203,9 @@ class Backend:
         """Healthy workers that hold a prefix cache, where prefill-only calls (Encode) go."""
         return self.pool.healthy(self.pool.cache_role)
 
-    def has_healthy_pair(self) -> bool:
-        return self.pool.has_healthy_pair()
+    async def served(self) -> bool:
+        """Whether a worker pair can serve, checking the workers now if none could at the last round."""
+        return await self.pool.served()
 
     async def probe(self, worker: Worker) -> bool:
         """Check `worker` after a call failed on it; takes it out at once if it is down."""

@@ -122,12 +122,18 @@ def check(args: argparse.Namespace) -> str | None:
 def serve_process(args: argparse.Namespace, index: int, directory: str) -> None:
     """One of the --gateway-workers processes (started by processes.supervise, which passes SIGINT on as
     SIGTERM: a Ctrl-C reaching the whole process group must not break a start-up half-way)."""
+    from pdserve.services.gateway import processes
     from pdserve.services.gateway.siblings import Siblings
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(args.log_level, args.log_format == "json", with_pid=True)
-    _exit(run(args, f"gateway process {index} of {args.gateway_workers}",
-              Siblings(directory, index, args.gateway_workers)))
+    parent, alive = os.getppid(), processes.join(directory)
+    try:
+        code = run(args, f"gateway process {index} of {args.gateway_workers}",
+                   Siblings(directory, index, args.gateway_workers))
+    finally:
+        processes.leave(directory, alive, orphaned=os.getppid() != parent)
+    _exit(code)
 
 
 def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | None = None) -> int:

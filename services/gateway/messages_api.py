@@ -83,7 +83,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     draft.values = after_reasoning(draft.values, parser, gw.tokenizer)
     job = await intake.job(gw, draft, req, new_id(), ids, lora=await gw.adapter_of(req.model),
                            public_id=fmt.new_message_id(), skip_special_tokens=not tools.needs_special_tokens)
-    with gw.backend.admit(), gw.backend.generation(job) as gen:
+    await gw.backend.admit()
+    with gw.backend.generation(job) as gen:
         if req.stream:
             return await _stream(request, req, job, gen, fmt.MessageWriter(parser, tools))
         results = await gen.collect()

@@ -131,7 +131,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     _check_limits(gw, body)
     req = parse(GenerateRequest, body)
     jobs, batch, logprob_flags, intervals = await _jobs(gw, req)
-    with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
+    await gw.backend.admit(len(jobs))
+    with contextlib.ExitStack() as stack:
         gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]
         if req.stream:
             return await _stream_generate(request, gw, req, jobs, gens, logprob_flags, intervals)
@@ -193,7 +194,7 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if not gw.backend.has_healthy_pair():
+    if not await gw.backend.served():
         raise ApiError(503, "No healthy worker is available.")
     return web.Response(text="")
 
@@ -224,6 +225,9 @@ async def health_generate(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     results = await gw.backend.flush_cache()
+    flushed = [addr for addr, ok, _ in results if ok]
+    if flushed and SIBLINGS in request.app:  # their routers too send prompts by the prefixes that are gone
+        await request.app[SIBLINGS].tell("forget", {"addresses": flushed}, gw.backend.settings.rpc_timeout_s)
     failed = [f"{addr}: {msg}" for addr, ok, msg in results if not ok]
     if not results:
         raise ApiError(503, "No worker to flush.")
@@ -312,7 +316,13 @@ def add_routes(app: web.Application) -> None:
         async def abort_for_sibling(body: dict) -> dict:
             return {"aborted": await abort_here(gw, body["rid"], body["abort_all"])}
 
+        async def forget_for_sibling(body: dict) -> dict:
+            for address in body["addresses"]:
+                gw.backend.router.forget(address)
+            return {}
+
         app[SIBLINGS].handle("abort", abort_for_sibling)
+        app[SIBLINGS].handle("forget", forget_for_sibling)
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)

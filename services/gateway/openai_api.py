@@ -63,7 +63,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     draft.values = after_reasoning(draft.values, parser, gw.tokenizer)
     job = await intake.job(gw, draft, req, new_id(), ids, lora=lora, public_id=req.rid or "",
                            skip_special_tokens=req.skip_special_tokens and not tools.needs_special_tokens)
-    with gw.backend.admit(), gw.backend.generation(job) as gen:
+    await gw.backend.admit()
+    with gw.backend.generation(job) as gen:
         if req.stream:
             return await _stream_chat(request, gw, req, job, gen, parser, tools)
         results = await gen.collect()
@@ -172,7 +173,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                      public_id=rid))
     echoes = [(p if isinstance(p, str) else gw.tokenizer.decode(ids, False)) if req.echo else ""
               for p, ids in zip(prompts, ids_list)]
-    with gw.backend.admit(len(jobs)), contextlib.ExitStack() as stack:
+    await gw.backend.admit(len(jobs))
+    with contextlib.ExitStack() as stack:
         gens = [stack.enter_context(gw.backend.generation(job)) for job in jobs]
         if req.stream:
             return await _stream_completions(request, gw, req, rid, gens, echoes)

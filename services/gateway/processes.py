@@ -11,15 +11,19 @@ the kernel spreads connections over them. SIGTERM or SIGINT to the parent goes o
 A child that exits on its own (a crash, a failed start) makes the parent stop the others and exit non-zero. It
 is not restarted here: an orchestrator (Kubernetes, `pdserve up`) then sees the failure and restarts the gateway
 whole, where a restart loop in here would hide a crashing process behind a port that still answers. A child
-whose parent is gone (killed with SIGKILL) drains and exits as on SIGTERM, so no orphan keeps the port.
+whose parent is gone (killed with SIGKILL) drains and exits as on SIGTERM, so no orphan keeps the port, and the
+last of them to exit removes the private directory, which the parent can no longer remove: each child holds a
+shared flock on `alive.lock` there while it runs (`join`), and one that can then take it exclusively is the last.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -94,3 +98,30 @@ async def watch_parent(stop: asyncio.Event) -> None:
         await asyncio.sleep(PARENT_CHECK_S)
     log.warning("the gateway's parent process %d is gone: stopping", parent)
     stop.set()
+
+
+def join(directory: str) -> int:
+    """Count this child among the gateway's running processes until `leave` (a shared lock, held by its file
+    descriptor: the kernel lets go of it however the process ends)."""
+    fd = os.open(os.path.join(directory, "alive.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def leave(directory: str, fd: int, orphaned: bool) -> None:
+    """This child has stopped. `orphaned` (its parent was killed): the last child out removes the directory."""
+    os.close(fd)
+    if not orphaned:
+        return  # the parent removes it once every child has ended
+    try:
+        fd = os.open(os.path.join(directory, "alive.lock"), os.O_RDWR)
+    except FileNotFoundError:
+        return  # a sibling that left at the same moment removed it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # a sibling still runs: the last one removes it
+    finally:
+        os.close(fd)
+    log.info("the gateway's last process removes its private directory %s", directory)
+    shutil.rmtree(directory, ignore_errors=True)

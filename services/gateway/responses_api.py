@@ -107,8 +107,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response = out.shell(rid, req, req.model or gw.served_model_name, out.tools_out(plan),
                          tool_choice_out(plan, req.tool_choice))
     if req.background:
-        with gw.backend.admit():  # refused now (429, 503) rather than failed later
-            pass
+        await gw.backend.admit()  # refused now (429, 503) rather than failed later
         queued = {**response, "status": "queued"}
         await responses.call(responses.store.put(Stored(queued, conversation)))
         task = asyncio.create_task(run_background(gw, responses, job, plan, queued, conversation))
@@ -116,7 +115,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         task.add_done_callback(lambda _: responses.running.pop(rid, None))
         return web.json_response(queued)
     builder = out.OutputBuilder(gw.reasoning_parser, plan)
-    with gw.backend.admit(), gw.backend.generation(job) as gen:
+    await gw.backend.admit()
+    with gw.backend.generation(job) as gen:
         if req.stream:
             return await stream_response(request, gw, responses, req.store, gen, builder, response, conversation)
         results = await gen.collect()

@@ -5,8 +5,8 @@ the key like every other route (the page asks for it and keeps it in sessionStor
 what the gateway already knows: the worker pool's last Health/Load answers, the generations in flight, and a
 ring buffer of throughput and TTFT samples. A background task takes one sample every `INTERVAL_S` from the
 gateway's own counters (output tokens, the TTFT histogram), keeping the last `WINDOW_S`: it starts and stops
-with the app. With several gateway processes (--gateway-workers) the counters are summed over them, as /metrics
-shows them; the generations in flight are those of the process that answers. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
+with the app. With several gateway processes (--gateway-workers) the counters and the generations in flight are
+summed over them, as /metrics shows them. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
 """
 from __future__ import annotations
 
@@ -136,6 +136,15 @@ async def batches_in_flight(request: web.Request) -> dict | None:
     return {"count": sum(1 for b in listing.get("data", []) if b.get("status") in ACTIVE_BATCH_STATUSES)}
 
 
+def requests_in_flight(backend) -> dict:
+    """Generations running on the workers and queued before them: with several gateway processes, the sums of
+    every process's gauges, as /metrics shows them."""
+    backend.metrics.queued.set(backend.queued)  # this process's share of the room may have changed since
+    in_flight = sum(s.value for s in backend.metrics.samples(backend.metrics.running))
+    queued = sum(s.value for s in backend.metrics.samples(backend.metrics.queued))
+    return {"running": round(in_flight - queued), "queued": round(queued)}
+
+
 async def status_json(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     backend = gw.backend
@@ -143,7 +152,7 @@ async def status_json(request: web.Request) -> web.Response:
     for w in backend.workers():
         workers.setdefault(w.role, []).append(describe_worker(w))
     body = {"model": gw.served_model_name, "mode": backend.mode, "time": time.time(), "workers": workers,
-            "requests": {"running": backend.in_flight - backend.queued, "queued": backend.queued},
+            "requests": requests_in_flight(backend),
             "samples": {"interval_s": request.app[SAMPLER].interval_s,
                         "points": [asdict(s) for s in request.app[SAMPLER].samples]}}
     batches = await batches_in_flight(request)

@@ -107,6 +107,7 @@ class WorkerPool:
         self.settings = settings
         self.workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
+        self._checking: asyncio.Task | None = None  # the check `served` runs now, shared by whoever waits for it
         # Asked each time a worker (re)joins, before it gets a request: None admits it, a reason keeps it out
         # for now (pdserve.services.gateway.weights_api brings a worker back on old weights up to date meanwhile).
         self.admission: Callable[[Worker], str | None] | None = None
@@ -119,9 +120,10 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name="worker-health")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._checking):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(w.generations.close() for w in self.workers.values()), return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
 
@@ -137,7 +139,7 @@ class WorkerPool:
                 if loop.time() >= next_resolve:
                     next_resolve = loop.time() + self.settings.resolve_interval_s
                     await self._resolve()
-                await self.check_all()
+                await self.check_all(patient=not self.has_healthy_pair())
             except Exception:  # the loop must survive anything one round throws
                 log.exception("worker health round failed")
 
@@ -159,13 +161,15 @@ class WorkerPool:
             await worker.channel.close()
 
     # ------------------------------------------------------------ health
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+    async def check_all(self, patient: bool = False) -> None:
+        await asyncio.gather(*(self.check(w, patient) for w in list(self.workers.values())))
 
-    async def check(self, worker: Worker) -> bool:
+    async def check(self, worker: Worker, patient: bool = False) -> bool:
+        """`patient`: wait up to the deadline for the connection rather than fail at once while gRPC backs off
+        after refused attempts (up to a second), which would miss a worker that has just come up."""
         deadline = self.settings.deadline_s
         try:
-            health = await worker.stub.Health(pb.Empty(), timeout=deadline)
+            health = await worker.stub.Health(pb.Empty(), timeout=deadline, wait_for_ready=patient)
             if health.draining:
                 self._drain(worker)
                 return False
@@ -241,6 +245,18 @@ class WorkerPool:
     def cache_role(self) -> str:
         """The role that holds the prefix cache: colocated workers, or prefill workers in PD mode."""
         return "colocated" if self.mode == "colocated" else "prefill"
+
+    async def served(self) -> bool:
+        """Whether a worker (pair) can serve. While none is known to, every worker is checked now rather than at
+        the next round, so that a request (or a probe) is not refused for a worker that has just come up, as
+        after start-up behind a sibling gateway process. One such check runs at a time; it is bounded by the
+        check's own deadlines, and a request that waits for it is refused with 503 if it finds none."""
+        if self.has_healthy_pair():
+            return True
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self.check_all(patient=True), name="worker-check-now")
+        await asyncio.shield(self._checking)  # a request that goes away does not cancel the others' check
+        return self.has_healthy_pair()
 
     def has_healthy_pair(self) -> bool:
         if self.mode == "colocated":

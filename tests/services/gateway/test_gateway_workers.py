@@ -210,6 +210,32 @@ def test_abort_request_through_either_process_ends_the_request_where_it_runs(dep
     assert all(b'"type":"abort"' in end.replace(b" ", b"") for end in ends), ends
 
 
+def test_the_status_page_counts_a_request_running_in_either_process(deployment):
+    gw = deployment.gateway
+
+    def running() -> int:
+        r = requests.get(gw.url + "/status.json", headers=gw.admin_headers(), timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()["requests"]["running"]
+
+    rid = f"long-{time.monotonic_ns()}"
+    with requests.post(gw.url + "/generate", stream=True, timeout=60, json={
+            "text": "Count", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith(b"data: ")  # it runs in one of the processes
+        try:
+            # Until both processes have answered: the one without the stream counts it too.
+            assert set(until_both_answer(gw, running, "/status.json")) == {1}
+        finally:
+            requests.post(gw.url + "/abort_request", json={"rid": rid}, headers=gw.admin_headers(), timeout=30)
+        assert b"abort" in [line for line in lines if line.startswith(b"data: {")][-1]  # ended
+    deadline = time.monotonic() + 10  # the process that ran it counts it until its handler has returned
+    while (counts := {running() for _ in range(6)}) != {0} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts == {0}
+
+
 def test_a_weight_update_holds_every_process_and_all_serve_the_new_weights(tiny_models):
     worker, address = start_worker("colocated", str(tiny_models["old"]), "--dtype", "float32")
     gw = start_gateway(tiny_models["old"], "--worker", address, "--gateway-workers", "2",
@@ -318,12 +344,15 @@ def test_a_process_that_dies_stops_the_gateway_with_an_error(default_model_dir):
         gw.proc.kill()
 
 
-def test_the_processes_stop_when_their_parent_is_killed(default_model_dir):
+def test_the_processes_stop_when_their_parent_is_killed_and_leave_nothing(default_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the parent makes the processes' private directory
     gw = start_alone(default_model_dir)
     try:
+        assert [d.name.startswith("pdserve-gateway-") for d in tmp_path.iterdir()] == [True]
         os.kill(gw.proc.popen.pid, signal.SIGKILL)
         wait_gone(gw.proc.popen.pid)
         assert "parent process" in gw.proc.log_path.read_text() and "is gone: stopping" in gw.proc.tail()
+        assert not list(tmp_path.iterdir())  # the last process out removed the directory the parent could not
     finally:
         gw.proc.kill()
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 import pytest
 
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.gateway.backend import Backend, BackendSettings
-from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.generation import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Router
@@ -38,8 +39,8 @@ async def serve(worker: ScriptedWorker) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def make_backend(tok, addresses: list[str]) -> Backend:
-    pool = WorkerPool({"colocated": addresses})
+async def make_backend(tok, addresses: list[str], health: HealthSettings = HealthSettings()) -> Backend:
+    pool = WorkerPool({"colocated": addresses}, health)
     await pool.start()
     return Backend(tok, pool, Router(pool, "round_robin"), GatewayMetrics(), BackendSettings(stall_timeout_s=5))
 
@@ -108,6 +109,43 @@ async def test_a_worker_that_comes_up_after_the_gateway_serves_within_a_moment_n
         assert pool.has_healthy_pair()
     finally:
         await pool.close()
+        await server.stop(0)
+
+
+class CountedHealth(ScriptedWorker):
+    def __init__(self) -> None:
+        super().__init__([[5]])
+        self.health_calls = 0
+
+    async def Health(self, request, context):
+        self.health_calls += 1
+        await asyncio.sleep(0.05)
+        return await super().Health(request, context)
+
+
+async def test_a_request_finds_a_worker_that_came_up_since_the_last_check_instead_of_a_503(tok):
+    # No round would find it for 30 s: the request itself has the workers checked, once for all who wait.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = HealthSettings(interval_s=30.0, unserved_interval_s=30.0)
+    backend = await make_backend(tok, [f"127.0.0.1:{port}"], settings)
+    server, worker = grpc.aio.server(), CountedHealth()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Busy) as refused:  # nothing listens: refused within the check's deadlines
+            await backend.admit()
+        assert refused.value.status == 503 and time.monotonic() - t0 < 2 * settings.deadline_s + 1
+        pb_grpc.add_WorkerServicer_to_server(worker, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await asyncio.gather(*(backend.admit() for _ in range(8)))  # all admitted, none refused
+        assert worker.health_calls == 1  # one check, shared by the eight
+        with backend.generation(job(tok)) as gen:
+            [result] = await gen.collect()
+        assert result.token_ids == [5]
+    finally:
+        await backend.pool.close()
         await server.stop(0)
 
 

@@ -118,7 +118,7 @@ def test_forget_drops_affinity_after_a_cache_flush():
 class ServingStub:
     """A worker's gRPC stub that answers every health check (a unit test of the pool's logic above it)."""
 
-    async def Health(self, request, timeout):
+    async def Health(self, request, timeout, wait_for_ready=False):
         return pb.HealthReply(ok=True)
 
     async def Info(self, request, timeout):
