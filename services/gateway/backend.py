@@ -3,6 +3,10 @@
 It owns admission (how many sequences may be in flight), routing, the generations in flight (by
 request id, for /abort_request) and the worker-wide operations (abort, flush, one-token health probe).
 
+Every request that runs on the workers passes its `door` and is counted there until it ends, whichever API it
+came through (or a background task): a weight update (weights_api.py) closes the door, waits until none runs,
+swaps the weights and opens it again, so no request runs across a swap.
+
 Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends, a
 prefill-only call (score, embeddings) one place while it runs.
 Beyond what the healthy workers run at once plus `max_queued_requests`, a request is refused at once with
@@ -14,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import grpc
 
@@ -44,6 +48,48 @@ class BackendSettings(GenerationSettings):
     processes: int = 1  # gateway processes serving the port: each admits its share of the room
 
 
+class Door:
+    """Requests for the workers pass while it is open, and are counted from then until they end."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.in_flight = 0
+
+    async def passage(self) -> None:
+        """Return once the door is open (at once while it is)."""
+        while not self._open.is_set():  # woken by one update, a next one may have closed it again
+            await self._open.wait()
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """Counted while it runs: enter right after `passage`, with no await between."""
+        self.in_flight += 1
+        self._drained.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._drained.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Whether every request counted has ended within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
 class Backend:
     def __init__(self, tokenizer: ModelTokenizer, pool: WorkerPool, router: Router, metrics: GatewayMetrics,
                  settings: BackendSettings, default_context_length: int | None = None) -> None:
@@ -55,6 +101,7 @@ class Backend:
         self.default_context_length = default_context_length
         self.in_flight = 0
         self.generations: dict[str, Generation] = {}
+        self.door = Door()
 
     # ------------------------------------------------------------ admission
     @property
@@ -66,23 +113,26 @@ class Backend:
         return places if self.settings.processes == 1 else max(1, places // self.settings.processes)
 
     async def admit(self, count: int = 1) -> None:
-        """Let a request of `count` prompts in, or refuse it now: 503 when no worker pair is healthy (checked
-        now if none was at the last round), 429 when even one sequence per prompt would not fit. Its generations
-        then hold their places (`generation`)."""
+        """Let a request of `count` prompts in once the door is open, or refuse it: 503 when no worker pair is
+        healthy (checked now if none was at the last round), 429 when even one sequence per prompt would not
+        fit. Its generations then hold their places (`generation`, entered with no await after this)."""
+        await self.door.passage()
         if not await self.pool.served():
             raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
         self._check_room(count)
 
-    @contextmanager
-    def encoding(self) -> Iterator[None]:
-        """A prefill-only call (score, embeddings, rerank, classify) holds one place while it runs, under the
-        same limit as generations: 429 when it would queue beyond it. (A worker runs one such call's groups one
-        after another, between its decode steps.)"""
+    @asynccontextmanager
+    async def encoding(self) -> AsyncIterator[None]:
+        """A prefill-only call (score, embeddings, rerank, classify) passes the door and holds one place while
+        it runs, under the same limit as generations: 429 when it would queue beyond it. (A worker runs one such
+        call's groups one after another, between its decode steps.)"""
+        await self.door.passage()
         self._check_room(1)
         self.in_flight += 1
         self._gauges()
         try:
-            yield
+            with self.door.inside():
+                yield
         finally:
             self.in_flight -= 1
             self._gauges()
@@ -111,7 +161,8 @@ class Backend:
 
     @contextmanager
     def generation(self, job: Job) -> Iterator[Generation]:
-        """Register a generation; it holds `n` places (429 when they would queue beyond the limit)."""
+        """Register a generation, counted inside the door; it holds `n` places (429 when they would queue beyond
+        the limit). Enter it right after `admit` (or the door's `passage`), with no await between."""
         if job.rid in self.generations:
             raise ApiError(400, f"A request with id {job.rid!r} is already running.", "rid")
         places = job.params.n
@@ -122,7 +173,8 @@ class Backend:
         self._gauges()
         self.metrics.prompt_tokens.inc(len(job.input_ids))
         try:
-            yield gen
+            with self.door.inside():
+                yield gen
         finally:
             self.generations.pop(job.rid, None)
             self.in_flight -= places

@@ -153,14 +153,18 @@ class Limits:
             self.tools(body.get(name), name)
 
     def messages(self, body: dict) -> None:
-        """An Anthropic Messages body, before it is parsed or rendered: its messages, stop sequences and tools."""
+        """An Anthropic Messages body, before it is parsed or rendered: its messages, stop sequences, tools and
+        the sampling extensions it shares with chat (grammars, logit_bias)."""
         self.count(body.get("messages"), "max_messages", "messages")
         self.count(body.get("stop_sequences"), "max_stop_strings", "stop_sequences")
+        self.sampling(body)
         self.tools(body.get("tools"), "tools")
 
     def responses(self, body: dict) -> None:
-        """An OpenAI Responses body: its input items, tools and output format."""
+        """An OpenAI Responses body: its input items, tools, output format and the sampling extensions it shares
+        with chat (stop strings, grammars, logit_bias)."""
         self.count(body.get("input") if isinstance(body.get("input"), list) else None, "max_messages", "input")
+        self.sampling(body)
         self.tools(body.get("tools"), "tools")
         text = body.get("text")
         if isinstance(text, dict) and isinstance(text.get("format"), dict):
@@ -186,6 +190,21 @@ class Limits:
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
             return asked
         return min(asked, cap)
+
+
+def text_chars(value: object) -> int:
+    """Characters of every string in `value` (nested lists and objects walked without recursion): at least what
+    a rendered prompt holds of them, so messages over the context's characters cannot fit."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def over(param: str, what: str, limit: int | float, name: str, unit: str = "") -> ApiError:

@@ -26,6 +26,7 @@ from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
 from pdserve.services.gateway.dialects import ANTHROPIC_MESSAGES
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import Job
+from pdserve.services.gateway.limits import text_chars
 from pdserve.services.gateway.messages_protocol import (CountTokensRequest, MessagesRequest, continues_last,
                                                         plan_tools, template_messages)
 from pdserve.services.gateway.protocol import parse
@@ -45,15 +46,22 @@ async def _prompt(gw: Gateway, req: CountTokensRequest | MessagesRequest) -> tup
     thinking = req.thinking.type if req.thinking is not None else None
     kwargs = None if thinking is None else {"enable_thinking": thinking != "disabled"}
     prefill = continues_last(req)
+    messages = template_messages(req)
+    # The rendered prompt holds every message's text: more than the context can hold is refused unrendered.
+    chars = text_chars(messages)
+    gw.check_chars(chars, "messages")
+
+    def render_ids() -> list[int]:
+        text = gw.tokenizer.render_chat(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                                        template_kwargs=kwargs, tools=tools.template_tools)
+        return gw.prompt_ids(text, "messages", add_special_tokens=False)
+
     try:
-        text = gw.tokenizer.render_chat(template_messages(req), add_generation_prompt=not prefill,
-                                        continue_final_message=prefill, template_kwargs=kwargs,
-                                        tools=tools.template_tools)
+        ids = await gw.cpu.run(chars + 64 * len(messages), render_ids)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, f"The chat template cannot take 'thinking': {exc}", "thinking") from None
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages") from None
-    ids = gw.prompt_ids(text, "messages", add_special_tokens=False)
     return ids, tools, gw.reasoning_parser if thinking != "disabled" else None
 
 
@@ -77,7 +85,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     ids, tools, parser = await _prompt(gw, req)
     # Anthropic's clients ask for as much as their hosted models allow (32k and more): what the context leaves
     # after the prompt is all there is, so more is served as that much (SGLang's auto-truncation), not refused.
-    max_new = min(req.max_tokens, gw.backend.context_length() - len(ids))
+    max_new = gw.limits.new_tokens(req.max_tokens, len(ids), gw.backend.context_length())
     draft = intake.read(ANTHROPIC_MESSAGES, req, max_new_tokens=max_new)
     draft.values, draft.names = tools.constrain(draft.values, draft.names)
     draft.values = after_reasoning(draft.values, parser, gw.tokenizer)

@@ -113,7 +113,7 @@ _MessagesSamplingFields = create_model("_MessagesSamplingFields", __base__=_Prom
 class MessagesRequest(_MessagesSamplingFields):
     """Anthropic's fields, and SamplingParams' others under their own names (generated) as extensions."""
 
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     metadata: Metadata | None = None
@@ -167,7 +167,7 @@ def template_messages(req: _PromptFields) -> list[dict]:
                 reasoning.append(parse(ThinkingBlock, raw, at).thinking)
             elif kind == "redacted_thinking" and msg.role == "assistant":
                 continue  # encrypted by Anthropic: nothing a local model can read
-            elif kind in MEDIA_BLOCKS:
+            elif isinstance(kind, str) and kind in MEDIA_BLOCKS:
                 raise unsupported(f"{at}.type", MEDIA_BLOCKS[kind])
             else:
                 allowed = "'text', 'tool_use', 'thinking'" if msg.role == "assistant" else "'text', 'tool_result'"
@@ -206,8 +206,8 @@ def _result_text(content: str | list[dict], where: str) -> str:
         return content
     texts = []
     for k, raw in enumerate(content):
-        kind = raw.get("type")
-        if kind in MEDIA_BLOCKS:
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if isinstance(kind, str) and kind in MEDIA_BLOCKS:
             raise unsupported(f"{where}.{k}.type", MEDIA_BLOCKS[kind])
         if kind != "text":
             raise ApiError(400, f"Invalid value for '{where}.{k}.type': a tool result holds 'text' blocks, got "

@@ -211,6 +211,7 @@ async def health_generate(request: web.Request) -> web.Response:
     ids = gw.tokenizer.encode("Hello", add_special_tokens=True)
     job = Job(f"health-{new_id()}", ids, SamplingParams(temperature=0.0, max_new_tokens=1))
     try:
+        await gw.backend.admit()
         with gw.backend.generation(job) as gen:
             results = await asyncio.wait_for(gen.collect(), timeout=30)
     except asyncio.TimeoutError:

@@ -75,7 +75,7 @@ async def encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int] 
     """Run `seqs` on a worker holding the prefix cache, holding one admission place meanwhile (429 when the
     workers are full); a worker that fails is left out of one retry. `type_ids`: segment ids per token, for
     cross-encoder pairs."""
-    with gw.backend.encoding():
+    async with gw.backend.encoding():
         return await _encode(gw, seqs, label_token_ids, type_ids)
 
 

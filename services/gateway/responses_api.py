@@ -27,6 +27,7 @@ from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
 from pdserve.services.gateway.dialects import OPENAI_RESPONSES
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.generation import Job
+from pdserve.services.gateway.limits import text_chars
 from pdserve.services.gateway.protocol import UNSUPPORTED_OPENAI, parse, refuse_unsupported
 from pdserve.services.gateway.responses_items import (ResponsesRequest, chat_messages, input_items, tool_choice_out,
                                                       tool_plan)
@@ -92,9 +93,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, f"Response {req.previous_response_id!r} is still {previous.response['status']}: "
                                 "continue it once it has ended.", "previous_response_id")
         history = previous.input + previous.response["output"]
-    conversation, ids = prompt(gw, req, plan, history + input_items(req.input), len(history))
-    room = gw.backend.context_length() - len(ids)
-    max_new = room if req.max_output_tokens is None else min(req.max_output_tokens, room)
+    conversation, ids = await prompt(gw, req, plan, history + input_items(req.input), len(history))
+    max_new = gw.limits.new_tokens(req.max_output_tokens, len(ids), gw.backend.context_length())
     draft = intake.read(OPENAI_RESPONSES, req, response_format=req.response_format(), max_new_tokens=max_new,
                         return_logprob=False, top_logprobs_num=0)
     if req.response_format() is not None:
@@ -126,34 +126,52 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return web.json_response(final)
 
 
-def prompt(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict],
-           earlier: int) -> tuple[list[dict], list[int]]:
-    """(the conversation, its prompt ids). Past the context: a 400 naming the limit, or with truncation "auto"
-    the oldest items dropped until it fits (the request's own input is never dropped)."""
+async def prompt(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict],
+                 earlier: int) -> tuple[list[dict], list[int]]:
+    """(the conversation, its prompt ids); the first `earlier` items come from `previous_response_id`. Past the
+    context: a 400 naming the limit, or with truncation "auto" as few of the oldest turns dropped as make it fit
+    (the request's own input is never dropped). Text that cannot fit is refused by its size before it is
+    rendered; the rest is rendered and tokenized on the gateway's pool when large, a few times at most (the
+    turns to drop are found by bisection)."""
     limit = gw.backend.context_length()
-    while True:
-        text = render(gw, req, plan, items)
-        if req.truncation != "auto":
-            gw.check_text_size(text, "input")
-        ids = gw.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) < limit:
-            return items, ids
-        if req.truncation != "auto" or earlier == 0:
-            chain = " with the conversation of 'previous_response_id'" if earlier else ""
+    gw.check_chars(text_chars(req.instructions) + text_chars(items[earlier:]), "input")  # never dropped
+    if req.truncation != "auto":
+        chain = " with the conversation of 'previous_response_id'" if earlier else ""
+        gw.limits.count(items, "max_messages", "previous_response_id" if earlier else "input")
+        gw.check_chars(text_chars(req.instructions) + text_chars(items), "input",
+                       "; pass truncation: 'auto' to drop the oldest items" if earlier else "")
+        ids = await ids_of(gw, req, plan, items)
+        if len(ids) >= limit:
             raise ApiError(400, f"The input{chain} is {len(ids)} tokens, which is not shorter than the model's "
                                 f"context length of {limit} tokens" + ("; pass truncation: 'auto' to drop the oldest "
                                                                         "items." if earlier else "."), "input")
-        dropped = _oldest_turn(items, earlier)
-        items, earlier = items[dropped:], earlier - dropped
+        return items, ids
+    # Where the kept conversation may start: the first item, an earlier turn's user message (a tool output is
+    # never left without its call), or the request's own input; never more items than a chat may hold.
+    starts = [0] + [k for k in range(1, earlier) if items[k]["type"] == "message" and items[k]["role"] == "user"]
+    starts = sorted({k for k in starts + [earlier] if len(items) - k <= gw.limits.max_messages})
+    max_chars = limit * gw.tokenizer.max_token_chars
+    lo, hi, best = 0, len(starts) - 1, None  # the first start that fits: keeping less fits whenever more does
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept = items[starts[mid]:]
+        ids = None
+        if text_chars(req.instructions) + text_chars(kept) <= max_chars:
+            ids = await ids_of(gw, req, plan, kept)
+        if ids is not None and len(ids) < limit:
+            best, hi = (kept, ids), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        raise ApiError(400, f"The input is not shorter than the model's context length of {limit} tokens, even "
+                            "with every earlier turn dropped.", "input")
+    return best
 
 
-def _oldest_turn(items: list[dict], earlier: int) -> int:
-    """How many of the first items to drop: the oldest, then up to the next user message of the earlier turns
-    (a tool output is never left without its call)."""
-    k = 1
-    while k < earlier and not (items[k]["type"] == "message" and items[k]["role"] == "user"):
-        k += 1
-    return k
+async def ids_of(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict]) -> list[int]:
+    """The prompt ids of `items`: rendered and tokenized inline when short, else on the gateway's pool."""
+    size = text_chars(req.instructions) + text_chars(items) + 64 * len(items)
+    return await gw.cpu.run(size, lambda: gw.tokenizer.encode(render(gw, req, plan, items), add_special_tokens=False))
 
 
 def render(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict]) -> str:
@@ -229,6 +247,7 @@ async def run_background(gw: Gateway, responses: Responses, job: Job, plan: Tool
     running = {**queued, "status": "in_progress"}
     watcher = None
     try:
+        await gw.backend.door.passage()  # admitted when it was queued; a weight update may be under way since
         with gw.backend.generation(job) as gen:
             if not await store.update(running, when=("queued",)):
                 return  # cancelled or deleted meanwhile

@@ -6,7 +6,8 @@ ignored; the prefix caches are always flushed, as their KV belongs to the old we
 `message` with SGLang's texts, `num_paused_requests` (always 0: requests finish or are aborted, never paused);
 status 200, or 400 when nothing changed.
 
-One update, while new requests for the workers wait at the door (`UpdateGate`, SGLang's model-update lock):
+One update, while new requests for the workers wait at the backend's door (`UpdateGate`, SGLang's model-update
+lock; every request for the workers passes that door, whichever API or background task sends it):
 1. prepare: every worker reads and checks the checkpoint and builds its weights beside the running ones, while
    serving. A refusal anywhere discards them everywhere: nothing changed, the old weights keep serving.
 2. drain: the gate closes; requests in flight finish on the old weights or, with abort_all_requests, are
@@ -40,6 +41,7 @@ from aiohttp import web
 from pydantic import Field
 
 from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.backend import Door
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.protocol import _Schema, parse
@@ -48,9 +50,6 @@ from pdserve.services.gateway.worker_pool import Worker
 
 log = logging.getLogger("pdserve.gateway")
 
-# Routes whose requests run on the workers: they wait while the weights change.
-WORKER_ROUTES = frozenset({"/generate", "/v1/chat/completions", "/v1/completions", "/v1/score", "/health_generate",
-                           "/v1/embeddings", "/encode", "/v1/rerank", "/classify"})
 LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 PREPARE_TIMEOUT_S = 900.0  # a worker reads the checkpoint, then builds the weights (its own limit: 600 s)
 COMMIT_TIMEOUT_S = 120.0  # a worker waits up to 60 s for its requests, then swaps
@@ -69,34 +68,20 @@ class UpdateWeightsRequest(_Schema):
 
 
 class UpdateGate:
-    """Requests for the workers pass while no update swaps weights, and are counted; an update closes the gate
-    (newcomers wait), waits for the count to reach zero, swaps, and opens it again. Updates run one at a time
-    (`updating`), over all the gateway's processes when it has `siblings`."""
+    """One update at a time (`updating`), over all the gateway's processes when it has `siblings`; it closes the
+    backend's door (newcomers wait), waits until no request runs on the workers, swaps, and opens it again."""
 
-    def __init__(self, siblings: Siblings | None = None) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self.in_flight = 0
+    def __init__(self, door: Door, siblings: Siblings | None = None) -> None:
+        self.door = door
         self._lock = asyncio.Lock()
         self.siblings = siblings
         self.weight_version = "default"  # SGLang's label of the weights served, for /get_model_info
         self.committed: tuple[int, str] | None = None  # (number, path) every worker must serve; None: as started
         self._reopen: asyncio.TimerHandle | None = None  # held by another process's update: the safety net
 
-    @contextlib.asynccontextmanager
-    async def request(self):
-        while not self._open.is_set():  # woken by one update, a next one may have closed it again
-            await self._open.wait()
-        self.in_flight += 1
-        self._drained.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._drained.set()
+    @property
+    def in_flight(self) -> int:
+        return self.door.in_flight
 
     @contextlib.asynccontextmanager
     async def updating(self):
@@ -108,30 +93,26 @@ class UpdateGate:
 
     @contextlib.asynccontextmanager
     async def closed(self):
-        self._open.clear()
+        self.door.close()
         try:
             yield
         finally:
-            self._open.set()
+            self.door.open()
 
     def hold(self) -> None:
         """Close the door for another process's update, until `release` (or HOLD_LIMIT_S)."""
         if self._reopen is not None:
             self._reopen.cancel()
-        self._open.clear()
+        self.door.close()
         self._reopen = asyncio.get_running_loop().call_later(HOLD_LIMIT_S, self.release)
 
     def release(self) -> None:
         if self._reopen is not None:
             self._reopen.cancel()
-        self._open.set()
+        self.door.open()
 
     async def drained(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._drained.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await self.door.drained(timeout)
 
 
 GATE: web.AppKey[UpdateGate] = web.AppKey("update_gate", UpdateGate)
@@ -140,14 +121,6 @@ GATE: web.AppKey[UpdateGate] = web.AppKey("update_gate", UpdateGate)
 def weight_version(app: web.Application) -> str:
     """The label /get_model_info reports as `weight_version`."""
     return app[GATE].weight_version
-
-
-@web.middleware
-async def hold_during_update(request: web.Request, handler):
-    if request.path not in WORKER_ROUTES:
-        return await handler(request)
-    async with request.app[GATE].request():
-        return await handler(request)
 
 
 @dataclass
@@ -382,9 +355,8 @@ def _answer_siblings(gw: Gateway, gate: UpdateGate, siblings: Siblings) -> None:
 
 
 def add_routes(app: web.Application) -> None:
-    gate = app[GATE] = UpdateGate(app.get(SIBLINGS))
+    gate = app[GATE] = UpdateGate(app[GATEWAY].backend.door, app.get(SIBLINGS))
     app[GATEWAY].backend.admit_workers_with(CatchUp(app[GATEWAY], gate))
     if gate.siblings is not None:
         _answer_siblings(app[GATEWAY], gate, gate.siblings)
-    app.middlewares.append(hold_during_update)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)

@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 import requests
+from harness import start_gateway
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -238,3 +239,83 @@ def test_messages_and_responses_take_the_same_limits_before_any_work(hostile):
     fn_tools = [{"type": "function", "name": f"t{i}", "parameters": {"type": "object"}} for i in range(129)]
     refused(post(hostile.plain, "/v1/responses", {"model": "default", "input": "x", "tools": fn_tools}), "tools",
             "128")
+
+
+@pytest.mark.parametrize("path, extra, param, words", [
+    ("/v1/responses", {"regex": "a" * 200_000}, "regex", ("bytes", "--max-grammar-bytes")),
+    ("/v1/responses", {"json_schema": json.dumps(nested(450))}, "json_schema", ("64", "--max-schema-depth")),
+    ("/v1/responses", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", ("300", "--max-logit-bias")),
+    ("/v1/messages", {"regex": "a" * 200_000}, "regex", ("bytes", "--max-grammar-bytes")),
+    ("/v1/messages", {"json_schema": json.dumps(nested(450))}, "json_schema", ("64", "--max-schema-depth")),
+    ("/v1/messages", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", ("300", "--max-logit-bias")),
+])
+def test_the_grammar_and_bias_extensions_take_chat_limits_on_messages_and_responses(hostile, path, extra, param,
+                                                                                    words):
+    # Before: both dialects passed these to the grammar compiler (a 450-deep schema compiles for tens of
+    # seconds, holding back every other grammar request) and a logit_bias of any size to the workers.
+    body = ({"model": "default", "input": "hi", "max_output_tokens": 4} if path == "/v1/responses" else
+            {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    start = time.monotonic()
+    r = post(hostile.plain, path, {**body, **extra})
+    assert time.monotonic() - start < 3
+    if path == "/v1/responses":
+        refused(r, param, *words)
+    else:  # Anthropic's error shape: no param, the field named in the message
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert all(w in r.json()["error"]["message"] for w in (repr(param), *words)), r.json()
+
+
+def test_a_responses_input_over_the_context_is_400_unrendered_even_with_truncation_auto(hostile):
+    # Before: with truncation "auto" the size check was skipped, so 3 MB were rendered and tokenized on the
+    # event loop (about 1.5 s of it) before the 400; a chain of many turns was tokenized again per turn dropped.
+    huge = "word " * 600_000
+    with LiveProbe(hostile.plain.url) as live:
+        start = time.monotonic()
+        r = post(hostile.plain, "/v1/responses", {"model": "default", "input": huge, "truncation": "auto"})
+        elapsed = time.monotonic() - start
+    refused(r, "input", "characters")
+    assert elapsed < 3 and live.worst < 0.25, (elapsed, live.worst)
+
+
+def test_a_long_chain_with_truncation_auto_keeps_the_latest_turns_that_fit(hostile):
+    gw, previous = hostile.plain, None
+    for turn in range(12):  # each turn ~700 tokens: the chain passes the 8192-token context after about ten
+        body = {"model": "default", "input": f"turn {turn}: " + "tell me more " * 230, "max_output_tokens": 2,
+                "truncation": "auto", **({"previous_response_id": previous} if previous else {})}
+        r = post(gw, "/v1/responses", body, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        previous = r.json()["id"]
+    items = requests.get(f"{gw.url}/v1/responses/{previous}/input_items?limit=100", timeout=30).json()["data"]
+    texts = [part["text"] for item in items if item.get("role") == "user" for part in item["content"]]
+    kept = sorted(int(t.split(":")[0].split()[1]) for t in texts)
+    assert kept[-1] == 11 and kept == list(range(kept[0], 12)) and kept[0] > 0, kept  # the oldest dropped
+    assert r.json()["usage"]["input_tokens"] < 8192
+
+
+def test_a_block_type_that_is_not_a_string_is_a_400_in_anthropic_shape(hostile):
+    for content in ([{"type": ["text"], "text": "x"}],
+                    [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": {"a": 1}}]}]):
+        r = post(hostile.plain, "/v1/messages", {"model": "default", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text[:300]  # was a 500
+    r = post(hostile.plain, "/v1/messages", {"model": "default", "max_tokens": 0,
+                                             "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], r.text[:300]
+
+
+def test_the_operators_cap_on_new_tokens_holds_on_every_api(hostile, default_model_dir):
+    gw = start_gateway(default_model_dir, "--worker", hostile.worker, "--max-new-tokens", "3")
+    try:
+        gw.proc.wait_healthy(60)
+        asked = 40
+        chat = post(gw, "/v1/chat/completions", {**CHAT, "max_tokens": asked, "ignore_eos": True}).json()
+        messages = post(gw, "/v1/messages", {"model": "default", "max_tokens": asked, "ignore_eos": True,
+                                             "messages": [{"role": "user", "content": "hi"}]}).json()
+        responses = post(gw, "/v1/responses", {"model": "default", "input": "hi", "max_output_tokens": asked,
+                                               "ignore_eos": True}).json()
+        assert chat["usage"]["completion_tokens"] == 3, chat
+        assert messages["usage"]["output_tokens"] == 3 and messages["stop_reason"] == "max_tokens", messages
+        assert responses["usage"]["output_tokens"] == 3 and responses["status"] == "incomplete", responses
+    finally:
+        gw.proc.stop()

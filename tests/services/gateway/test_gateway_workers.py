@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -406,14 +406,14 @@ def pool_of(addresses: list[str], max_running: int = 8) -> WorkerPool:
 
 @pytest.mark.parametrize("processes, max_running, queued, admitted", [
     (1, 8, 2, 10), (2, 8, 2, 5), (3, 8, 2, 3), (4, 0, 0, 1)])
-def test_each_process_admits_its_share_and_at_least_one(processes, max_running, queued, admitted):
+async def test_each_process_admits_its_share_and_at_least_one(processes, max_running, queued, admitted):
     backend = Backend(None, pool_of(["10.0.0.1:1"], max_running), None, GatewayMetrics(),
                       BackendSettings(max_queued_requests=queued, processes=processes))
-    with ExitStack() as places:
+    async with AsyncExitStack() as places:
         for _ in range(admitted):
-            places.enter_context(backend.encoding())
+            await places.enter_async_context(backend.encoding())
         with pytest.raises(Busy) as refused:
-            places.enter_context(backend.encoding())
+            await places.enter_async_context(backend.encoding())
     assert refused.value.status == 429 and backend.in_flight == 0
 
 

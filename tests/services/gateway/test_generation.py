@@ -149,6 +149,40 @@ async def test_a_request_finds_a_worker_that_came_up_since_the_last_check_instea
         await server.stop(0)
 
 
+async def test_a_closed_door_holds_new_requests_and_waits_for_the_running_ones(tok):
+    # What a weight update does: the request already running is counted until it ends; one that comes meanwhile
+    # waits at the door instead of reaching the workers, and goes on once the door opens.
+    ids = tok.encode("one two three four five", add_special_tokens=False)
+    server, addr = await serve(ScriptedWorker([[t] for t in ids], delay=0.1))
+    backend = await make_backend(tok, [addr])
+    door = backend.door
+
+    async def request() -> str:
+        await backend.admit()
+        with backend.generation(job(tok)) as gen:
+            [result] = await gen.collect()
+        return result.text
+
+    try:
+        running = asyncio.create_task(request())
+        for _ in range(500):
+            if door.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert door.in_flight == 1
+        door.close()
+        waiting = asyncio.create_task(request())
+        assert not await door.drained(0.1)  # the running one is still counted
+        assert await door.drained(10) and await running == "one two three four five"
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and door.in_flight == 0  # held at the door, nothing sent to the worker
+        door.open()
+        assert await asyncio.wait_for(waiting, 10) == "one two three four five"
+    finally:
+        await backend.pool.close()
+        await server.stop(0)
+
+
 async def test_dead_worker_before_any_output_is_retried_on_another(tok):
     ids = tok.encode("fine", add_special_tokens=False)
     dead_worker, live_worker = ScriptedWorker([[t] for t in ids]), ScriptedWorker([[t] for t in ids])
