@@ -195,11 +195,13 @@ class Backend:
         return {w.address for w, alive in zip(pair.workers, ok) if not alive}
 
     # ------------------------------------------------------------ worker-wide operations
-    async def abort(self, rid: str) -> bool:
-        """Abort request `rid` on every worker that streams output (its client sees finish_reason abort)."""
-        replies = await self.broadcast(self.pool.healthy(self.pool.generate_role), lambda w: w.stub.Abort(
-            pb.AbortRequest(rid=rid), timeout=self.settings.rpc_timeout_s))
-        return any(isinstance(r, pb.AbortReply) and r.found for r in replies)
+    async def abort(self, public_id: str | None, everything: bool = False) -> list[str]:
+        """Abort the requests sent under the client's id `public_id` (or all of them) on every worker that
+        streams output, whichever gateway sent them; their clients see finish_reason abort. The ids aborted."""
+        request = pb.AbortRequest(public_id=public_id or "", all=everything)
+        replies = await self.broadcast(self.pool.healthy(self.pool.generate_role),
+                                       lambda w: w.stub.Abort(request, timeout=self.settings.rpc_timeout_s))
+        return list(dict.fromkeys(i for r in replies if isinstance(r, pb.AbortReply) for i in r.aborted))
 
     async def flush_cache(self) -> list[tuple[str, bool, str]]:
         """FlushCache on every worker holding a prefix cache: (address, ok, message) each."""

@@ -288,7 +288,7 @@ class Generation:
             input_ids, params = resumed.input_ids, resumed.params
         return pb.GenerateRequest(rid=self.worker_rid, input_ids=input_ids, sampling=params_to_proto(params),
                                   prefill_addr=pair.prefill.address if pair.prefill is not None else "",
-                                  lora=job.lora or "")
+                                  lora=job.lora or "", public_id=job.public_id)
 
     # ------------------------------------------------------------ one attempt on one pair
     async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:

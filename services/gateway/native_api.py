@@ -283,23 +283,10 @@ async def abort_request(request: web.Request) -> web.Response:
     req = parse(AbortRequestBody, await read_json(request))
     if not (req.abort_all or req.rid):
         raise ApiError(400, "Give 'rid' (or 'abort_all': true).", "rid")
-    gw = request.app[GATEWAY]
-    aborted = await abort_here(gw, req.rid, req.abort_all)
-    if SIBLINGS in request.app:  # the request may run in another process of this gateway
-        for answer in await request.app[SIBLINGS].tell("abort", {"rid": req.rid, "abort_all": req.abort_all},
-                                                       gw.backend.settings.rpc_timeout_s):
-            aborted += answer["aborted"]
+    # The workers find the requests sent under this id (or all of them) whichever gateway, replica or process
+    # sent them. An admin route: the key every client has cannot end another client's request.
+    aborted = await request.app[GATEWAY].backend.abort(req.rid, req.abort_all)
     return web.json_response({"rid": req.rid, "aborted": aborted})
-
-
-async def abort_here(gw: Gateway, rid: str | None, abort_all: bool) -> list[str]:
-    """Abort this process's generations of `rid` (or all of them); the ids of those the workers found."""
-    running = list(gw.backend.generations.values())
-    # The requests created with this rid (or answered under this id): a client's rid is never the id the
-    # workers know a request by, so it cannot reach another client's request there.
-    targets = running if abort_all else [g for g in running if g.job.public_id == rid]
-    found = await asyncio.gather(*(gw.backend.abort(g.worker_rid) for g in targets))
-    return [g.job.public_id for g, f in zip(targets, found) if f]
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -314,15 +301,11 @@ def add_routes(app: web.Application) -> None:
     if SIBLINGS in app:
         gw = app[GATEWAY]
 
-        async def abort_for_sibling(body: dict) -> dict:
-            return {"aborted": await abort_here(gw, body["rid"], body["abort_all"])}
-
         async def forget_for_sibling(body: dict) -> dict:
             for address in body["addresses"]:
                 gw.backend.router.forget(address)
             return {}
 
-        app[SIBLINGS].handle("abort", abort_for_sibling)
         app[SIBLINGS].handle("forget", forget_for_sibling)
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", get_model_info)

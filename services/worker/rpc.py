@@ -139,6 +139,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.experts = experts
         self.kv_pull = KVPull(engine, peers, timeouts.engine_call, timeouts.prefill) if role == Role.DECODE else None
         self._relay: OutputRelay | None = None
+        self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
@@ -239,6 +240,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self._engine(lambda: self.engine.add_request(req, request.lora or None))
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.public_ids[request.rid] = request.public_id  # until `_end`
         return params
 
     def _message(self, request: pb.GenerateRequest, ready: list[ReqOutput],
@@ -266,6 +268,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
 
     def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
+        self.public_ids.pop(request.rid, None)
         if self.kv_pull is not None:
             self.kv_pull.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out
@@ -286,9 +289,17 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ------------------------------------------------------------ small RPCs
     async def Abort(self, request, context):
-        found = await self._engine(lambda: self.engine.abort(request.rid))
-        self._stop_prefill(request.rid)
-        return pb.AbortReply(found=found)
+        """One request by its rid; or every generation sent under a client's id, or all of them (what a gateway's
+        /abort_request asks of every worker, so that it reaches requests sent by any gateway)."""
+        if request.all or request.public_id:
+            targets = {rid: public for rid, public in self.public_ids.items()
+                       if request.all or public == request.public_id}
+        else:
+            targets = {request.rid: ""}
+        found = await self._engine(lambda: [rid for rid in targets if self.engine.abort(rid)])
+        for rid in targets:
+            self._stop_prefill(rid)
+        return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])
 
     async def Health(self, request, context):
         return pb.HealthReply(ok=self.is_ready(), role=self.role.value, draining=self.calls.draining)

@@ -210,6 +210,30 @@ def test_abort_request_through_either_process_ends_the_request_where_it_runs(dep
     assert all(b'"type":"abort"' in end.replace(b" ", b"") for end in ends), ends
 
 
+def test_abort_request_through_another_replica_ends_the_request(deployment, default_model_dir):
+    # Helm's replicaCount > 1: gateways that share nothing but the workers. The workers find the request.
+    replica = start_gateway(default_model_dir, "--worker", deployment.worker)
+    gw = deployment.gateway
+    try:
+        replica.proc.wait_healthy(60)
+        rid = f"long-{time.monotonic_ns()}"
+        with requests.post(gw.url + "/generate", stream=True, timeout=60, json={
+                "text": "Count", "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith(b"data: ")  # it runs, sent by the other gateway
+            r = requests.post(replica.url + "/abort_request", json={"rid": rid}, headers=replica.admin_headers(),
+                              timeout=30)
+            assert r.status_code == 200 and r.json()["aborted"] == [rid], r.text
+            last = [line for line in lines if line.startswith(b"data: {")][-1]
+        assert b'"type":"abort"' in last.replace(b" ", b""), last
+        r = requests.post(replica.url + "/abort_request", json={"rid": rid}, headers=replica.admin_headers(),
+                          timeout=30)
+        assert r.status_code == 200 and r.json()["aborted"] == []  # nothing runs under it any more
+    finally:
+        replica.proc.stop()
+
+
 def test_the_status_page_counts_a_request_running_in_either_process(deployment):
     gw = deployment.gateway
 
