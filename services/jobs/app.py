@@ -29,6 +29,7 @@ class Settings:
     completion_window_s: int | None = None  # overrides every window's length (for tests of expiry)
     files_quota: int = 0  # bytes all files together may take in Redis (0: no limit)
     min_expiry_s: int = files.MIN_EXPIRY_S  # the least `expires_after[seconds]` (lowered by tests of expiry)
+    max_unfinished_batches: int = 0  # batches not yet ended at once (0: no limit)
 
 
 STORE = web.AppKey("store", Store)
@@ -209,7 +210,12 @@ async def create_batch(request: web.Request) -> web.Response:
         "total": 0, "metadata": dump(params.metadata) if params.metadata is not None else "",
         "output_expires_after": params.output_expires_after_s or ""}
     store: Store = request.app[STORE]
-    outcome = await store.create_batch(batch_id, params.input_file_id, fields)
+    outcome = await store.create_batch(batch_id, params.input_file_id, fields, settings.max_unfinished_batches)
+    if outcome == "busy":
+        raise ApiError(429, f"{settings.max_unfinished_batches} batches are already validating, in progress or "
+                            "finalizing, the most this server runs at once (--max-unfinished-batches): create this "
+                            "one when one of them has ended.", None, "too_many_batches", type="rate_limit_error",
+                       headers={"Retry-After": "60"})
     if outcome == "missing":
         raise not_found("file", params.input_file_id, "input_file_id")
     if outcome.startswith("purpose:"):

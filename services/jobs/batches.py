@@ -28,6 +28,7 @@ SERVED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # the gateway se
 ENDPOINT_SPELLINGS = {**{e: e for e in ENDPOINTS}, **{e.removeprefix("/v1"): e for e in ENDPOINTS}}
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_REQUESTS = 50_000
+MAX_MODEL_CHARS = 256  # a line's model name: the batch keeps the first one for as long as it is kept
 MAX_ERRORS = 100  # errors reported per failed batch; the rest are counted in the last message
 MAX_METADATA = 16
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -59,11 +60,11 @@ def parse_create(body: object, min_expiry_s: int = MIN_EXPIRY_S) -> CreateParams
         raise invalid_id("file", file_id, FILE_ID, "input_file_id")
     endpoint = endpoint_path(body.get("endpoint"))
     if endpoint not in SERVED_ENDPOINTS:
-        raise bad_request(f"Unsupported endpoint {body.get('endpoint')!r}: use one of {', '.join(SERVED_ENDPOINTS)} "
+        raise bad_request(f"Unsupported endpoint {shown(body.get('endpoint'), 80)}: use one of {', '.join(SERVED_ENDPOINTS)} "
                           "(the '/v1' may be left out).", "endpoint", "invalid_endpoint")
     window = body.get("completion_window")
-    if window not in COMPLETION_WINDOWS:
-        raise bad_request(f"Unsupported completion_window {window!r}: use '24h'.", "completion_window")
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
+        raise bad_request(f"Unsupported completion_window {shown(window, 80)}: use '24h'.", "completion_window")
     metadata = body.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
@@ -144,20 +145,25 @@ class LineSplitter:
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self._partial = ""
+        self._partial: list[str] = []  # the pieces of a line begun in earlier chunks (joined once, when it ends)
         self._offset = 0  # bytes decoded before the current chunk
         self.number = 0  # lines handed out so far
 
     def feed(self, chunk: bytes, final: bool = False) -> list[tuple[int, str]]:
-        """The lines `chunk` completes, numbered from 1; `final`: the file ends here."""
+        """The lines `chunk` completes, numbered from 1; `final`: the file ends here. Each byte is decoded and
+        scanned once, however long a line runs over many chunks."""
         try:
-            text = self._partial + self._decoder.decode(chunk, final)
+            text = self._decoder.decode(chunk, final)
         except UnicodeDecodeError as exc:
             raise NotText(f"The input file is not UTF-8 text ({exc.reason} at byte {self._offset + exc.start}).") \
                 from None
         self._offset += len(chunk)
         pieces = text.split("\n")
-        self._partial = "" if final else pieces.pop()
+        if len(pieces) == 1 and not final:
+            self._partial.append(text)  # no line ends in this chunk
+            return []
+        pieces[0] = "".join(self._partial) + pieces[0]
+        self._partial = [] if final else [pieces.pop()]
         if final and pieces and pieces[-1] == "":
             pieces.pop()  # the newline that ends the last line starts no line of its own
         out = []
@@ -269,6 +275,11 @@ def parse_line(line: str, number: int, endpoint: str, index: int, errors: LineEr
         return None
     if body.get("stream"):
         errors.add(number, "invalid_body", f"Line {number}: streaming is not supported in a batch.", "body.stream")
+        return None
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
+        errors.add(number, "invalid_body", f"Line {number}: 'model' must be a model name of at most "
+                   f"{MAX_MODEL_CHARS} characters, not {shown(model, 40)}.", "body.model")
         return None
     return Item(index, custom_id, body)
 

@@ -19,6 +19,7 @@ DEFAULT_MAX_FILE_SIZE = 100 << 20
 # Sized for the chart's Redis (1 GiB of memory and of disk): files, plus a running batch's results beside them,
 # plus the append-only file's rewrite, stay within it.
 DEFAULT_FILES_QUOTA = 256 << 20
+DEFAULT_MAX_UNFINISHED = 16
 SWEEP_EVERY_S = 1.0
 log = logging.getLogger("pdserve.jobs")
 
@@ -51,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="bytes all files together may take in Redis, batch output files included "
                                  f"(default {DEFAULT_FILES_QUOTA >> 20} MiB; an upload that would pass it gets "
                                  "507; 0: no quota)")
+        parser.add_argument("--max-unfinished-batches", type=int, default=DEFAULT_MAX_UNFINISHED,
+                            help="batches that may be validating, in progress or finalizing at once: each queues "
+                                 "its input file's requests in Redis (up to --max-file-size each), so this bounds "
+                                 f"what they hold (default {DEFAULT_MAX_UNFINISHED}; more are refused with 429; "
+                                 "0: no limit)")
         # Shortens every batch's completion window (tests of expiry); not a user setting.
         parser.add_argument("--completion-window-seconds", type=int, default=None, help=argparse.SUPPRESS)
         # Lowers the least expires_after[seconds] below OpenAI's 3600 (tests of file expiry); not a user setting.
@@ -106,7 +112,8 @@ async def serve_jobs(args: argparse.Namespace) -> int:
 
     store = Store(args.redis_url)
     app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds,
-                                    args.files_quota_bytes, args.min_file_expiry_seconds or MIN_EXPIRY_S))
+                                    args.files_quota_bytes, args.min_file_expiry_seconds or MIN_EXPIRY_S,
+                                    args.max_unfinished_batches))
     if 0 < args.files_quota_bytes < args.max_file_size:
         log.warning("--files-quota-bytes %d is below --max-file-size %d: the largest files cannot be stored",
                     args.files_quota_bytes, args.max_file_size)

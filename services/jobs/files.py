@@ -8,9 +8,11 @@ deleted and its bytes given back.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.multipart import BodyPartReader, MultipartReader
 
 from pdserve.services.jobs.errors import ApiError, bad_request, shown
 from pdserve.services.jobs.store import FileWriter, QuotaExceeded
@@ -53,7 +55,7 @@ def expiry_seconds(anchor: object, seconds: object, param: str, min_s: int = MIN
     if seconds is None:
         raise bad_request(f"{param}[seconds] is required with {param}[anchor]: an integer from {min_s} to "
                           f"{MAX_EXPIRY_S} (30 days).", f"{param}[seconds]")
-    if isinstance(seconds, str) and seconds.strip().lstrip("-").isdigit():
+    if isinstance(seconds, str) and re.fullmatch(r"-?[0-9]{1,12}", seconds.strip()):  # ASCII digits only
         seconds = int(seconds)
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not min_s <= seconds <= MAX_EXPIRY_S:
         raise bad_request(f"{param}[seconds] must be an integer from {min_s} to {MAX_EXPIRY_S} (30 days), not "
@@ -78,11 +80,18 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
         used, least = await writer.store.usage(), max(1, request.content_length - (1 << 20))  # less its form
         if used + least > writer.quota:  # clearly more than is left
             raise quota_full(QuotaExceeded(used, writer.quota, least))
-    reader = await request.multipart()
+    try:
+        reader = await request.multipart()
+    except (ValueError, KeyError):  # no boundary, or a malformed Content-Type
+        raise bad_request("The upload is not multipart/form-data with a boundary: send the fields 'file' and "
+                          "'purpose' as a form.", "file") from None
     purpose: str | None = None
     filename: str | None = None
     expiry: dict[str, str] = {}
-    while (part := await reader.next()) is not None:
+    while (part := await _next_part(reader)) is not None:
+        if not isinstance(part, BodyPartReader):  # a nested multipart: no field of this form
+            raise bad_request("The upload's form holds a nested multipart part: send the fields 'file' and "
+                              "'purpose' as plain form fields.", "file")
         if part.name in ("purpose", "expires_after[anchor]", "expires_after[seconds]"):
             raw = await part.read_chunk(MAX_FIELD_BYTES + 1)
             value = raw.decode("utf-8", "replace").strip()
@@ -112,6 +121,14 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
         expires_after_s = expiry_seconds(expiry.get("anchor", "created_at"), expiry.get("seconds"),
                                          "expires_after", min_expiry_s)
     return Upload(filename, purpose, expires_after_s)
+
+
+async def _next_part(reader: MultipartReader):
+    try:
+        return await reader.next()
+    except ValueError as exc:  # a body that does not follow its boundary
+        raise bad_request(f"The upload's form is malformed ({exc}): send the fields 'file' and 'purpose' as "
+                          "multipart/form-data.", "file") from None
 
 
 def render(meta: dict) -> dict:

@@ -8,15 +8,18 @@ stops item results from being accepted, so the counts and the output files agree
 """
 from __future__ import annotations
 
-# KEYS: file, file users, batch, batches, deadlines, control. ARGV: batch id, expires_at, now, field, value, ...
+# KEYS: file, file users, batch, batches, deadlines, control. ARGV: batch id, expires_at, now, most unfinished
+# batches (0: no limit), field, value, ... `deadlines` holds exactly the unfinished batches.
 CREATE_BATCH = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'missing' end
 local file_expires = tonumber(redis.call('HGET', KEYS[1], 'expires_at') or '')
 if file_expires and file_expires <= tonumber(ARGV[3]) then return 'missing' end
 local purpose = redis.call('HGET', KEYS[1], 'purpose')
 if purpose ~= 'batch' then return 'purpose:' .. tostring(purpose) end
+local most = tonumber(ARGV[4])
+if most > 0 and redis.call('ZCARD', KEYS[5]) >= most then return 'busy' end
 local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[3], unpack(fields))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[4], 0, ARGV[1])

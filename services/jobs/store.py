@@ -242,17 +242,19 @@ class Store:
 
     # ------------------------------------------------------------ batches
 
-    async def create_batch(self, batch_id: str, input_file_id: str, fields: dict[str, str | int]) -> str:
+    async def create_batch(self, batch_id: str, input_file_id: str, fields: dict[str, str | int],
+                           max_unfinished: int = 0) -> str:
         """Create a `validating` batch, mark its input file in use and queue its validation, atomically.
 
-        Returns 'ok', 'missing' (no such file, or it expired) or 'purpose:{purpose}' (not a batch input file)."""
+        Returns 'ok', 'missing' (no such file, or it expired), 'purpose:{purpose}' (not a batch input file) or
+        'busy' (`max_unfinished` batches have not ended yet; 0: no limit)."""
         flat: list[str | int] = []
         for key, value in fields.items():
             flat += [key, value]
         return await self._create_batch(
             keys=[self.k.file(input_file_id), self.k.users(input_file_id), self.k.batch(batch_id),
                   self.k.batches, self.k.deadlines, self.k.control],
-            args=[batch_id, fields["expires_at"], now(), *flat])
+            args=[batch_id, fields["expires_at"], now(), max_unfinished, *flat])
 
     async def get_batch(self, batch_id: str) -> dict | None:
         """The batch hash, with live `completed`/`failed` counts while it runs."""

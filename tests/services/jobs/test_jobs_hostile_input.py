@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 import requests
 
-from jobs_harness import API_KEY, PREFIX, QUIET, chat_line, create_batch, jsonl, upload, wait_batch
+from jobs_harness import (API_KEY, PREFIX, QUIET, RedisServer, chat_line, client, create_batch, jsonl, start_jobs,
+                          upload, wait_batch)
 from procs import Proc, free_port
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -126,3 +127,40 @@ def test_a_file_name_that_is_not_utf8_is_stored_as_text(jobs_system):
 def test_an_api_key_header_that_is_not_utf8_is_401(jobs_system):
     r = requests.get(jobs_system.jobs_url + "/v1/files", headers={"Authorization": b"Bearer \xff\xfe"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_uploads_that_are_not_a_plain_form_are_400_and_leave_nothing(jobs_system):
+    before = keys(jobs_system)
+    url = jobs_system.jobs_url + "/v1/files"
+    nested = (b"--outer\r\nContent-Disposition: form-data; name=\"file\"\r\n"
+              b"Content-Type: multipart/mixed; boundary=inner\r\n\r\n--inner\r\n\r\nx\r\n--inner--\r\n"
+              b"--outer--\r\n")
+    for content_type, body in [("multipart/form-data", b"purpose=batch"),  # no boundary
+                               ("multipart/form-data; boundary=b", b"not a form at all"),
+                               ("multipart/form-data; boundary=outer", nested)]:
+        r = requests.post(url, data=body, headers={**AUTH, "Content-Type": content_type}, timeout=30)
+        assert r.status_code == 400, (content_type, r.status_code, r.text)  # were 500s
+        assert r.json()["error"]["param"] == "file" and "Traceback" not in r.text
+    assert keys(jobs_system) == before
+
+
+def test_batches_past_the_unfinished_limit_are_429_and_leave_nothing(tmp_path):
+    # Each unfinished batch queues its whole input file in Redis: one client could otherwise queue any number.
+    redis_server = RedisServer(tmp_path).start()
+    jobs = None
+    try:  # no batch worker: a batch stays validating
+        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0",
+                               "--max-unfinished-batches", "2")
+        c = client(url)
+        f = upload(c, jsonl([chat_line("a", "hello")]))
+        made = [c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+                for _ in range(2)]
+        r = requests.post(url + "/v1/batches", json={"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                                                     "completion_window": "24h"}, headers=AUTH, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_batches", r.text
+        assert "--max-unfinished-batches" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) > 0
+        assert sorted(b.id for b in c.batches.list()) == sorted(b.id for b in made)  # the refused one left nothing
+    finally:
+        if jobs is not None:
+            jobs.stop()
+        redis_server.stop()

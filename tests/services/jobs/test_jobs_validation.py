@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from pdserve.services.jobs.batches import MAX_ERRORS, parse_create, parse_input
+from pdserve.services.jobs.batches import MAX_ERRORS, LineSplitter, parse_create, parse_input
 from pdserve.services.jobs.errors import ApiError
+from pdserve.services.jobs.files import expiry_seconds
 from pdserve.services.jobs.store import FILE_ID, new_id
 
 CHAT = "/v1/chat/completions"
@@ -46,6 +47,33 @@ def test_single_problem(text, code):
     assert items == [] and [e["code"] for e in errors.errors] == [code]
 
 
+def test_a_model_name_that_is_not_a_short_string_fails_the_batch_at_its_line():
+    # The batch keeps its first line's model for as long as it is kept: 99 MB of it were once accepted.
+    for model in ("m" * 257, ["m"], {"a": 1}):
+        items, errors = parse_input(line("a", model=model).encode(), CHAT)
+        assert items == [] and [(e["code"], e["param"]) for e in errors.errors] == [("invalid_body", "body.model")]
+    items, errors = parse_input(line("a", model="m" * 256).encode(), CHAT)
+    assert not errors.errors and items[0].body["model"] == "m" * 256
+
+
+def test_a_line_over_many_chunks_is_split_as_one():
+    text = "x" * 3_000_000 + "\n" + "y\r\n"
+    splitter, lines = LineSplitter(), []
+    data = text.encode()
+    for i in range(0, len(data), 1 << 16):
+        lines += splitter.feed(data[i:i + (1 << 16)])
+    lines += splitter.feed(b"", final=True)
+    assert lines == [(1, "x" * 3_000_000), (2, "y")]
+
+
+@pytest.mark.parametrize("seconds", ["--5", "²", "٣٦٠٠", "1e4", "99999999999999999999"])
+def test_expiry_seconds_are_ascii_integers_in_range(seconds):
+    with pytest.raises(ApiError) as info:  # "--5" and "²" were 500s, Arabic-Indic digits were taken
+        expiry_seconds("created_at", seconds, "expires_after")
+    assert info.value.status == 400 and info.value.param == "expires_after[seconds]"
+    assert expiry_seconds("created_at", " 3600 ", "expires_after") == 3600
+
+
 def test_non_utf8_file():
     _, errors = parse_input(b"\xff\xfe{}", CHAT)
     assert errors.errors[0]["code"] == "invalid_encoding"
@@ -68,6 +96,8 @@ def test_errors_are_capped_with_a_count_of_the_rest():
     ({"input_file_id": FILE, "endpoint": "chat/completions", "completion_window": "24h"}, "endpoint"),
     ({"input_file_id": FILE, "endpoint": ["/v1/completions"], "completion_window": "24h"}, "endpoint"),
     ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "48h"}, "completion_window"),
+    ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": ["24h"]}, "completion_window"),  # was a 500
+    ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": {"24h": 1}}, "completion_window"),
     ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": 1}}, "metadata"),
     ({"input_file_id": FILE, "endpoint": CHAT, "completion_window": "24h",
       "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
