@@ -187,10 +187,17 @@ class SSE:
         await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
     async def _write(self, data: bytes) -> None:
+        await self._bounded(self.response.write(data))
+
+    async def _end(self) -> None:
+        """The end of the stream, which waits until the client has taken what is left: bounded the same way."""
+        await self._bounded(self.response.write_eof())
+
+    async def _bounded(self, write) -> None:
         timeout_s = self.request.app[GATEWAY].limits.stream_write_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                await self.response.write(data)
+                await write
         except TimeoutError:
             transport = self.request.transport
             if transport is not None:
@@ -208,5 +215,5 @@ class SSE:
         if not self.response.prepared:
             await self.response.prepare(self.request)
         await self._write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
+        await self._end()
         return self.response

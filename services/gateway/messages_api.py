@@ -123,7 +123,7 @@ class EventStream(SSE):
     async def done(self) -> web.StreamResponse:
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self.response.write_eof()
+        await self._end()
         return self.response
 
 

@@ -103,6 +103,7 @@ class _OpenStream:
             raise
         finally:
             self.closed = True
+            self._sends.put_nowait(None)  # ends the request side too, which gRPC leaves waiting on a broken stream
             for call in list(self.calls.values()):
                 call._end(error)
 

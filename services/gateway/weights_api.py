@@ -36,6 +36,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import aiohttp
 import grpc
 from aiohttp import web
 from pydantic import Field
@@ -58,6 +59,14 @@ SMALL_TIMEOUT_S = 30.0  # discarding prepared weights; a call to the other gatew
 # A process held by another one's update opens its door by itself after this long: the holder cannot be that
 # slow (drain, commit, roll back), so it is gone without telling.
 HOLD_LIMIT_S = DRAIN_TIMEOUT_S + COMMIT_TIMEOUT_S + PREPARE_TIMEOUT_S
+
+
+# What a call to another gateway process raises when it does not answer in time.
+SIBLING_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+class SiblingSilent(Exception):
+    """Another process of the gateway did not answer before the commit: the update changes nothing."""
 
 
 class UpdateWeightsRequest(_Schema):
@@ -161,27 +170,37 @@ async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: Upd
     before = {w.address: (w.info.weights.number, w.info.weights.path, w.info.weights.tag) for w in workers}
     number = 1 + max(n for n, _, _ in before.values())
     tag = gate.weight_version if req.weight_version is None else req.weight_version
-    async with gate.closed(), _held_everywhere(gw, gate):
-        running = 0 if req.abort_all_requests else await _running_after(gate, DRAIN_TIMEOUT_S)
-        if running:
-            await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
-            return _refused(f"{running} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
-                            "or pass abort_all_requests)")
-        outcomes = await _step(workers, pb.WEIGHTS_COMMIT, req.model_path, timeout=COMMIT_TIMEOUT_S,
-                               abort_all_requests=req.abort_all_requests, version=number, tag=tag)
-        failed = _first_failure(outcomes)
-        if failed is not None:
-            await _roll_back([o.worker for o in outcomes if o.ok], before)
-            await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
-            return _refused(failed.error)
-        for worker in workers:
-            gw.backend.router.forget(worker.address)  # the prefixes it held were flushed
-        gate.committed = (number, req.model_path)
-        _serve_path(gw, req.model_path)
-        message = "Succeeded to update model weights."
-        if req.weight_version is not None:
-            gate.weight_version = req.weight_version
-            message += f" Weight version updated to {req.weight_version}."
+    try:
+        async with gate.closed(), _held_everywhere(gw, gate):
+            running = 0 if req.abort_all_requests else await _running_after(gate, DRAIN_TIMEOUT_S)
+            if running:
+                await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+                return _refused(f"{running} requests were still running after {DRAIN_TIMEOUT_S:g} s (retry, "
+                                "or pass abort_all_requests)")
+            return await _commit(gw, gate, workers, req, before, number, tag)
+    except SiblingSilent as exc:  # before any commit: nothing changed anywhere
+        await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+        return _refused(str(exc))
+
+
+async def _commit(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: UpdateWeightsRequest, before: dict,
+                  number: int, tag: str) -> web.Response:
+    """Swap the prepared weights in on every worker (the door closed, nothing running), or on none."""
+    outcomes = await _step(workers, pb.WEIGHTS_COMMIT, req.model_path, timeout=COMMIT_TIMEOUT_S,
+                           abort_all_requests=req.abort_all_requests, version=number, tag=tag)
+    failed = _first_failure(outcomes)
+    if failed is not None:
+        await _roll_back([o.worker for o in outcomes if o.ok], before)
+        await _step(workers, pb.WEIGHTS_DISCARD, req.model_path, timeout=SMALL_TIMEOUT_S)
+        return _refused(failed.error)
+    for worker in workers:
+        gw.backend.router.forget(worker.address)  # the prefixes it held were flushed
+    gate.committed = (number, req.model_path)
+    _serve_path(gw, req.model_path)
+    message = "Succeeded to update model weights."
+    if req.weight_version is not None:
+        gate.weight_version = req.weight_version
+        message += f" Weight version updated to {req.weight_version}."
     log.info("weights updated to version %d from %s", number, req.model_path)
     return _answer(True, message)
 
@@ -200,12 +219,18 @@ async def _held_everywhere(gw: Gateway, gate: UpdateGate):
     if gate.siblings is None:
         yield
         return
-    await gate.siblings.tell("weights_hold", {}, SMALL_TIMEOUT_S)
     try:
+        try:  # inside: those that were held are released even when another did not answer
+            await gate.siblings.tell("weights_hold", {}, SMALL_TIMEOUT_S)
+        except SIBLING_ERRORS as exc:
+            raise SiblingSilent(f"another process of this gateway did not answer ({exc or type(exc).__name__})")
         yield
     finally:
         state = {"committed": gate.committed, "weight_version": gate.weight_version, "model_path": gw.model_path}
-        await asyncio.shield(gate.siblings.tell("weights_release", state, SMALL_TIMEOUT_S))
+        try:
+            await asyncio.shield(gate.siblings.tell("weights_release", state, SMALL_TIMEOUT_S))
+        except SIBLING_ERRORS as exc:  # one that missed it opens its door by itself after HOLD_LIMIT_S
+            log.warning("a gateway process did not take the end of the weight update: %s", exc)
 
 
 async def _running_after(gate: UpdateGate, timeout_s: float) -> int:
@@ -216,8 +241,11 @@ async def _running_after(gate: UpdateGate, timeout_s: float) -> int:
 
     if gate.siblings is None:
         return await here()
-    mine, theirs = await asyncio.gather(here(), gate.siblings.tell("weights_drained", {"timeout_s": timeout_s},
-                                                                  timeout_s + SMALL_TIMEOUT_S))
+    try:
+        mine, theirs = await asyncio.gather(here(), gate.siblings.tell("weights_drained", {"timeout_s": timeout_s},
+                                                                      timeout_s + SMALL_TIMEOUT_S))
+    except SIBLING_ERRORS as exc:
+        raise SiblingSilent(f"another process of this gateway did not answer ({exc or type(exc).__name__})")
     return mine + sum(answer["in_flight"] for answer in theirs)
 
 

@@ -21,7 +21,7 @@ from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.settings import expert_settings, worker_name
 from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
-from pdserve.services.worker.peers import GRPC_OPTIONS, PeerError, PrefillPeers
+from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError, PrefillPeers
 from pdserve.services.worker.pooling import PoolingService
 from pdserve.services.worker.prefill_rpc import PrefillService
 from pdserve.services.worker.rpc import Calls, WorkerService
@@ -117,7 +117,7 @@ class WorkerApp:
         stop = asyncio.Event()
         install_signal_handlers(stop)
         self.engine.start(self.compute)
-        server = grpc.aio.server(options=GRPC_OPTIONS,
+        server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=[*server_interceptors(self.args.host), RequestIdServerInterceptor()])
         calls = Calls()
         prefill = PrefillService(self.engine, self.compat, self.transfer, calls=calls) \

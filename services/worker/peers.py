@@ -27,6 +27,9 @@ from pdserve.shared.cluster_auth import worker_channel
 log = logging.getLogger(__name__)
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# The worker's server pings its callers: a gateway whose host vanished (no FIN) ends its streams within half a
+# minute, instead of after TCP's two hours while its generations run on holding pages.
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
 # A restarted prefill worker must be reached again within a second, not after gRPC's backoff of up to 2 min.
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                                   ("grpc.max_reconnect_backoff_ms", 1_000)]

@@ -3,6 +3,7 @@ try to name other Redis keys or other routes, and JSON strings that are not text
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -19,10 +20,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def gateway_url(jobs_system, default_model_dir):
-    """A real gateway whose /v1/files and /v1/batches go to the shared jobs service (no worker behind it)."""
+    """A real gateway whose /v1/files and /v1/batches go to the shared jobs service (no worker behind it), with
+    one-second body and stream-write timeouts."""
     port = free_port()
     proc = Proc(f"gateway:{port}", ["gateway", "--model-path", str(default_model_dir), "--port", str(port),
-                                    "--worker", f"127.0.0.1:{free_port()}", "--jobs-url", jobs_system.jobs_url]
+                                    "--worker", f"127.0.0.1:{free_port()}", "--jobs-url", jobs_system.jobs_url,
+                                    "--body-timeout", "1", "--stream-write-timeout", "1"]
                 ).start(QUIET)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -164,3 +167,26 @@ def test_batches_past_the_unfinished_limit_are_429_and_leave_nothing(tmp_path):
         if jobs is not None:
             jobs.stop()
         redis_server.stop()
+
+
+def test_an_upload_that_stalls_through_the_gateway_is_408_and_leaves_nothing(jobs_system, gateway_url):
+    # Before: the proxy streamed an upload with no bound on waiting for its next byte; the jobs service held
+    # the upload's bytes against the quota meanwhile.
+    before = keys(jobs_system)
+    host, port = gateway_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n").encode()
+    part = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n' + b"x" * 70_000)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        start = time.monotonic()
+        sock.sendall(head + part)  # then nothing more
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        assert time.monotonic() - start < 15
+    deadline = time.monotonic() + 10  # the jobs service drops what it had stored once the upload is cut
+    while keys(jobs_system) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert keys(jobs_system) == before
