@@ -26,6 +26,10 @@ from aiohttp import web
 LOCK_POLL_S = 0.05
 
 
+class LockTimeout(TimeoutError):
+    """`exclusive` waited its whole timeout."""
+
+
 class Siblings:
     def __init__(self, directory: str, index: int, count: int) -> None:
         self.directory = Path(directory)
@@ -60,15 +64,20 @@ class Siblings:
                 return await reply.json()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, name: str):
-        """Held by one process of the gateway at a time (polled, so the event loop never blocks on it)."""
+    async def exclusive(self, name: str, timeout_s: float):
+        """Held by one process of the gateway at a time (polled, so the event loop never blocks on it). The
+        kernel frees it when its holder dies, not when it hangs: LockTimeout after waiting `timeout_s`."""
         fd = os.open(self.directory / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            deadline = asyncio.get_running_loop().time() + timeout_s
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise LockTimeout(f"another process of this gateway has held {name!r} for over "
+                                          f"{timeout_s:g} s") from None
                     await asyncio.sleep(LOCK_POLL_S)
             yield
         finally:

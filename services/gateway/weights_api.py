@@ -46,7 +46,7 @@ from pdserve.services.gateway.backend import Door
 from pdserve.services.gateway.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.protocol import _Schema, parse
-from pdserve.services.gateway.siblings import SIBLINGS, Siblings
+from pdserve.services.gateway.siblings import SIBLINGS, LockTimeout, Siblings
 from pdserve.services.gateway.worker_pool import Worker
 
 log = logging.getLogger("pdserve.gateway")
@@ -97,7 +97,7 @@ class UpdateGate:
         """Held by one update (or catch-up) at a time, in this process and over its siblings."""
         async with self._lock, contextlib.AsyncExitStack() as stack:
             if self.siblings is not None:
-                await stack.enter_async_context(self.siblings.exclusive("weights"))
+                await stack.enter_async_context(self.siblings.exclusive("weights", HOLD_LIMIT_S))
             yield
 
     @contextlib.asynccontextmanager
@@ -149,14 +149,18 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if req.load_format not in LOAD_FORMATS:
         return _answer(False, f"Failed to get model loader: load_format {req.load_format!r} is not supported "
                               "(supported: auto, safetensors, gguf).")
-    async with gate.updating():
-        workers = gw.backend.serving_workers()
-        down = [w.address for w in workers if not w.healthy or w.info is None]
-        if not workers or down:
-            return _answer(False, f"Failed to update weights: workers {', '.join(down) or '(none)'} are not serving; "
-                                  "the weights change on every worker at once, so try again when all are healthy.",
-                           status=503)
-        return await _update(gw, gate, workers, req)
+    try:
+        async with gate.updating():
+            workers = gw.backend.serving_workers()
+            down = [w.address for w in workers if not w.healthy or w.info is None]
+            if not workers or down:
+                return _answer(False, f"Failed to update weights: workers {', '.join(down) or '(none)'} are not "
+                                      "serving; the weights change on every worker at once, so try again when all "
+                                      "are healthy.", status=503)
+            return await _update(gw, gate, workers, req)
+    except LockTimeout as exc:
+        return _answer(False, f"Failed to update weights: {exc} (an update that hangs); try again later.",
+                       status=503)
 
 
 async def _update(gw: Gateway, gate: UpdateGate, workers: list[Worker], req: UpdateWeightsRequest) -> web.Response:

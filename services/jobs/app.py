@@ -30,6 +30,7 @@ class Settings:
     files_quota: int = 0  # bytes all files together may take in Redis (0: no limit)
     min_expiry_s: int = files.MIN_EXPIRY_S  # the least `expires_after[seconds]` (lowered by tests of expiry)
     max_unfinished_batches: int = 0  # batches not yet ended at once (0: no limit)
+    body_idle_s: float = files.BODY_IDLE_S  # an upload that sends nothing this long is a 408
 
 
 STORE = web.AppKey("store", Store)
@@ -122,7 +123,8 @@ async def create_file(request: web.Request) -> web.Response:
     settings: Settings = request.app[SETTINGS]
     writer = request.app[STORE].writer(new_id(FILE_ID), settings.files_quota)
     try:
-        upload = await files.read_upload(request, settings.max_file_size, writer, settings.min_expiry_s)
+        upload = await files.read_upload(request, settings.max_file_size, writer, settings.min_expiry_s,
+                                         settings.body_idle_s)
         meta = await writer.commit(upload.filename, upload.purpose, upload.expires_after_s)
     except BaseException as exc:  # refused, the client went away, Redis failed: nothing of it stays
         await asyncio.shield(writer.discard())

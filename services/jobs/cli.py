@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                  "0: no limit)")
         # Shortens every batch's completion window (tests of expiry); not a user setting.
         parser.add_argument("--completion-window-seconds", type=int, default=None, help=argparse.SUPPRESS)
+        # Shortens the wait for an upload's next bytes (tests of stalled uploads); not a user setting.
+        parser.add_argument("--body-idle-seconds", type=float, default=None, help=argparse.SUPPRESS)
         # Lowers the least expires_after[seconds] below OpenAI's 3600 (tests of file expiry); not a user setting.
         parser.add_argument("--min-file-expiry-seconds", type=int, default=None, help=argparse.SUPPRESS)
     else:
@@ -108,12 +110,13 @@ async def serve_jobs(args: argparse.Namespace) -> int:
     from pdserve.services.jobs.children import WorkerChildren
     from pdserve.services.jobs.store import Store
 
+    from pdserve.services.jobs import files
     from pdserve.services.jobs.files import MIN_EXPIRY_S
 
     store = Store(args.redis_url)
     app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds,
                                     args.files_quota_bytes, args.min_file_expiry_seconds or MIN_EXPIRY_S,
-                                    args.max_unfinished_batches))
+                                    args.max_unfinished_batches, args.body_idle_seconds or files.BODY_IDLE_S))
     if 0 < args.files_quota_bytes < args.max_file_size:
         log.warning("--files-quota-bytes %d is below --max-file-size %d: the largest files cannot be stored",
                     args.files_quota_bytes, args.max_file_size)

@@ -8,6 +8,7 @@ deleted and its bytes given back.
 """
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "e
 OUTPUT_PURPOSE = "batch_output"
 MAX_FIELD_BYTES = 1024  # the `purpose` form field
 CHUNK = 1 << 16
+BODY_IDLE_S = 60.0  # an upload that sends nothing this long is a 408 (the gateway's --body-timeout)
 EXPIRY_ANCHORS = ("created_at",)
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's bounds on `expires_after[seconds]`
 
@@ -69,7 +71,7 @@ def too_large(limit: int, seen: str) -> ApiError:
 
 
 async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
-                      min_expiry_s: int = MIN_EXPIRY_S) -> Upload:
+                      min_expiry_s: int = MIN_EXPIRY_S, idle_s: float = BODY_IDLE_S) -> Upload:
     """Stream the form's `file` into `writer` (started here, left to the caller to commit or discard)."""
     if not request.content_type.startswith("multipart/"):
         raise bad_request("Upload the file as multipart/form-data with fields 'file' and 'purpose'.", "file")
@@ -106,7 +108,7 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
             # is only a label, so they become "?" rather than failing the upload.
             filename = (part.filename or "upload").encode("utf-8", "replace").decode("utf-8")
             await writer.start()
-            while chunk := await part.read_chunk(CHUNK):
+            while chunk := await _within(idle_s, part.read_chunk(CHUNK)):
                 if writer.size + len(chunk) > max_bytes:
                     raise too_large(max_bytes, f"read {size_text(writer.size + len(chunk))} of it so far")
                 await writer.write(chunk)
@@ -121,6 +123,15 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
         expires_after_s = expiry_seconds(expiry.get("anchor", "created_at"), expiry.get("seconds"),
                                          "expires_after", min_expiry_s)
     return Upload(filename, purpose, expires_after_s)
+
+
+async def _within(idle_s: float, read):
+    """One read of the upload, or a 408 when nothing arrives for `idle_s` (the caller discards what it wrote)."""
+    try:
+        async with asyncio.timeout(idle_s):
+            return await read
+    except TimeoutError:
+        raise ApiError(408, f"The upload sent nothing for {idle_s:g} s.", "file", "upload_timeout") from None
 
 
 async def _next_part(reader: MultipartReader):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from aiohttp import web
 from test_router import make_pool, prompt
 
 from pdserve.services.gateway import native_api
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.router import Router
-from pdserve.services.gateway.siblings import SIBLINGS, Siblings
+from pdserve.services.gateway.siblings import SIBLINGS, LockTimeout, Siblings
 
 
 async def test_a_worker_flushed_through_one_process_loses_its_prefixes_in_the_others_routers(tmp_path):
@@ -34,3 +36,13 @@ async def test_a_worker_flushed_through_one_process_loses_its_prefixes_in_the_ot
     finally:
         for _, siblings in processes:
             await siblings.close()
+
+
+async def test_a_lock_held_by_a_process_that_hangs_is_given_up_after_its_timeout(tmp_path):
+    holder, waiter = Siblings(str(tmp_path), 1, 2), Siblings(str(tmp_path), 2, 2)
+    async with holder.exclusive("weights", timeout_s=1):
+        with pytest.raises(LockTimeout, match="held 'weights'"):
+            async with waiter.exclusive("weights", timeout_s=0.2):
+                raise AssertionError("two processes held the lock at once")
+    async with waiter.exclusive("weights", timeout_s=1):  # free again once the holder let go
+        pass

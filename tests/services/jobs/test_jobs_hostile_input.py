@@ -190,3 +190,27 @@ def test_an_upload_that_stalls_through_the_gateway_is_408_and_leaves_nothing(job
     while keys(jobs_system) != before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert keys(jobs_system) == before
+
+
+def test_an_upload_that_stalls_on_the_jobs_service_itself_is_408_and_leaves_nothing(tmp_path):
+    redis_server = RedisServer(tmp_path).start()
+    jobs = None
+    try:
+        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0",
+                               "--body-idle-seconds", "1")
+        host, port = url.removeprefix("http://").split(":")
+        head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n").encode()
+        part = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n' + b"x" * 70_000)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(head + part)  # then nothing more
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        r = redis_server.client()
+        assert not [k for k in r.keys(PREFIX + "*") if ":content" in k or k.startswith(PREFIX + "file:")]
+        assert int(r.get(PREFIX + "usage") or 0) == 0, r.keys(PREFIX + "*")
+    finally:
+        if jobs is not None:
+            jobs.stop()
+        redis_server.stop()
