@@ -55,14 +55,17 @@ class PrefillService(pb_grpc.PrefillServicer):
         return pb.RegisterReply(ok=True, transfer_metadata=self.transfer.metadata())
 
     async def _forget_silent_peers(self, now: float) -> None:
-        for peer in [p for p, seen in self.registered_at.items() if now - seen > self.timeouts.peer_silence]:
+        for peer, seen in [(p, seen) for p, seen in self.registered_at.items()
+                           if now - seen > self.timeouts.peer_silence]:
             del self.registered_at[peer]
             # On the engine thread, where KV transfers run: none to this peer is under way while it goes.
             forget = self.engine.call(lambda peer=peer: self.transfer.remove_peer(peer))
             try:
                 await asyncio.wait_for(asyncio.wrap_future(forget), self.timeouts.engine_call)
-            except Exception as exc:  # the engine is stopping or stuck: the peer stays until the process ends
-                log.warning("could not drop decode worker %s: %r", peer, exc)
+            except Exception as exc:  # the engine is busy (maybe writing to that very peer) or stopping
+                log.warning("could not drop decode worker %s yet (%r): trying again at the next registration",
+                            peer, exc)
+                self.registered_at.setdefault(peer, seen)
                 continue
             log.info("decode worker %s has not registered for %g s: its connection is dropped", peer,
                      self.timeouts.peer_silence)

@@ -64,3 +64,25 @@ async def test_a_decode_worker_silent_past_the_limit_is_dropped_and_one_that_com
     assert engine.calls == 1  # dropped on the engine thread, once
     assert (await register(service, "decode-a")).ok  # a restarted worker of the same name is welcome again
     assert connections.peers == {"decode-a", "decode-b"}
+
+
+class BusyOnce(InlineEngine):
+    """An engine thread that is busy (a long KV write) the first time a peer is to be dropped."""
+
+    def call(self, fn) -> Future:
+        self.calls += 1
+        if self.calls == 1:
+            return Future()  # never runs: the wait for it times out
+        return super().call(fn)
+
+
+async def test_a_drop_that_the_busy_engine_could_not_run_is_tried_again():
+    engine, connections = BusyOnce(), Connections()
+    service = PrefillService(engine, COMPAT, connections, Timeouts(peer_silence=0.3, engine_call=0.05))
+    for name in ("decode-a", "decode-b"):
+        assert (await register(service, name)).ok
+    for _ in range(8):
+        await asyncio.sleep(0.1)
+        assert (await register(service, "decode-b")).ok
+    # The first try timed out (before, the peer was forgotten there and its connection kept for good).
+    assert connections.peers == {"decode-b"} and set(service.registered_at) == {"decode-b"} and engine.calls >= 2
