@@ -17,7 +17,8 @@ from redis.exceptions import RedisError
 from pdserve.services.jobs import batches, files
 from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invalid_id, not_found
 from pdserve.services.jobs.metrics import JobsMetrics
-from pdserve.services.jobs.store import BATCH_ID, FILE_ID, QuotaExceeded, Store, dump, is_id, new_id, now
+from pdserve.services.jobs.store import (BATCH_ID, FILE_ID, QuotaExceeded, Store, TooManyFiles, dump, is_id, new_id,
+                                         now)
 
 log = logging.getLogger("pdserve.jobs")
 
@@ -31,6 +32,7 @@ class Settings:
     min_expiry_s: int = files.MIN_EXPIRY_S  # the least `expires_after[seconds]` (lowered by tests of expiry)
     max_unfinished_batches: int = 0  # batches not yet ended at once (0: no limit)
     body_idle_s: float = files.BODY_IDLE_S  # an upload that sends nothing this long is a 408
+    max_files: int = 0  # files stored at once, uploads and batch outputs (0: no limit; outputs never refused)
 
 
 STORE = web.AppKey("store", Store)
@@ -123,14 +125,18 @@ async def create_file(request: web.Request) -> web.Response:
     settings: Settings = request.app[SETTINGS]
     writer = request.app[STORE].writer(new_id(FILE_ID), settings.files_quota)
     try:
+        if settings.max_files and await request.app[STORE].r.zcard(request.app[STORE].k.files) >= settings.max_files:
+            raise TooManyFiles(settings.max_files)  # clearly full: refused before the upload is read
         upload = await files.read_upload(request, settings.max_file_size, writer, settings.min_expiry_s,
                                          settings.body_idle_s)
-        meta = await writer.commit(upload.filename, upload.purpose, upload.expires_after_s)
+        meta = await writer.commit(upload.filename, upload.purpose, upload.expires_after_s, settings.max_files)
     except BaseException as exc:  # refused, the client went away, Redis failed: nothing of it stays
         await asyncio.shield(writer.discard())
         if isinstance(exc, QuotaExceeded):
             log.warning("upload refused: files use %d of their %d-byte quota", exc.used, exc.quota)
             raise files.quota_full(exc) from None
+        if isinstance(exc, TooManyFiles):
+            raise files.too_many(exc.limit) from None
         raise
     return web.json_response(files.render(meta))
 

@@ -20,6 +20,7 @@ DEFAULT_MAX_FILE_SIZE = 100 << 20
 # plus the append-only file's rewrite, stay within it.
 DEFAULT_FILES_QUOTA = 256 << 20
 DEFAULT_MAX_UNFINISHED = 16
+DEFAULT_MAX_FILES = 10_000
 SWEEP_EVERY_S = 1.0
 log = logging.getLogger("pdserve.jobs")
 
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="bytes all files together may take in Redis, batch output files included "
                                  f"(default {DEFAULT_FILES_QUOTA >> 20} MiB; an upload that would pass it gets "
                                  "507; 0: no quota)")
+        parser.add_argument("--max-files", type=int, default=DEFAULT_MAX_FILES,
+                            help=f"files stored at once (default {DEFAULT_MAX_FILES}): one more upload gets 507, so "
+                                 "empty or tiny files cannot fill Redis under the byte quota; a batch's output "
+                                 "and error files are never refused (0: no limit)")
         parser.add_argument("--max-unfinished-batches", type=int, default=DEFAULT_MAX_UNFINISHED,
                             help="batches that may be validating, in progress or finalizing at once: each queues "
                                  "its input file's requests in Redis (up to --max-file-size each), so this bounds "
@@ -116,7 +121,8 @@ async def serve_jobs(args: argparse.Namespace) -> int:
     store = Store(args.redis_url)
     app = build_app(store, Settings(args.api_key, args.max_file_size, args.completion_window_seconds,
                                     args.files_quota_bytes, args.min_file_expiry_seconds or MIN_EXPIRY_S,
-                                    args.max_unfinished_batches, args.body_idle_seconds or files.BODY_IDLE_S))
+                                    args.max_unfinished_batches, args.body_idle_seconds or files.BODY_IDLE_S,
+                                    args.max_files))
     if 0 < args.files_quota_bytes < args.max_file_size:
         log.warning("--files-quota-bytes %d is below --max-file-size %d: the largest files cannot be stored",
                     args.files_quota_bytes, args.max_file_size)

@@ -21,6 +21,7 @@ from pdserve.services.jobs.store import FileWriter, QuotaExceeded
 UPLOAD_PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
 MAX_FIELD_BYTES = 1024  # the `purpose` form field
+MAX_FILENAME_CHARS = 255  # kept with the file for as long as it is
 CHUNK = 1 << 16
 BODY_IDLE_S = 60.0  # an upload that sends nothing this long is a 408 (the gateway's --body-timeout)
 EXPIRY_ANCHORS = ("created_at",)
@@ -36,6 +37,12 @@ class Upload:
 
 def size_text(n: int) -> str:
     return f"{n} bytes ({n / (1 << 20):.1f} MiB)" if n >= 1 << 20 else f"{n} bytes"
+
+
+def too_many(limit: int) -> ApiError:
+    return ApiError(507, f"The deployment already stores {limit} files, the most it keeps (--max-files). Delete "
+                         "files (or upload them with expires_after), or raise the server's --max-files.",
+                    "file", "files_limit_exceeded", type="insufficient_storage", headers={"x-should-retry": "false"})
 
 
 def quota_full(exc: QuotaExceeded) -> ApiError:
@@ -107,6 +114,9 @@ async def read_upload(request: web.Request, max_bytes: int, writer: FileWriter,
             # Header bytes that are not UTF-8 arrive as lone surrogates, which Redis cannot store: the name
             # is only a label, so they become "?" rather than failing the upload.
             filename = (part.filename or "upload").encode("utf-8", "replace").decode("utf-8")
+            if len(filename) > MAX_FILENAME_CHARS:
+                raise bad_request(f"The file name has {len(filename)} characters; the limit is "
+                                  f"{MAX_FILENAME_CHARS}.", "file")
             await writer.start()
             while chunk := await _within(idle_s, part.read_chunk(CHUNK)):
                 if writer.size + len(chunk) > max_bytes:

@@ -107,9 +107,12 @@ return n
 # The written chunks become the file, with its object, in one step; their bytes stay counted, now as the
 # file's. A file committed again (a finalize re-run after a crash) replaces itself: its old bytes are freed.
 # KEYS: usage, reserved, uploads, upload, content, file, files, expiries.
-# ARGV: file id, expires_at ('' for none), field, value, ... Returns 0 when nothing was written (released).
+# ARGV: file id, expires_at ('' for none), most files (0: no limit), field, value, ... Returns 0 when nothing was
+# written (released), -1 when `files` already holds the most files (the upload stays to be released).
 COMMIT_FILE = """
 if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
+local most = tonumber(ARGV[3])
+if most > 0 and redis.call('ZCARD', KEYS[7]) >= most then return -1 end
 redis.call('DECRBY', KEYS[1], tonumber(redis.call('HGET', KEYS[6], 'bytes') or '0'))
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
@@ -117,7 +120,7 @@ redis.call('RENAME', KEYS[4], KEYS[5])
 redis.call('PERSIST', KEYS[5])
 redis.call('DEL', KEYS[6])
 local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[6], unpack(fields))
 redis.call('ZADD', KEYS[7], 0, ARGV[1])
 if ARGV[2] ~= '' then redis.call('ZADD', KEYS[8], ARGV[2], ARGV[1]) else redis.call('ZREM', KEYS[8], ARGV[1]) end

@@ -109,6 +109,14 @@ class Keys:
         return [self.usage, self.reserved, self.uploads, self.upload(file_id)]
 
 
+class TooManyFiles(Exception):
+    """A file was refused: the deployment already holds `limit` files."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} files are stored")
+        self.limit = limit
+
+
 class QuotaExceeded(Exception):
     """A file was refused: storing it would pass the quota. `used`: what other files (and uploads) take;
     `needed`: the least this file needs."""
@@ -315,9 +323,11 @@ class FileWriter:
         self._pushed = True
         self._stored += len(chunk)
 
-    async def commit(self, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
+    async def commit(self, filename: str, purpose: str, expires_after_s: int | None = None,
+                     max_files: int = 0) -> dict:
         """The file and its object appear together; returns the object. `expires_after_s`: it expires that long
-        after its creation."""
+        after its creation; `max_files`: TooManyFiles when the deployment already holds that many (0: no
+        limit; a batch's output is never refused)."""
         if self._buffer or not self._pushed:
             await self._push(bytes(self._buffer))  # an empty file is one empty chunk
             self._buffer.clear()
@@ -330,7 +340,9 @@ class FileWriter:
         done = await self.store._commit_file(
             keys=[*k.upload_keys(self.file_id), k.content(self.file_id), k.file(self.file_id), k.files,
                   k.expiries],
-            args=[self.file_id, meta.get("expires_at", ""), *flat])
+            args=[self.file_id, meta.get("expires_at", ""), max_files, *flat])
+        if done == -1:
+            raise TooManyFiles(max_files)
         if not done:
             raise RuntimeError(f"file {self.file_id}: its unfinished content was released before the commit")
         return meta

@@ -214,3 +214,28 @@ def test_an_upload_that_stalls_on_the_jobs_service_itself_is_408_and_leaves_noth
         if jobs is not None:
             jobs.stop()
         redis_server.stop()
+
+
+def test_files_past_the_count_limit_are_507_and_long_names_400(tmp_path):
+    # The byte quota alone let any number of empty files (each with an 8 KB name) fill Redis.
+    redis_server = RedisServer(tmp_path).start()
+    jobs = None
+    try:
+        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0", "--max-files", "2")
+        c = client(url)
+        kept = [upload(c, b"", name=f"empty{i}.jsonl") for i in range(2)]
+        r = requests.post(url + "/v1/files", files={"file": ("third.jsonl", b"")}, data={"purpose": "batch"},
+                          headers=AUTH, timeout=30)
+        assert r.status_code == 507 and r.json()["error"]["code"] == "files_limit_exceeded", r.text
+        assert "--max-files" in r.json()["error"]["message"]
+        assert sorted(f.id for f in c.files.list()) == sorted(f.id for f in kept)  # nothing of it stayed
+        c.files.delete(kept[0].id)
+        assert upload(c, b"", name="again.jsonl").bytes == 0  # room again
+        c.files.delete(kept[1].id)
+        r = requests.post(url + "/v1/files", files={"file": ("n" * 256, b"x")}, data={"purpose": "batch"},
+                          headers=AUTH, timeout=30)
+        assert r.status_code == 400 and "255" in r.json()["error"]["message"], r.text
+    finally:
+        if jobs is not None:
+            jobs.stop()
+        redis_server.stop()
