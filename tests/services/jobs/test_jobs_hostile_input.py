@@ -2,6 +2,7 @@
 try to name other Redis keys or other routes, and JSON strings that are not text."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -147,13 +148,39 @@ def test_uploads_that_are_not_a_plain_form_are_400_and_leave_nothing(jobs_system
     assert keys(jobs_system) == before
 
 
-def test_batches_past_the_unfinished_limit_are_429_and_leave_nothing(tmp_path):
-    # Each unfinished batch queues its whole input file in Redis: one client could otherwise queue any number.
+@contextlib.contextmanager
+def own_jobs(tmp_path, *flags: str):
+    """A jobs service of its own (its own redis-server, no batch worker: a batch stays validating); yields
+    (its URL, the redis-server)."""
     redis_server = RedisServer(tmp_path).start()
     jobs = None
-    try:  # no batch worker: a batch stays validating
-        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0",
-                               "--max-unfinished-batches", "2")
+    try:
+        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0", *flags)
+        yield url, redis_server
+    finally:
+        if jobs is not None:
+            jobs.stop()
+        redis_server.stop()
+
+
+def stalled_upload(base_url: str) -> bytes:
+    """Begin an upload of a 1 MB form, send 70 KB of it and nothing more; the whole answer."""
+    host, port = base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n").encode()
+    part = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n' + b"x" * 70_000)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + part)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_batches_past_the_unfinished_limit_are_429_and_leave_nothing(tmp_path):
+    # Each unfinished batch queues its whole input file in Redis: one client could otherwise queue any number.
+    with own_jobs(tmp_path, "--max-unfinished-batches", "2") as (url, _):
         c = client(url)
         f = upload(c, jsonl([chat_line("a", "hello")]))
         made = [c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -163,29 +190,15 @@ def test_batches_past_the_unfinished_limit_are_429_and_leave_nothing(tmp_path):
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_batches", r.text
         assert "--max-unfinished-batches" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) > 0
         assert sorted(b.id for b in c.batches.list()) == sorted(b.id for b in made)  # the refused one left nothing
-    finally:
-        if jobs is not None:
-            jobs.stop()
-        redis_server.stop()
 
 
 def test_an_upload_that_stalls_through_the_gateway_is_408_and_leaves_nothing(jobs_system, gateway_url):
     # Before: the proxy streamed an upload with no bound on waiting for its next byte; the jobs service held
     # the upload's bytes against the quota meanwhile.
     before = keys(jobs_system)
-    host, port = gateway_url.removeprefix("http://").split(":")
-    head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n").encode()
-    part = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-            b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n' + b"x" * 70_000)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        start = time.monotonic()
-        sock.sendall(head + part)  # then nothing more
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
-        assert time.monotonic() - start < 15
+    start = time.monotonic()
+    answer = stalled_upload(gateway_url)
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 15, answer[:300]
     deadline = time.monotonic() + 10  # the jobs service drops what it had stored once the upload is cut
     while keys(jobs_system) != before and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -193,35 +206,16 @@ def test_an_upload_that_stalls_through_the_gateway_is_408_and_leaves_nothing(job
 
 
 def test_an_upload_that_stalls_on_the_jobs_service_itself_is_408_and_leaves_nothing(tmp_path):
-    redis_server = RedisServer(tmp_path).start()
-    jobs = None
-    try:
-        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0",
-                               "--body-idle-seconds", "1")
-        host, port = url.removeprefix("http://").split(":")
-        head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-                "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n").encode()
-        part = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-                b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n' + b"x" * 70_000)
-        with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(head + part)  # then nothing more
-            answer = sock.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    with own_jobs(tmp_path, "--body-idle-seconds", "1") as (url, redis_server):
+        assert stalled_upload(url).startswith(b"HTTP/1.1 408")
         r = redis_server.client()
         assert not [k for k in r.keys(PREFIX + "*") if ":content" in k or k.startswith(PREFIX + "file:")]
         assert int(r.get(PREFIX + "usage") or 0) == 0, r.keys(PREFIX + "*")
-    finally:
-        if jobs is not None:
-            jobs.stop()
-        redis_server.stop()
 
 
 def test_files_past_the_count_limit_are_507_and_long_names_400(tmp_path):
     # The byte quota alone let any number of empty files (each with an 8 KB name) fill Redis.
-    redis_server = RedisServer(tmp_path).start()
-    jobs = None
-    try:
-        jobs, url = start_jobs(redis_server.url(), "http://127.0.0.1:1", "--batch-workers", "0", "--max-files", "2")
+    with own_jobs(tmp_path, "--max-files", "2") as (url, _):
         c = client(url)
         kept = [upload(c, b"", name=f"empty{i}.jsonl") for i in range(2)]
         r = requests.post(url + "/v1/files", files={"file": ("third.jsonl", b"")}, data={"purpose": "batch"},
@@ -235,7 +229,3 @@ def test_files_past_the_count_limit_are_507_and_long_names_400(tmp_path):
         r = requests.post(url + "/v1/files", files={"file": ("n" * 256, b"x")}, data={"purpose": "batch"},
                           headers=AUTH, timeout=30)
         assert r.status_code == 400 and "255" in r.json()["error"]["message"], r.text
-    finally:
-        if jobs is not None:
-            jobs.stop()
-        redis_server.stop()
