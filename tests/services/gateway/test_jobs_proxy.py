@@ -9,6 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pdserve.services.gateway import jobs_proxy
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import error_middleware
+from pdserve.services.gateway.limits import Limits
 
 
 async def upstream_echo(request: web.Request) -> web.Response:
@@ -24,7 +25,7 @@ async def upstream_echo(request: web.Request) -> web.Response:
 
 async def start(jobs_url: str | None) -> TestClient:
     app = web.Application(middlewares=[error_middleware])
-    app[GATEWAY] = SimpleNamespace(jobs_url=jobs_url)
+    app[GATEWAY] = SimpleNamespace(jobs_url=jobs_url, limits=Limits())
     jobs_proxy.add_routes(app)
     client = TestClient(TestServer(app))
     await client.start_server()
