@@ -1,7 +1,8 @@
 """Backend: what the HTTP handlers use to reach the workers, in one object; no handler touches the worker pool.
 
-It owns admission (how many sequences may be in flight), routing, the generations in flight (by
-request id, for /abort_request) and the worker-wide operations (abort, flush, one-token health probe).
+It owns admission (how many sequences may be in flight), routing, the generations in flight (by request id:
+an id runs once at a time) and the worker-wide operations (abort, which the workers answer by the client's id;
+flush; one-token health probe).
 
 Every request that runs on the workers passes its `door` and is counted there until it ends, whichever API it
 came through (or a background task): a weight update (weights_api.py) closes the door, waits until none runs,
