@@ -83,13 +83,18 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[Callable, Callable[[object], Ca
         out[f"decode attention [{batch} x {ctx} ctx]"] = (
             lambda a=(q, kc, vc, table, lens): decode_attention_torch(*a, 0.125),
             lambda lib, a=(q, kc, vc, table, lens): lambda: lib.decode_attention(*a, 0.125))
-    for ext, ctx in ((128, 128), (32, 512)):
+    for ext, ctx in ((128, 128), (32, 512), (66, 530), (2048, 2048)):
         kc, vc, table, lens = paged([ctx], dtype)
         q = torch.randn(ext, HEADS, HEAD_DIM, generator=gen).to(dtype)
         e, s = torch.tensor([ext], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+        a = (q, kc, vc, table, lens, e, s)
         out[f"extend attention [{ext} new of {ctx}]"] = (
-            lambda a=(q, kc, vc, table, lens, e, s): extend_attention_torch(*a, 0.125),
-            lambda lib, a=(q, kc, vc, table, lens, e, s): lambda: lib.extend_attention(*a, 0.125))
+            lambda a=a: extend_attention_torch(*a, 0.125), lambda lib, a=a: lambda: lib.extend_attention(*a, 0.125))
+        # The tiled kernel: bf16 on AVX512-BF16 builds only.
+        out[f"extend attention, tiled [{ext} new of {ctx}]"] = (
+            lambda a=a: extend_attention_torch(*a, 0.125),
+            lambda lib, a=a: ((lambda: lib.extend_attention_tiled(*a, 0.125))
+                              if a[0].dtype == torch.bfloat16 and lib.tiled_extend_supported(HEAD_DIM) else None))
     logits = torch.randn(4, VOCAB, generator=gen).to(dtype)
     mask = torch.randint(-2**31, 2**31 - 1, (4, VOCAB // 32), generator=gen, dtype=torch.int64).to(torch.int32)
     out[f"token mask [4 x {VOCAB}]"] = (lambda: apply_token_mask_torch(logits.clone(), mask),

@@ -6,7 +6,7 @@
 // the weighted sum are fp32 in a fixed order (token 0 to len - 1), so a token's output depends only on its
 // own query and the cached K/V: not on the batch, on how a prompt was split into chunks, or on whether its
 // prefix came from the cache. Decode and extend give bit-identical rows, which the deterministic mode needs.
-#include "common.h"
+#include "attention.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -363,6 +363,8 @@ KV layer_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t first,
             v_cache.stride(2), k_cache.size(1), count};
 }
 
+}  // namespace
+
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens) {
   check_dtype(q, "q");
@@ -378,7 +380,6 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be int32 [B]");
 }
 
-// Every page a sequence reads must lie in the pool: a bad page table must raise, never read past it.
 void check_pages(const at::Tensor& page_table, const int32_t* lens, int64_t batch, int64_t page_size,
                  int64_t num_pages) {
   const int32_t* table = page_table.data_ptr<int32_t>();
@@ -392,7 +393,22 @@ void check_pages(const at::Tensor& page_table, const int32_t* lens, int64_t batc
   }
 }
 
-}  // namespace
+void check_extend_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& page_table,
+                         const at::Tensor& seq_lens, const at::Tensor& extend_lens, const at::Tensor& q_start) {
+  TORCH_CHECK(extend_lens.scalar_type() == at::kInt && q_start.scalar_type() == at::kInt &&
+              extend_lens.is_contiguous() && q_start.is_contiguous(), "extend_lens and q_start must be int32 [B]");
+  const int64_t batch = seq_lens.numel(), tokens = q.size(0);
+  TORCH_CHECK(extend_lens.numel() == batch && q_start.numel() == batch && page_table.size(0) == batch,
+              "page_table, extend_lens and q_start need one entry per sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* ext = extend_lens.data_ptr<int32_t>();
+  const int32_t* start = q_start.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(ext[b] >= 0 && ext[b] <= lens[b] && lens[b] <= page_table.size(1) * k_cache.size(1) &&
+                start[b] >= 0 && start[b] + ext[b] <= tokens, "extend lengths out of range");
+  }
+  check_pages(page_table, lens, batch, k_cache.size(1), k_cache.size(0));
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale) {
@@ -436,13 +452,10 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                             const at::Tensor& q_start, double scale) {
   check_attention_inputs(q, k_cache, v_cache, page_table, seq_lens);
-  TORCH_CHECK(extend_lens.scalar_type() == at::kInt && q_start.scalar_type() == at::kInt &&
-              extend_lens.is_contiguous() && q_start.is_contiguous(), "extend_lens and q_start must be int32 [B]");
+  check_extend_inputs(q, k_cache, page_table, seq_lens, extend_lens, q_start);
   const int64_t tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t batch = seq_lens.numel();
-  TORCH_CHECK(extend_lens.numel() == batch && q_start.numel() == batch && page_table.size(0) == batch,
-              "page_table, extend_lens and q_start need one entry per sequence");
   at::Tensor out = at::empty({tokens, num_heads, head_dim}, q.options());
   if (tokens == 0) return out;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -452,15 +465,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   std::vector<int64_t> row_seq(tokens, -1), row_len(tokens, 0);
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(ext[b] >= 0 && ext[b] <= lens[b] && lens[b] <= page_table.size(1) * k_cache.size(1) &&
-                start[b] >= 0 && start[b] + ext[b] <= tokens, "extend lengths out of range");
     for (int64_t i = 0; i < ext[b]; ++i) {
       row_seq[start[b] + i] = b;
       row_len[start[b] + i] = lens[b] - ext[b] + i + 1;
     }
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
-  check_pages(page_table, lens, batch, k_cache.size(1), k_cache.size(0));
   const int32_t* table = page_table.data_ptr<int32_t>();
   const int64_t table_stride = page_table.stride(0);
   PDSERVE_DISPATCH(q.scalar_type(), [&] {

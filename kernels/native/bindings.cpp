@@ -20,6 +20,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                             const at::Tensor& q_start, double scale);
+bool tiled_extend_supported(int64_t head_dim);
+at::Tensor extend_attention_tiled(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& page_table, const at::Tensor& seq_lens,
+                                  const at::Tensor& extend_lens, const at::Tensor& q_start, double scale);
 bool gemv_supported(const at::Tensor& weight);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
 void apply_token_mask(at::Tensor logits, const at::Tensor& bitmask);
@@ -53,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &pdserve::gemv, release());
   m.def("decode_attention", &pdserve::decode_attention, release());
   m.def("extend_attention", &pdserve::extend_attention, release());
+  m.def("tiled_extend_supported", &pdserve::tiled_extend_supported);
+  m.def("extend_attention_tiled", &pdserve::extend_attention_tiled, release());
   m.def("apply_token_mask", &pdserve::apply_token_mask, release());
   m.def("lora_apply", &pdserve::lora_apply, release());
   m.def("quantize_rows", &pdserve::quantize_rows, release());

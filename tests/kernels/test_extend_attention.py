@@ -7,8 +7,10 @@ from kernel_cases import (DEVICES, NATIVE_DTYPES, NATIVE_HEADS, REF_TOL, TRITON_
                           strided_q)
 
 from pdserve.kernels.decode_attention import decode_attention_native
+from pdserve.kernels import native
 from pdserve.kernels.extend_attention import (NATIVE_EXTEND_MAX_WORK, extend_attention_cpu, extend_attention_native,
-                                              extend_attention_torch, extend_attention_triton)
+                                              extend_attention_tiled, extend_attention_torch, extend_attention_triton,
+                                              tiled_supported)
 
 D = 32
 # (cached prefix, new tokens) per sequence: a fresh prompt, a chunk after a prefix hit,
@@ -136,21 +138,77 @@ def test_native_rows_are_the_decode_outputs_however_the_prompt_is_split(dtype, h
     assert torch.equal(batched[5:], decoded[30:])
 
 
+def _has_tiled() -> bool:
+    try:
+        return native.load().tiled_extend_supported(64)
+    except native.NativeUnavailable:
+        return False
+
+
+needs_tiled = pytest.mark.skipif(not _has_tiled(), reason="the tiled extend attention needs AVX512-BF16")
+
+
+def assert_matches_naive(out, q, kv, seqs, scale, tol):
+    row = 0
+    for b, (prefix, n) in enumerate(seqs):
+        expected = naive_attention(q[row:row + n], kv.keys[b], kv.values[b], prefix, scale)
+        torch.testing.assert_close(out[row:row + n].double(), expected, atol=tol, rtol=tol)
+        row += n
+
+
+@needs_tiled
+@pytest.mark.parametrize("page_size", [1, 16, 5])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (64, 7), (128, 4), (128, 8)])
+def test_tiled_matches_naive(page_size, head_dim, group):
+    seqs = ragged_seqs(page_size)
+    q, kv, extend_lens, q_start = packed(seqs, 2 * group, head_dim, torch.bfloat16, page_size)
+    scale = head_dim ** -0.5
+    out = extend_attention_tiled(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start,
+                                 scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert_matches_naive(out, q, kv, seqs, scale, REF_TOL[torch.bfloat16])
+
+
+@needs_tiled
+def test_tiled_packs_sequences_past_its_buffer_budget_in_turns():
+    # Six sequences of 6000 keys over 2 kv heads pack into 36 MB: more than one turn of the kernel's 16 MB
+    # budget. Their few new tokens must still see every key of their own sequence and none of another's.
+    seqs = [(6000 - n, n) for n in (3, 1, 9, 2, 5, 4)]
+    q, kv, extend_lens, q_start = packed(seqs, 6, 64, torch.bfloat16, 16)
+    out = extend_attention_tiled(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start,
+                                 0.125)
+    assert_matches_naive(out, q, kv, seqs, 0.125, REF_TOL[torch.bfloat16])
+
+
+@needs_tiled
+def test_tiled_rows_do_not_depend_on_how_the_prompt_is_split():
+    # A row's scores, weights and sums run over its own keys in a fixed order; tile mates with more keys only
+    # add exact zeros. So chunked prefill and prefix hits give a token the bits of the whole prompt.
+    n = 45
+    kv = make_paged_kv([n], 16, 2, 64, torch.bfloat16, "cpu")
+    q = strided_q(n, 6, 2, 64, torch.bfloat16)
+    cache = (kv.k_cache, kv.v_cache, kv.page_table[:1])
+    whole = extend_attention_tiled(q, *cache, ints([n]), ints([n]), ints([0]), 0.1)
+    chunked, done = [], 0
+    for size in (7, 1, 16, 21):
+        chunked.append(extend_attention_tiled(q[done:done + size], *cache, ints([done + size]), ints([size]),
+                                              ints([0]), 0.1))
+        done += size
+    assert torch.equal(torch.cat(chunked), whole)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES)
-def test_cpu_picks_native_for_short_prompts_and_torch_for_long_ones(dtype):
-    for seqs, chosen in (([(0, 13), (21, 6), (3, 35)], extend_attention_native),
-                         ([(0, 13), (30, 90)], extend_attention_torch)):  # 90 x 120 tokens is past the bound
-        assert (max(n * (p + n) for p, n in seqs) <= NATIVE_EXTEND_MAX_WORK) == (chosen is extend_attention_native)
+def test_cpu_picks_tiled_where_it_applies_else_native_for_short_prompts_and_torch_for_long_ones(dtype):
+    for seqs, untiled in (([(0, 13), (21, 6), (3, 35)], extend_attention_native),
+                          ([(0, 13), (30, 90)], extend_attention_torch)):  # 90 x 120 tokens is past the bound
+        assert (max(n * (p + n) for p, n in seqs) <= NATIVE_EXTEND_MAX_WORK) == (untiled is extend_attention_native)
         q, kv, extend_lens, q_start = packed(seqs, 6, 64, dtype, 16)
         args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, extend_lens, q_start, 0.125)
+        assert tiled_supported(q) == (dtype == torch.bfloat16 and _has_tiled())
         out = extend_attention_cpu(*args)
-        assert torch.equal(out, chosen(*args))
-        row, tol = 0, REF_TOL[dtype]
-        for b, (prefix, n) in enumerate(seqs):
-            expected = naive_attention(q[row:row + n], kv.keys[b], kv.values[b], prefix, 0.125)
-            torch.testing.assert_close(out[row:row + n].double(), expected, atol=tol, rtol=tol)
-            row += n
+        assert torch.equal(out, (extend_attention_tiled if tiled_supported(q) else untiled)(*args))
+        assert_matches_naive(out, q, kv, seqs, 0.125, REF_TOL[dtype])
 
 
 # case: (what replaces the valid inputs, what the error says)
@@ -166,13 +224,27 @@ BAD_INPUTS = {
 }
 
 
+TILED_BAD_INPUTS = {
+    "float32": (lambda a: {"q": a["q"].float(), "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
+                "bfloat16"),
+    "head_dim 80": (lambda a: {"q": a["q"][..., :40].repeat(1, 1, 2).contiguous(),
+                               "k_cache": a["k_cache"][..., :40].repeat(1, 1, 1, 2).contiguous(),
+                               "v_cache": a["v_cache"][..., :40].repeat(1, 1, 1, 2).contiguous()}, "head_dim"),
+}
+
+
 @needs_native
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_native_refuses_bad_inputs(case):
-    q, kv, extend_lens, q_start = packed([(0, 20), (10, 5)], 4, 64, torch.float32, 16)
+@pytest.mark.parametrize("kernel,case", [("native", c) for c in BAD_INPUTS] + [
+    ("tiled", c) for c in [*BAD_INPUTS, *TILED_BAD_INPUTS] if c != "bf16 q over fp32 caches"])
+def test_refuses_bad_inputs(kernel, case):
+    if kernel == "tiled" and not _has_tiled():
+        pytest.skip("the tiled extend attention needs AVX512-BF16")
+    dtype = torch.float32 if kernel == "native" else torch.bfloat16
+    q, kv, extend_lens, q_start = packed([(0, 20), (10, 5)], 4, 64, dtype, 16)
     args = {"q": q, "k_cache": kv.k_cache, "v_cache": kv.v_cache, "page_table": kv.page_table,
             "seq_lens": kv.seq_lens, "extend_lens": extend_lens, "q_start": q_start, "scale": 0.125}
-    change, match = BAD_INPUTS[case]
+    change, match = {**BAD_INPUTS, **TILED_BAD_INPUTS}[case]
     args.update(change(args))
-    message = error_in_child(lambda: extend_attention_native(**args))
+    run = extend_attention_native if kernel == "native" else extend_attention_tiled
+    message = error_in_child(lambda: run(**args))
     assert message.startswith(("RuntimeError", "ValueError", "IndexError")) and match in message, message
