@@ -128,6 +128,8 @@ class ModelRunner:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch (of a verify batch:
         for each of its new tokens, [sum(extend_lens), V]); the logits of the prompt positions whose logprobs are
         asked for go to batch.prompt_logits."""
+        for src, dst in batch.page_copies:
+            self.pool.copy_page(src, dst)
         fb = self.prepare(batch)
         if self.graphs is not None and self.graphs.why_not(fb) is None:
             return self.graphs.run(fb)  # a decode batch: no prompt rows

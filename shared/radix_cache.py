@@ -1,10 +1,15 @@
 """RadixCache: a prefix tree of KV pages keyed by the tokens they hold.
 
-Each node owns exactly one full page: its key is the tuple of `page_size` token
-ids in that page, its path from the root is the token prefix before it. The tree
-only ever holds full pages, so a match is always page-aligned. A namespace (a LoRA
-adapter's) is part of the first page's key, so each namespace has its own subtree:
-KV computed under one adapter never matches a prompt under another, or the base.
+Each node owns one page: its key is the tuple of the token ids in that page, its
+path from the root is the token prefix before it. Inner nodes hold full pages
+(`page_size` tokens). A leaf may also be a *tail*: the partly filled last page of
+a finished sequence, keyed by the tokens it holds (fewer than `page_size`), so
+that the next turn of a conversation, which extends that sequence, finds all of
+it rather than its whole pages only. A tail's page is shared by no one: the
+request that matches one takes a copy of it (the scheduler's `page_copies`),
+since it goes on writing into that page. A namespace (a LoRA adapter's) is part
+of the first page's key, so each namespace has its own subtree: KV computed
+under one adapter never matches a prompt under another, or the base.
 
 Invariants: a node with `lock_ref > 0` (some running request reads it, or a
 descendant) is never evicted; only unlocked leaves are evicted, least recently
@@ -31,8 +36,10 @@ class Node:
 
 @dataclass
 class PrefixMatch:
-    pages: list[int]
+    pages: list[int]  # the full pages matched
     node: Node  # deepest matched node (the root when nothing matched)
+    tail: Node | None = None  # a tail after them, whose tokens continue the match (with `max_tokens` only)
+    tail_tokens: int = 0  # the tokens it holds
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +49,7 @@ class PrefixMatch:
 @dataclass
 class InsertResult:
     node: Node  # deepest node of the inserted path
-    pages: list[int]  # the tree's pages for the inserted tokens, in order
+    pages: list[int]  # the tree's pages for the inserted tokens, in order (a tail's last)
     duplicates: list[int]  # caller's pages whose tokens the tree already held: free them
 
 
@@ -65,11 +72,15 @@ class RadixCache:
         return keys
 
     def match_prefix(self, tokens: list[int], max_pages: int | None = None,
-                     namespace: str | None = None) -> PrefixMatch:
-        """Longest cached page-aligned prefix of `tokens` (at most `max_pages` pages)."""
-        n = len(tokens) // self.page_size
+                     namespace: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+        """Longest cached page-aligned prefix of `tokens` (at most `max_pages` pages); with `max_tokens`, also the
+        longest tail after it that keeps the match within `max_tokens` tokens."""
+        s = self.page_size
+        n = len(tokens) // s
         if max_pages is not None:
             n = min(n, max_pages)
+        if max_tokens is not None:
+            n = min(n, max_tokens // s)
         node, pages, now = self.root, [], time.monotonic()
         for key in self._keys(tokens, n, namespace):
             child = node.children.get(key)
@@ -78,13 +89,28 @@ class RadixCache:
             child.last_access = now
             pages.append(child.page)
             node = child
-        return PrefixMatch(pages, node)
+        tail, length = None, 0
+        if max_tokens is not None:
+            start = len(pages) * s
+            prefix = (namespace,) if namespace is not None and not pages else ()
+            for length in range(min(s - 1, max_tokens - start, len(tokens) - start), 0, -1):
+                tail = node.children.get((*prefix, *tokens[start:start + length]))
+                if tail is not None:
+                    tail.last_access = now
+                    break
+        return PrefixMatch(pages, node, tail, length if tail is not None else 0)
 
-    def insert(self, tokens: list[int], pages: list[int], namespace: str | None = None) -> InsertResult:
-        """Add the full pages of `tokens` (backed by `pages`); see InsertResult."""
+    def insert(self, tokens: list[int], pages: list[int], namespace: str | None = None,
+               tail: bool = False) -> InsertResult:
+        """Add the full pages of `tokens` (backed by `pages`), and with `tail` the partly filled page after them
+        as a tail; see InsertResult. Only a sequence that writes no more into that page may leave it as a tail."""
         n = min(len(tokens) // self.page_size, len(pages))
+        keys = self._keys(tokens, n, namespace)
+        rest = tokens[n * self.page_size:]
+        if tail and 0 < len(rest) < self.page_size and len(pages) > n:
+            keys.append((namespace, *rest) if namespace is not None and n == 0 else tuple(rest))
         node, path, duplicates, now = self.root, [], [], time.monotonic()
-        for key, page in zip(self._keys(tokens, n, namespace), pages):
+        for key, page in zip(keys, pages):
             child = node.children.get(key)
             if child is None:
                 child = Node(key=key, page=page, parent=node)

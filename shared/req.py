@@ -56,6 +56,9 @@ class Req:
     prefix_node: Node | None = None  # locked radix node covering pages[:num_cached_pages]
     num_cached_pages: int = 0  # leading pages owned by the radix cache, not by this request
     num_computed: int = 0  # tokens of `fill_ids` whose KV is in `pages`
+    # (cached tail page, own page) when the prompt continues a cached partly filled page: the copy its first
+    # step makes (Scheduler._match_prefix)
+    tail_copy: tuple[int, int] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to users)
     generator: torch.Generator | None = None
     grammar: Constraint | None = None  # where the output stands in its grammar, for constrained requests

@@ -8,7 +8,10 @@ running ones for a whole step, and chunking keeps such steps short.
 
 Page ownership: a request's `pages[:num_cached_pages]` belong to the radix
 cache (kept alive by the request's lock on `prefix_node`), the rest belong to
-the request. `check_integrity` proves free + held + cached == total.
+the request. `check_integrity` proves free + held + cached == total. A prompt
+that continues a cached partly filled page (a tail: the end of a finished
+sequence, such as a conversation's last turn) gets a copy of it as its first
+own page, made by the model runner before the step that computes the rest.
 
 LoRA slots are owned the same way: a request of an adapter holds one use of its
 adapter's slot from admission until it is released (finished, aborted or
@@ -49,6 +52,9 @@ class Batch:
     prompt_logits: torch.Tensor | None = None
     # The sampled tokens of the step still in flight (shared/overlap.py), which negative input ids stand for.
     in_flight: torch.Tensor | None = None
+    # (cached tail page, request's page): copies the model runner makes before the step, in order, so that a
+    # request continuing a cached partial page writes on into a page of its own (RadixCache's tails).
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -142,9 +148,10 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def cache_pages(self, req: Req, lock: bool) -> None:
-        """Hand the request's full pages of computed tokens to the radix cache."""
-        result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages, req.cache_namespace)
+    def cache_pages(self, req: Req, lock: bool) -> int:
+        """Hand the request's full pages of computed tokens to the radix cache, and when it is done with them
+        (not `lock`) its partly filled last page as a tail; returns how many of its leading pages the tree owns."""
+        result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages, req.cache_namespace, tail=not lock)
         self.allocator.free(result.duplicates)
         req.pages[:len(result.pages)] = result.pages
         if lock:
@@ -153,17 +160,18 @@ class Scheduler:
             self.cache.unlock(req.prefix_node)
         req.prefix_node = result.node if lock else None
         req.num_cached_pages = len(result.pages) if lock else 0
+        return len(result.pages)
 
     def release(self, req: Req, cache: bool = True) -> None:
-        """Give back everything the request holds; its full pages stay cached when `cache`."""
+        """Give back everything the request holds; its computed pages stay cached when `cache`."""
         if cache and req.num_computed > 0:
-            self.cache_pages(req, lock=False)
-            owned = req.pages[self.cache_prefix_len(req):]
+            owned = req.pages[self.cache_pages(req, lock=False):]
         else:
             owned = req.pages[req.num_cached_pages:]
             if req.prefix_node is not None:
                 self.cache.unlock(req.prefix_node)
         req.prefix_node = None
+        req.tail_copy = None
         self.allocator.free(owned)
         req.pages, req.num_cached_pages, req.num_computed = [], 0, 0
         self._drop_adapter(req)
@@ -182,10 +190,6 @@ class Scheduler:
             self.lora.release(req.lora.name)
             req.lora_slot = -1
 
-    def cache_prefix_len(self, req: Req) -> int:
-        """Pages of `req` now owned by the tree after an unlocked cache_pages."""
-        return min(req.num_computed // self.page_size, len(req.pages))
-
     # ------------------------------------------------------------ scheduling
     def schedule_mixed(self) -> Batch | None:
         """A prefill batch that also carries one token of every running request (with --mixed-prefill),
@@ -197,7 +201,7 @@ class Scheduler:
             decode = self.schedule_decode()  # may retract running requests, never the ones being prefilled
             if decode is not None:
                 return Batch(batch.reqs + decode.reqs, is_decode=False,
-                             extend_lens=batch.extend_lens + decode.extend_lens)
+                             extend_lens=batch.extend_lens + decode.extend_lens, page_copies=batch.page_copies)
         return batch
 
     def _candidates(self) -> list[Req]:
@@ -235,23 +239,35 @@ class Scheduler:
                 break
         if not chosen:
             return None
+        copies = []
         for req, n in zip(chosen, lens):
             if req is not self.chunked:
                 self.waiting.remove(req)
             req.status = ReqStatus.PREFILLING
-        return Batch(chosen, is_decode=False, extend_lens=lens)
+            if req.tail_copy is not None:
+                copies.append(req.tail_copy)
+                req.tail_copy = None
+        return Batch(chosen, is_decode=False, extend_lens=lens, page_copies=copies)
 
     def _match_prefix(self, req: Req) -> None:
         # Leave at least one token to compute: its logits give the first output token.
         limit = req.seq_len - 1
         if req.first_logit_row is not None:  # prompt logprobs need the logits of those positions: compute them
             limit = min(limit, req.first_logit_row)
-        match = self.cache.match_prefix(req.fill_ids, max_pages=limit // self.page_size, namespace=req.cache_namespace)
+        match = self.cache.match_prefix(req.fill_ids, namespace=req.cache_namespace, max_tokens=limit)
         self.cache.lock(match.node)
         req.prefix_node = match.node
         req.pages = list(match.pages)
         req.num_cached_pages = len(match.pages)
         req.num_computed = len(match.pages) * self.page_size
+        if match.tail is not None:
+            self.cache.lock(match.tail)  # the page to copy must not be evicted to make room for the copy
+            page = self.allocate(1)
+            self.cache.unlock(match.tail)
+            if page is not None:
+                req.pages.append(page[0])
+                req.tail_copy = (match.tail.page, page[0])
+                req.num_computed += match.tail_tokens
         if not req.output_ids:
             req.cached_tokens = req.num_computed
 
@@ -261,6 +277,7 @@ class Scheduler:
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
         req.prefix_node, req.pages, req.num_cached_pages, req.num_computed = None, [], 0, 0
+        req.tail_copy = None
 
     def schedule_decode(self) -> Batch | None:
         if not self.running:

@@ -55,7 +55,8 @@ class DecodeRole(ColocatedRole):
         limit = s.config.local_prefill_max_tokens
         if limit <= 0 or len(req.input_ids) <= s.page_size:
             return False
-        cached = len(s.cache.match_prefix(req.input_ids, namespace=req.cache_namespace).pages) * s.page_size
+        match = s.cache.match_prefix(req.input_ids, namespace=req.cache_namespace, max_tokens=len(req.input_ids) - 1)
+        cached = len(match.pages) * s.page_size + match.tail_tokens
         return cached > 0 and len(req.input_ids) - cached <= limit
 
     def before_step(self) -> None:

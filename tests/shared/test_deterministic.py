@@ -116,3 +116,19 @@ def test_linear_rows_do_not_depend_on_the_batch():
         rows = torch.cat([lin(x[r:r + 1]) for r in range(40)])
         for m in (1, 3, BATCH_INVARIANT_MIN_ROWS, 40, 300):
             assert torch.equal(lin(x[:m])[:40], rows[:min(m, 40)])
+
+
+def test_a_next_turn_continuing_a_cached_partial_page_gives_the_bits_of_a_cold_cache(engine, default_model_dir):
+    # The next turn of a conversation extends the last one's prompt and output, whose KV ends inside a page.
+    # The cache keeps that partly filled page as a tail; the next turn computes only what follows it, on a copy.
+    first = list(range(500, 537))  # 37 tokens: two pages and 5 tokens of a third
+    engine.flush_cache()
+    turn1 = run(engine, {"t1": first})["t1"]
+    computed = first + [t for t, _ in turn1][:-1]  # the last output token's KV never was computed
+    second = first + [t for t, _ in turn1] + list(range(900, 911))
+    cached: dict[str, int] = {}
+    warm = run(engine, {"t2": second}, cached=cached)["t2"]
+    assert len(computed) % 16 != 0 and cached["t2"] == len(computed)  # more than its whole pages
+    engine.flush_cache()
+    cold_cached: dict[str, int] = {}
+    assert run(engine, {"t2": second}, cached=cold_cached)["t2"] == warm and cold_cached["t2"] == 0

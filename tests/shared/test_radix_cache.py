@@ -1,4 +1,5 @@
-"""Radix cache and page allocator: matching, sharing, locking and eviction at page granularity."""
+"""Radix cache and page allocator: matching, sharing, locking and eviction at page granularity, and the
+tails finished sequences leave."""
 from __future__ import annotations
 
 import pytest
@@ -62,3 +63,44 @@ def test_flush_refuses_while_locked():
     assert sorted(cache.flush()) == [0, 1] and cache.num_pages == 0
     with pytest.raises(RuntimeError):
         cache.unlock(r.node)
+
+
+def test_a_finished_sequence_leaves_its_partial_page_as_a_tail_that_its_continuation_matches():
+    cache = RadixCache(4)
+    turn = [1, 2, 3, 4, 5, 6, 7]  # a page and 3 tokens of the next
+    result = cache.insert(turn, [10, 11], tail=True)
+    assert result.pages == [10, 11] and cache.num_pages == 2
+    following = turn + [8, 9, 20, 21]
+    match = cache.match_prefix(following, max_tokens=len(following) - 1)
+    assert match.pages == [10] and match.tail.page == 11 and match.tail_tokens == 3
+    # A tail matches whole or not at all, within max_tokens, and never without it (whole pages only).
+    assert cache.match_prefix(following, max_tokens=6).tail is None
+    assert cache.match_prefix(following).tail is None
+    # A prompt that diverges inside the tail's tokens finds a shorter tail only if one was left.
+    assert cache.match_prefix([1, 2, 3, 4, 5, 9, 9], max_tokens=6).tail is None
+    # Without `tail` an insert keeps whole pages only, as before.
+    plain = RadixCache(4)
+    assert plain.insert(turn, [10, 11]).pages == [10] and plain.num_pages == 1
+
+
+def test_the_longest_tail_within_the_limit_wins_and_a_tail_never_takes_children():
+    cache = RadixCache(4)
+    cache.insert([1, 2, 3, 4, 5], [0, 1], tail=True)
+    cache.insert([1, 2, 3, 4, 5, 6, 7], [0, 2], tail=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert cache.match_prefix(tokens, max_tokens=8).tail.page == 2
+    assert cache.match_prefix(tokens, max_tokens=6).tail.page == 1  # 2 tokens after the page at most
+    # A longer sequence over the same tokens adds a full page beside the tails.
+    result = cache.insert(tokens, [0, 3, 4])
+    assert result.pages == [0, 3] and cache.match_prefix(tokens, max_tokens=8).pages == [0, 3]
+    assert sorted(cache.pages()) == [0, 1, 2, 3]
+
+
+def test_tails_are_per_namespace_deduplicated_and_evicted_like_leaves():
+    cache = RadixCache(4)
+    assert cache.insert([1, 2], [5], namespace="a", tail=True).pages == [5]
+    assert cache.match_prefix([1, 2, 3], max_tokens=2).tail is None  # the base model's prompt
+    assert cache.match_prefix([1, 2, 3], namespace="a", max_tokens=2).tail.page == 5
+    again = cache.insert([1, 2], [6], namespace="a", tail=True)
+    assert again.pages == [5] and again.duplicates == [6]
+    assert cache.evict(1) == [5] and cache.num_pages == 0

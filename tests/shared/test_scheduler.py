@@ -214,9 +214,9 @@ def test_decode_role_computes_a_next_turn_itself_from_the_conversation_it_holds(
     engine.role.kv_ready("t1", [FirstToken(13)], 0)
     run_until_idle(engine)
     assert tokens_of(outputs, "t1") == list(range(13, 21)) and reserved == [first]
-    # The next turn: the whole first exchange, then 5 new tokens. This worker's cache holds 16 of its 25 tokens
-    # (whole pages of what it computed; the last output token's KV never was): it computes the other 9 itself,
-    # and no prefill worker is asked.
+    # The next turn: the whole first exchange, then 5 new tokens. This worker's cache holds 19 of its 25 tokens
+    # (all it computed, a whole page and the tail of the next; the last output token's KV never was): it
+    # computes the other 6 itself, and no prefill worker is asked.
     second = make_req("t2", list(range(1, 21)) + [100, 101, 102, 103, 104], outputs, max_new_tokens=3)
     second.on_pages_reserved = reserved.append
     engine.runner.computed.clear()
@@ -224,7 +224,7 @@ def test_decode_role_computes_a_next_turn_itself_from_the_conversation_it_holds(
     run_until_idle(engine)
     assert reserved == [first]
     assert tokens_of(outputs, "t2") == [105, 106, 107]
-    assert engine.runner.computed[0] == ("t2", 16, 9) and outputs[("t2", 0)][0].cached_tokens == 16
+    assert engine.runner.computed[0] == ("t2", 19, 6) and outputs[("t2", 0)][0].cached_tokens == 19
     # A prompt whose uncached rest is longer than the limit goes to a prefill worker as before.
     third = make_req("t3", list(range(1, 21)) + list(range(200, 212)), outputs, max_new_tokens=1)
     third.on_pages_reserved = reserved.append
@@ -384,7 +384,7 @@ def test_prefill_role_transfers_pages_then_returns_first_tokens():
     assert [t.token_id for t in result.first_tokens] == [11, 11]
     assert len(sent) == 1 and len(sent[0][0]) == 3 and sent[0][1] == [7, 8, 9]
     assert_integrity(engine)
-    assert engine.cache.num_pages == 2  # the prompt's full pages stay cached for later prefix hits
+    assert engine.cache.num_pages == 3  # the prompt's pages (2 full, a tail) stay cached for later prefix hits
 
 
 def test_prefill_role_transfer_failure_fails_the_request_and_frees_pages():
