@@ -56,34 +56,27 @@ struct Layout {
   int64_t k_page, k_token, k_head, v_page, v_token, v_head, page_size, head_dim;
 };
 
-// `gather`: every K word of the pool is within 2^31 words of the layer's first, so 32-bit gather offsets reach it.
-void pack(const Layout& kv, const int32_t* pages, const Head& hd, bool gather) {
+void pack(const Layout& kv, const int32_t* pages, const Head& hd) {
   const int64_t D = kv.head_dim, pairs = D / 2, chunks = D / 16, blocks = (hd.len + KEYS - 1) / KEYS;
   // K: 16 keys' words (a word = two adjacent dims) at a time, per word index; lanes past the end are zero.
+  // Offsets are 64-bit: the layer's view strides over every layer of the pool, whose size has no bound here.
   const int32_t* kbase = reinterpret_cast<const int32_t*>(kv.k + hd.h * kv.k_head);
-  alignas(64) int32_t offsets[KEYS];
+  alignas(64) int64_t offsets[KEYS];
   for (int64_t j = 0; j < blocks; ++j) {
     const int64_t n = std::min(KEYS, hd.len - j * KEYS);
-    __m512i* block = hd.k + j * pairs;
-    if (!gather) {
-      int32_t* dst = reinterpret_cast<int32_t*>(block);
-      std::fill(dst, dst + pairs * KEYS, 0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = j * KEYS + i;
-        const int32_t* row = kbase + (pages[t / kv.page_size] * kv.k_page + (t % kv.page_size) * kv.k_token) / 2;
-        for (int64_t p = 0; p < pairs; ++p) dst[p * KEYS + i] = row[p];
-      }
-      continue;
-    }
     for (int64_t i = 0; i < KEYS; ++i) {
       const int64_t t = j * KEYS + std::min(i, n - 1);  // lanes past the end read the last key, masked off
-      offsets[i] = static_cast<int32_t>((pages[t / kv.page_size] * kv.k_page + (t % kv.page_size) * kv.k_token) / 2);
+      offsets[i] = (pages[t / kv.page_size] * kv.k_page + (t % kv.page_size) * kv.k_token) / 2;
     }
-    const __m512i idx = _mm512_load_si512(offsets);
+    const __m512i first = _mm512_load_si512(offsets), second = _mm512_load_si512(offsets + 8);
     const __mmask16 valid = n == KEYS ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     for (int64_t p = 0; p < pairs; ++p) {
-      block[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid,
-                                             _mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int32_t>(p))), kbase, 4);
+      const __m512i step = _mm512_set1_epi64(p);
+      const __m256i lo = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), __mmask8(valid),
+                                                     _mm512_add_epi64(first, step), kbase, 4);
+      const __m256i hi = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), __mmask8(valid >> 8),
+                                                     _mm512_add_epi64(second, step), kbase, 4);
+      hd.k[j * pairs + p] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
   }
   // V: two keys' rows interleaved word by word.
@@ -249,7 +242,6 @@ at::Tensor extend_attention_tiled(const at::Tensor& q, const at::Tensor& k_cache
   const Rows call{static_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                   static_cast<uint16_t*>(out.data_ptr()), num_heads * head_dim, group, static_cast<float>(scale)};
   const int64_t pairs = head_dim / 2, chunks = head_dim / 16;
-  const bool gather = k_cache.numel() / 2 < (int64_t(1) << 31) - 1;
   auto packed_vectors = [&](int64_t len) { return (len + KEYS - 1) / KEYS * pairs + (len + 1) / 2 * chunks; };
 
   for (int64_t first = 0; first < batch;) {
@@ -285,7 +277,7 @@ at::Tensor extend_attention_tiled(const at::Tensor& q, const at::Tensor& k_cache
       }
     }
     at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) pack(kv, table + heads[i].b * page_table.stride(0), heads[i], gather);
+      for (int64_t i = begin; i < end; ++i) pack(kv, table + heads[i].b * page_table.stride(0), heads[i]);
     });
     // Costliest tiles first, handed out one at a time: causal tiles differ in cost up to the prompt's length.
     std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
