@@ -30,14 +30,16 @@ PACK_N = 32  # output channels per block of the fused kernel's packed weight
 
 class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 input_absmax: torch.Tensor | None = None, batched: bool = False) -> None:
+                 input_absmax: torch.Tensor | None = None, batched: bool = False, fp32_output: bool = False) -> None:
         """weight [out, in] in any float dtype; `input_absmax` [in]: each input column's largest magnitude seen
         on calibration inputs (None: no smoothing). `batched`: calls carry thousands of rows (an encoder's batch
         of whole sequences), where oneDNN's int8 GEMM, wherever it sums exactly, beats the fused kernel, made
         for a decode step's few rows (all-MiniLM-L6-v2, 64 x 128 tokens, AVX512-VNNI: 126-139 against 103-119
-        sequences/s); the outputs are the same bit for bit."""
+        sequences/s); the outputs are the same bit for bit. `fp32_output`: fp32 results whatever x's dtype (the
+        LM head's logits; x's codes are the same either way, since a bf16 row is widened exactly)."""
         w = weight.float()
         self.shape = weight.shape
+        self.fp32_output = fp32_output
         self.inv_smooth = None
         if input_absmax is not None:
             smooth = (input_absmax.float().clamp_min(1e-5) ** SMOOTHING_ALPHA
@@ -71,6 +73,9 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] float32 or bfloat16 -> [T, out] of x's dtype, plus `residual` [T, out] when given (one pass
         fewer)."""
+        if self.fp32_output:
+            x = x.float()
+            residual = None if residual is None else residual.float()
         if self._fused is not None:
             col_scale, col_sum, sum128, bias = self._vectors
             return self._fused(x, self.packed, self.shape[0], col_scale, col_sum, sum128, bias, residual,

@@ -24,6 +24,14 @@ in fp32 (inputs widened exactly, fp32 accumulation as in the bf16 kernel, output
 `wide_f32_pays`, PDSERVE_CPU_WIDE_MATMUL=bf16|f32 overrides it). Where bf16 is the faster one, an fp32 layer
 of an embedding model keeps its activations, bias and residual in fp32 and runs only the matmul in bf16 (inputs
 rounded, fp32 accumulation): Bf16MatmulLinear, `bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it.
+
+Two kinds of layer never take oneDNN, whose kernel (and with it the order in which a row's products are summed)
+changes with the number of rows and with the CPU (AMX tiles at some row counts, AVX-512 at others): the layers of
+deterministic mode (`batch_invariant`) and the LM head (`fp32_output`). Both run the native fixed-order matmul
+(FixedOrderMatmul, kernels/native/dense.cpp), which sums every output in one lane from the first k to the last,
+so a row has the same bits at every row count by construction; the LM head keeps those fp32 sums as its logits.
+On the default model's shapes it measured 0.5-1.1x oneDNN's (with the GEMV's) time from 1 to 1,024 rows on
+AVX512-BF16 (README, "Deterministic mode and fp32 logits").
 """
 from __future__ import annotations
 
@@ -38,10 +46,6 @@ from pdserve.kernels import native
 log = logging.getLogger(__name__)
 
 
-# oneDNN computes a row of a packed bf16 matmul with one kernel for fewer than 8 rows and another, which
-# accumulates in a different order, from 8 rows up (measured for M = 1..600 on the default model's shapes); every M >= 8 gives each row
-# the same bits. A batch-invariant Linear therefore pads its input to 8 rows.
-BATCH_INVARIANT_MIN_ROWS = 8
 GEMV_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 2}  # where the native GEMV runs, when the build has it
 # From this many rows a step may run its bf16 matmuls in fp32 (see above); below, bf16 measured as fast or
 # faster (0.74x at 8 rows, 1.05x at 32, 1.24x at 64, 1.45x at 256 on the 2-core Xeon).
@@ -49,34 +53,48 @@ WIDE_MIN_ROWS = 64
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False) -> None:
-        """`batch_invariant`: a row's result does not depend on the other rows computed with it (see above)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False,
+                 fp32_output: bool = False) -> None:
+        """`batch_invariant`: a row's result does not depend on the other rows computed with it (deterministic
+        mode): every row count runs the fixed-order kernel (FixedOrderMatmul), never oneDNN, whose kernel and
+        summation order change with the row count and the CPU. `fp32_output`: return fp32 whatever the weight's
+        dtype (the LM head: logits are sampled in fp32, not rounded to bf16 first); on the CPU the fixed-order
+        kernel computes it too."""
         self.shape = weight.shape  # [out_features, in_features]
         self.dtype = weight.dtype
         self.bias = bias
-        self._packed = _pack(weight)
-        self._weight = weight if self._packed is None else None  # one copy only: the packed one replaces it
-        self.min_rows = BATCH_INVARIANT_MIN_ROWS if batch_invariant else 0
-        # The GEMV sums in another order than oneDNN, so a batch-invariant layer never uses it.
-        self._gemv_weight = None if batch_invariant else _gemv_weight(weight)
+        self.fp32_output = fp32_output
+        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fp32_output else None
+        if batch_invariant and self._fixed is None:
+            raise ValueError("a batch-invariant layer needs the native CPU kernels' fixed-order matmul (a CPU "
+                             "weight in float32 or bfloat16 and a native build)")
+        fixed = self._fixed is not None
+        # On CUDA, and on a CPU without the native build, an fp32 output comes from fp32 arithmetic: cuBLAS writes
+        # fp32 from bf16 operands; the CPU fallback keeps an fp32 copy of the weight.
+        cpu_f32 = fp32_output and not fixed and weight.device.type == "cpu" and weight.dtype != torch.float32
+        self._packed = None if fixed else _pack(weight.float() if cpu_f32 else weight)
+        self._weight = None if fixed or self._packed is not None else (weight.float() if cpu_f32 else weight)
+        self._gemv_weight = None if fixed or fp32_output else _gemv_weight(weight)
         self._gemv = native.load().gemv if self._gemv_weight is not None else None
         self._gemv_rows = GEMV_MAX_ROWS.get(weight.dtype, 0)
-        # Batch-invariant layers never switch kernels with the number of rows.
-        wide = self._packed is not None and weight.dtype == torch.bfloat16 and not batch_invariant and wide_f32_pays()
+        wide = (not fixed and not fp32_output and self._packed is not None and weight.dtype == torch.bfloat16
+                and wide_f32_pays())
         self._packed_f32 = _pack(weight.float()) if wide else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features], plus `residual` [T, out_features] when given."""
+        if self._fixed is not None:
+            return self._fixed(x, residual, self.fp32_output)
         out = self._matmul(x)
         return out if residual is None else out.add_(residual)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.fp32_output:
+            return self._matmul_f32(x)
         if self._gemv_weight is not None and 0 < rows <= self._gemv_rows:
             out = self._gemv(x.contiguous(), self._gemv_weight)
             return out if self.bias is None else out.add_(self.bias)
-        if rows < self.min_rows:
-            return self._matmul(torch.cat([x, x.new_zeros(self.min_rows - rows, x.shape[1])]))[:rows]
         if self._packed_f32 is not None and rows >= WIDE_MIN_ROWS:
             out = torch.ops.mkldnn._linear_pointwise(x.float(), self._packed_f32, None, "none", [], "")
             out = out.to(x.dtype)
@@ -85,9 +103,18 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self._weight, self.bias)
 
+    def _matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        if x.device.type == "cuda":
+            out = torch.mm(x, self._weight.t(), out_dtype=torch.float32)
+            return out if bias is None else out.add_(bias)
+        if self._packed is not None:  # an fp32 copy (see __init__)
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self._packed, bias, "none", [], "")
+        return F.linear(x.float(), self._weight.float(), bias)
+
     @property
     def is_packed(self) -> bool:
-        return self._packed is not None
+        return self._packed is not None or self._fixed is not None
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +122,54 @@ class Linear:
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in its plain [out, in] layout (a copy when packed): for inspection, not the hot path."""
-        return self._weight if self._packed is None else self._packed.to_dense()
+        if self._fixed is not None:
+            return self._fixed.dense_weight()
+        weight = self._weight if self._packed is None else self._packed.to_dense()
+        return weight.to(self.dtype)
+
+
+class FixedOrderMatmul:
+    """x W^T (+ bias) (+ residual) by the native kernel that sums every output in one fixed order
+    (kernels/native/dense.cpp): a row gets the same bits at every row count, on every CPU the build runs on, by
+    construction. Its weight is packed once in the kernel's layout; bf16 or fp32 results, or fp32 from bf16."""
+
+    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        self._kernel = lib.dense_linear
+        pair = lib.dense_pair(weight)
+        pn, pk = -(-n // DENSE_BLOCK) * DENSE_BLOCK, -(-k // pair) * pair
+        padded = weight.new_zeros(pn, pk)
+        padded[:n, :k] = weight
+        self.shape = (n, k)
+        self.packed = padded.view(pn // DENSE_BLOCK, DENSE_BLOCK, pk // pair, pair).permute(0, 2, 1, 3).contiguous()
+        self.bias = None if bias is None else F.pad(bias.float(), (0, pn - n)).contiguous()
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> FixedOrderMatmul | None:
+        """The layer, where the kernel can compute it: a CPU weight in fp32 or bf16 and a native build."""
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        try:
+            lib = native.load()
+        except native.NativeUnavailable:
+            return None
+        return cls(lib, weight.contiguous(), bias)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp32_output: bool = False):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out_dtype = torch.float32 if fp32_output else x.dtype
+        fused = residual if residual is not None and residual.dtype == out_dtype and residual.stride(-1) == 1 else None
+        out = self._kernel(x, self.packed, self.shape[0], self.bias, fused, fp32_output)
+        return out if residual is None or fused is not None else out.add_(residual)
+
+    def dense_weight(self) -> torch.Tensor:
+        blocks, groups, _, pair = self.packed.shape
+        n, k = self.shape
+        return self.packed.permute(0, 2, 1, 3).reshape(blocks * DENSE_BLOCK, groups * pair)[:n, :k].clone()
+
+
+DENSE_BLOCK = 32  # output channels per block of the fixed-order kernel's packed weight
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import torch
 from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.decode_graphs import DecodeGraphs, bucket_sizes
 from pdserve.shared.host_memory import keep_freed_memory, upload
+from pdserve.shared.invariance import check_batch_invariance
 from pdserve.shared.kernel_ops import get_kernel_ops, resolve_kernel_set
 from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.linear import cpu_has_bf16
@@ -76,6 +77,9 @@ class ModelRunner:
                                      batch_invariant=config.deterministic, hidden_output=self.hidden_output,
                                      quantization=config.quantization)
         self.model.load(config.model_path)
+        if config.deterministic:  # before the first request: a machine that breaks the promise refuses to start
+            checks = check_batch_invariance(self.model, self.ops, config.cache.page_size)
+            log.info("deterministic mode: %d batch-invariance checks passed on this machine", checks)
         self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
         if config.lora is not None:
             self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels import native
 from pdserve.shared.host_memory import upload
 from pdserve.shared.outputs import TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
@@ -136,6 +137,14 @@ class Sampler:
         return _with_logprobs(logits, tokens, params)
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1) for x [R, V] fp32, each row summed in one order whatever R (the native kernel on the CPU: torch
+    splits a lone row across threads, so its logprobs would change with the rows beside it)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and native.available():
+        return native.load().row_sums(x if x.stride(-1) == 1 else x.contiguous())
+    return x.sum(-1)
+
+
 def _block_size(vocab: int) -> int | None:
     """A block length dividing the vocabulary, for two-level scans; None when the vocabulary has none useful."""
     block = min(vocab & -vocab, 256)  # largest power of two dividing vocab, at most 256
@@ -240,7 +249,7 @@ def _sample_rows(x: torch.Tensor, params: list[SamplingParams], generators: list
     if any(t != 1.0 for t in temps):
         e.div_(upload(temps, torch.float32, device)[:, None])
     e.exp_()
-    mass = e.sum(-1)  # [R] total mass before any filter: top_p is a share of it
+    mass = row_sums(e)  # [R] total mass before any filter: top_p is a share of it
     e = _apply_thresholds(e, params, sync_free)
     top_p = upload([p.top_p for p in params], torch.float32, device)
     return (_draw_nucleus if sync_free else _draw)(e, mass, top_p, generators)
@@ -376,7 +385,8 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Samp
     batch, vocab = logits.shape
     idx = _index(rows, logits.device)
     raw = logits.float() if len(rows) == batch else logits[idx].float()  # [L, V], read only
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [L, 1]
+    top = raw.amax(-1, keepdim=True)  # exact in any order
+    lse = top + row_sums(torch.exp(raw - top)).log()[:, None]  # [L, 1]
     logprobs = torch.full((batch,), float("nan"), device=logits.device)
     logprobs[idx] = (raw.gather(1, tokens[idx, None]) - lse).squeeze(1)
     k = min(max(p.top_logprobs_num for p in params), vocab)

@@ -24,6 +24,10 @@ bool tiled_extend_supported(int64_t head_dim);
 at::Tensor extend_attention_tiled(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& page_table, const at::Tensor& seq_lens,
                                   const at::Tensor& extend_lens, const at::Tensor& q_start, double scale);
+at::Tensor row_sums(const at::Tensor& x);
+int64_t dense_pair(const at::Tensor& weight);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& residual, bool fp32_out);
 bool gemv_supported(const at::Tensor& weight);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
 void apply_token_mask(at::Tensor logits, const at::Tensor& bitmask);
@@ -53,6 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &pdserve::rmsnorm, release());
   m.def("silu_and_mul", &pdserve::silu_and_mul, release());
   m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
+  m.def("row_sums", &pdserve::row_sums, release());
+  m.def("dense_pair", &pdserve::dense_pair);
+  m.def("dense_linear", &pdserve::dense_linear, release());
   m.def("gemv_supported", &pdserve::gemv_supported);
   m.def("gemv", &pdserve::gemv, release());
   m.def("decode_attention", &pdserve::decode_attention, release());

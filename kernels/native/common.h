@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -186,6 +187,15 @@ inline float hsum8(__m256 x) {
   return _mm_cvtss_f32(_mm256_castps256_ps128(sum8(v)));
 }
 #endif
+
+// f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
+template <int MT, typename F>
+void dispatch_rows(int64_t rows, F&& f) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return dispatch_rows<MT - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MT>());
+}
 
 inline void check_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,

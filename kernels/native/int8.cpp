@@ -180,14 +180,6 @@ void store_tail(const int32_t* sums, int64_t valid, int64_t m, int64_t c, int64_
   }
 }
 
-// f(std::integral_constant<int, rows>()) for 1 <= rows <= MT: each tile height its own unrolled code.
-template <int MT, typename F>
-void dispatch_rows(int64_t rows, F&& f) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return dispatch_rows<MT - 1>(rows, f);
-  }
-  f(std::integral_constant<int, MT>());
-}
 #endif
 
 #if defined(PDSERVE_INT8_VNNI)

@@ -41,8 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="the kernel set every layer runs on: triton (default on CUDA), native C++ (default on "
                              "CPU) or the plain-torch twins; --attention-backend is an alias (SGLang's name)")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
-                        help="greedy output bit-identical for a prompt whatever it is batched, cached or chunked with "
-                             "(CPU, native kernels)")
+                        help="greedy output and seeded samples bit-identical for a prompt whatever it is batched, "
+                             "cached or chunked with (CPU, native kernels; checked at start on this machine)")
+    # SGLang's flag for what is always so here: the LM head's logits stay fp32 from its fp32 sums (on a CPU its
+    # fixed-order kernel is as fast as the bf16 one), so sampling never sees a logit rounded to bf16.
+    parser.add_argument("--enable-fp32-lm-head", action="store_true",
+                        help="accepted for SGLang's command lines: logits are always fp32 here")
     parser.add_argument("--stream-interval", type=positive_int, default=1, metavar="TOKENS",
                         help="tokens a request's stream gathers before a message is sent (SGLang's); a stream that "
                              "falls behind sends what it has in one message whatever this is")

@@ -96,9 +96,12 @@ class LlamaForCausalLM:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, batch_invariant=self.batch_invariant)
 
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  fp32_output: bool = False) -> Linear | Int8Linear:
             """An attention, MLP or LM head matmul, in int8 when the model is quantized."""
-            return Int8Linear(weight, bias) if self.quantization == "w8a8_int8" else linear(weight, bias)
+            if self.quantization == "w8a8_int8":
+                return Int8Linear(weight, bias, fp32_output=fp32_output)
+            return Linear(weight, bias, batch_invariant=self.batch_invariant, fp32_output=fp32_output)
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -135,9 +138,9 @@ class LlamaForCausalLM:
             self.lm_head = None
         elif cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed (or int8) copy.
-            self.lm_head = dense(self.embed)
+            self.lm_head = dense(self.embed, fp32_output=True)
         else:
-            self.lm_head = dense(take("lm_head.weight"))
+            self.lm_head = dense(take("lm_head.weight"), fp32_output=True)
 
     def take_weights(self, other: LlamaForCausalLM) -> None:
         """Serve `other`'s weights from the next forward on; `other` has this model's config and was loaded from
@@ -163,8 +166,10 @@ class LlamaForCausalLM:
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, ops: KernelOps) -> torch.Tensor:
-        """Run the new tokens through the model; return the logits [B, V] of each sequence's last row, in the
-        model's dtype (the sampler widens to fp32 only what it must: greedy rows need no copy at all)."""
+        """Run the new tokens through the model; return the logits [B, V] of each sequence's last row, in fp32:
+        the LM head sums in fp32 and keeps its sums, so sampling and logprobs never see logits rounded to bf16
+        (at logits of 16-32 one bf16 step is 0.125, enough to flip a near tie). A classifier's scores or an
+        embedding model's hidden states stay in the model's dtype."""
         cfg = self.config
         q_size = cfg.num_heads * cfg.head_dim
         hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]

@@ -25,7 +25,7 @@ MARCH = "x86-64-v3"
 ROOT = Path(__file__).resolve().parents[2]
 # The tests of every native op (each against its torch twin), and the layer that picks the native GEMV.
 MODULES = ["test_rmsnorm.py", "test_silu_mul.py", "test_rotary_kv.py", "test_decode_attention.py",
-           "test_extend_attention.py", "test_token_mask.py", "test_int8_matmul.py", "test_lora.py"]
+           "test_extend_attention.py", "test_token_mask.py", "test_int8_matmul.py", "test_lora.py", "test_dense.py"]
 
 
 def _compiler_refuses() -> str | None:
@@ -63,7 +63,7 @@ def test_native_kernels_pass_their_tests_on_the_avx2_build():
     assert build.returncode == 0 and build.stdout.strip() == "avx2", build.stdout + build.stderr
     here = Path(__file__).parent
     # The bad-input checks come before any vector path: they run once, in the main run.
-    tests = "(native and not refuses) or test_linear or int8_mm"
+    tests = "(native and not refuses) or test_linear or int8_mm or test_dense"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rs", "-k", tests,
                           *(str(here / m) for m in MODULES),
                           str(ROOT / "tests/shared/test_linear.py")],

@@ -158,9 +158,9 @@ def test_the_gemv_takes_the_rows_where_it_measured_faster(dtype):
     assert called == list(range(1, linear.GEMV_MAX_ROWS[dtype] + 1))  # fp32: 1-2 rows, bf16: 1-4
 
 
-def test_batch_invariant_layers_never_take_the_gemv():
+def test_batch_invariant_layers_run_one_kernel_at_every_row_count():
     lin = Linear(torch.zeros(16, 32, dtype=torch.bfloat16), batch_invariant=True)
-    assert lin._gemv_weight is None and lin.min_rows == 8
+    assert lin._fixed is not None and lin._gemv_weight is None and lin._packed is None and lin._packed_f32 is None
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -182,7 +182,6 @@ def test_wide_bf16_steps_may_compute_in_fp32_with_one_rounding(bias, wide_matmul
         exact = x.double() @ weight.double().T  # fp32 sums of exactly widened inputs: within one bf16 rounding
         want = (exact.float().bfloat16().double() + (b.double() if bias else 0))
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
-    assert Linear(weight, b, batch_invariant=True)._packed_f32 is None  # never switches kernels by row count
 
 
 # Bf16MatmulLinear runs only where oneDNN packs bf16 (bf16_matmul_pays requires it): elsewhere fp32 layers keep
