@@ -39,7 +39,7 @@ def answer(engine: Engine, prompt: list[int], kind: str, new_tokens: int, others
 
     def collect(o):
         for t, lp in zip(o.token_ids, o.logprobs):
-            out.setdefault(o.rid, []).append((t, lp.top_logprobs[0][1] - lp.top_logprobs[1][1]))
+            out.setdefault(o.rid, []).append((t, lp.top_logprobs[0] - lp.top_logprobs[1]))
 
     def add(rid: str, ids: list[int], params: dict) -> None:
         engine.add_request(Req(rid=rid, input_ids=ids, on_output=collect,

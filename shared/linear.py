@@ -64,7 +64,8 @@ class Linear:
         self.dtype = weight.dtype
         self.bias = bias
         self.fp32_output = fp32_output
-        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fp32_output else None
+        fixed_here = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fixed_order_pays()
+        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fp32_output or fixed_here else None
         if batch_invariant and self._fixed is None:
             raise ValueError("a batch-invariant layer needs the native CPU kernels' fixed-order matmul (a CPU "
                              "weight in float32 or bfloat16 and a native build)")
@@ -302,6 +303,26 @@ def _packs_bf16() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+_fixed_order: bool | None = None
+
+
+def fixed_order_pays() -> bool:
+    """Whether every bf16 layer on this CPU should run the fixed-order kernel, not oneDNN and the GEMV: on AMD's
+    AVX512-BF16 cores without AMX, where it measured 0.5-1.0x their time at 1 to 1,024 rows on the default model's
+    shapes and a whole decode step 0.75-0.82x (README, "Deterministic mode and fp32 logits"); AMX tiles and other
+    CPUs keep oneDNN until measured. PDSERVE_CPU_MATMUL=fixed|onednn overrides it. A layer on it also gives a
+    row the same bits at every row count, though only deterministic mode promises that."""
+    global _fixed_order
+    if _fixed_order is None:
+        choice = os.environ.get("PDSERVE_CPU_MATMUL", "auto")
+        if choice not in ("auto", "fixed", "onednn"):
+            raise ValueError(f"PDSERVE_CPU_MATMUL must be auto, fixed or onednn, got {choice!r}")
+        auto = _cpu_vendor() == "AuthenticAMD" and _has_avx512_bf16() and not amx_usable()
+        _fixed_order = auto if choice == "auto" else choice == "fixed"
+        log.info("bf16 CPU matmuls run on %s", "the fixed-order kernel" if _fixed_order else "oneDNN")
+    return _fixed_order
 
 
 _wide_f32: bool | None = None

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 import requests
-from harness import start_gateway
+from harness import start_gateway, start_worker
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -278,19 +278,29 @@ def test_a_responses_input_over_the_context_is_400_unrendered_even_with_truncati
     assert elapsed < 3 and live.worst < 0.25, (elapsed, live.worst)
 
 
-def test_a_long_chain_with_truncation_auto_keeps_the_latest_turns_that_fit(hostile):
-    gw, previous = hostile.plain, None
-    for turn in range(12):  # each turn ~700 tokens: the chain passes the 8192-token context after about ten
-        body = {"model": "default", "input": f"turn {turn}: " + "tell me more " * 230, "max_output_tokens": 2,
-                "truncation": "auto", **({"previous_response_id": previous} if previous else {})}
-        r = post(gw, "/v1/responses", body, timeout=120)
-        assert r.status_code == 200, r.text[:300]
-        previous = r.json()["id"]
-    items = requests.get(f"{gw.url}/v1/responses/{previous}/input_items?limit=100", timeout=30).json()["data"]
-    texts = [part["text"] for item in items if item.get("role") == "user" for part in item["content"]]
-    kept = sorted(int(t.split(":")[0].split()[1]) for t in texts)
-    assert kept[-1] == 11 and kept == list(range(kept[0], 12)) and kept[0] > 0, kept  # the oldest dropped
-    assert r.json()["usage"]["input_tokens"] < 8192
+def test_a_long_chain_with_truncation_auto_keeps_the_latest_turns_that_fit(default_model_dir):
+    # A worker of a 2,048-token context: the chain passes it within a few turns, and each turn once past it
+    # computes 2k tokens again rather than 8k (what the shared worker's context would take, at 4x the time).
+    proc, addr = start_worker("colocated", str(default_model_dir), "--context-length", "2048", threads=1)
+    gw = start_gateway(default_model_dir, "--worker", addr)
+    try:
+        proc.wait_healthy(180)
+        gw.proc.wait_healthy(60)
+        previous = None
+        for turn in range(6):  # each turn ~700 tokens: the chain passes the context at the third
+            body = {"model": "default", "input": f"turn {turn}: " + "tell me more " * 230, "max_output_tokens": 2,
+                    "truncation": "auto", **({"previous_response_id": previous} if previous else {})}
+            r = post(gw, "/v1/responses", body, timeout=120)
+            assert r.status_code == 200, r.text[:300]
+            previous = r.json()["id"]
+        items = requests.get(f"{gw.url}/v1/responses/{previous}/input_items?limit=100", timeout=30).json()["data"]
+        texts = [part["text"] for item in items if item.get("role") == "user" for part in item["content"]]
+        kept = sorted(int(t.split(":")[0].split()[1]) for t in texts)
+        assert kept[-1] == 5 and kept == list(range(kept[0], 6)) and kept[0] > 0, kept  # the oldest dropped
+        assert r.json()["usage"]["input_tokens"] < 2048
+    finally:
+        gw.proc.stop()
+        proc.stop()
 
 
 def test_a_block_type_that_is_not_a_string_is_a_400_in_anthropic_shape(hostile):

@@ -34,6 +34,13 @@ def onednn_refuses_bf16(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
 
 
+@pytest.fixture(autouse=True)
+def onednn_layers(monkeypatch):
+    """The oneDNN and GEMV paths under test, wherever this CPU would run bf16 layers on the fixed-order kernel
+    (tests/kernels/test_dense.py tests that one)."""
+    monkeypatch.setattr(linear, "_fixed_order", False)
+
+
 @pytest.fixture
 def wide_matmuls(monkeypatch):
     """Choose how wide bf16 steps compute, instead of this CPU's measured choice."""
@@ -255,6 +262,29 @@ def test_bf16_or_fp32_is_chosen_from_the_cpu(monkeypatch, amx, vendor, avx512_bf
     assert linear.cpu_has_bf16() is (amx or avx512_bf16)
     assert linear.bf16_matmul_pays() is (faster and packs)
     assert linear.wide_f32_pays() is (not faster and torch.backends.mkldnn.is_available())
+    monkeypatch.setattr(linear, "_fixed_order", None)
+    monkeypatch.delenv("PDSERVE_CPU_MATMUL", raising=False)
+    assert linear.fixed_order_pays() is (vendor == "AuthenticAMD" and avx512_bf16 and not amx)
+
+
+def test_the_matmul_kernel_choice_can_be_forced_and_a_bf16_layer_follows_it(monkeypatch):
+    weight = torch.randn(40, 64, dtype=torch.bfloat16)
+    for choice, fixed in [("fixed", True), ("onednn", False)]:
+        monkeypatch.setattr(linear, "_fixed_order", None)
+        monkeypatch.setenv("PDSERVE_CPU_MATMUL", choice)
+        assert linear.fixed_order_pays() is fixed
+        assert (Linear(weight)._fixed is not None) is (fixed and native_available())
+        assert Linear(weight.float())._fixed is None  # fp32 layers keep oneDNN until measured
+    monkeypatch.setattr(linear, "_fixed_order", None)
+    monkeypatch.setenv("PDSERVE_CPU_MATMUL", "mkl")
+    with pytest.raises(ValueError, match="auto, fixed or onednn"):
+        linear.fixed_order_pays()
+
+
+def native_available() -> bool:
+    from pdserve.kernels import native
+
+    return native.available()
 
 
 def test_dtype_auto_serves_bf16_checkpoints_in_fp32_on_a_cpu_without_bf16_instructions(monkeypatch):

@@ -27,7 +27,9 @@ def request(prompt: list[int], new: int, **params) -> pb.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def worker():
-    proc, addr = start_worker("colocated")
+    # Deterministic mode: a prompt's greedy tokens are the same bits alone and batched by construction, on every
+    # CPU; these prompts of arbitrary ids have near-ties that another summation order may flip otherwise.
+    proc, addr = start_worker("colocated", None, "--enable-deterministic-inference")
     try:
         proc.wait_healthy()
         yield addr
