@@ -17,6 +17,7 @@ import logging
 import time
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
 from pdserve.services.gateway import messages_api
 from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
@@ -27,6 +28,7 @@ from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, to
 from pdserve.services.gateway import responses_api
 from pdserve.services.gateway.responses_store import ResponseStore
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
+from pdserve.shared import tracing
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")
@@ -60,8 +62,13 @@ async def observe(request: web.Request, handler):
     token = REQUEST_ID.set(rid)
     start = time.perf_counter()
     status = 500
+    span = request_span(request, rid) if tracing.enabled() and request.path not in PROBE_PATHS else None
     try:
-        response = await handler(request)
+        if span is None:
+            response = await handler(request)
+        else:
+            with use_span(span, end_on_exit=False):
+                response = await handler(request)
         status = response.status
         return response
     except web.HTTPException as exc:
@@ -71,6 +78,11 @@ async def observe(request: web.Request, handler):
         status = 499  # the client went away before the answer was complete
         raise
     finally:
+        if span is not None:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
         request.app[GATEWAY].backend.metrics.requests.labels(_route_name(request), str(status)).inc()
         ms = (time.perf_counter() - start) * 1000
         access_log.log(logging.DEBUG if request.path in PROBE_PATHS else logging.INFO, "%s %s %d %.1f ms",
@@ -81,9 +93,30 @@ async def observe(request: web.Request, handler):
 
 
 async def send_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """X-Request-Id on every response, streamed ones included (their headers leave with the first event)."""
+    """X-Request-Id on every response, streamed ones included (their headers leave with the first event); and
+    with tracing on, the request's trace as a `traceresponse` header (W3C Trace Context's response header)."""
     if REQUEST_ID_KEY in request:
         response.headers[HEADER] = request[REQUEST_ID_KEY]
+    if SPAN_KEY in request:
+        parent = tracing.traceparent_of(request[SPAN_KEY])
+        if parent:
+            response.headers["traceresponse"] = parent
+
+
+SPAN_KEY = "pdserve.span"
+
+
+def request_span(request: web.Request, rid: str):
+    """The server span of one HTTP request: a child of the client's `traceparent` when it sent a valid one,
+    else the root of a new trace (a malformed header is ignored, never an error)."""
+    parent = tracing.context_from(request.headers.get("traceparent"), request.headers.get("tracestate"))
+    gateway = request.app[GATEWAY]
+    span = tracing.tracer().start_span(
+        f"{request.method} {_route_name(request)}", context=parent, kind=SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "url.path": request.path, "pdserve.request_id": rid,
+                    "gen_ai.request.model": gateway.served_model_name})
+    request[SPAN_KEY] = span
+    return span
 
 
 @web.middleware

@@ -14,6 +14,7 @@ from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.shared.logs import add_log_arguments, setup_logging
+from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
     from pdserve.services.gateway.siblings import Siblings
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "(`colocated --is-embedding`); encoders and sequence classifiers are recognised alone")
     request_limits.add_arguments(parser)
     add_log_arguments(parser)
+    add_trace_flags(parser)
     parser.add_argument("--log-requests", action="store_true",
                         help="log each request's body (at debug level, under pdserve.requests, whatever "
                              "--log-level says); headers, and so the API key, never")
@@ -146,7 +148,11 @@ def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | No
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(app, args, name))
+    setup_tracing(args, "pdserve-gateway")
+    try:
+        return asyncio.run(_serve(app, args, name))
+    finally:
+        shutdown_tracing()
 
 
 def _exit(code: int) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import grpc
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import get_current_span as current_span
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import params_to_proto
@@ -32,6 +34,7 @@ from pdserve.services.gateway.router import Pair
 from pdserve.services.gateway.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker
+from pdserve.shared import tracing
 from pdserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
@@ -141,6 +144,7 @@ class _Choice:
         self.detok = Detokenizer(gen.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
         self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
         self.finished = False
+        self.finish_reason: str | None = None
         # Every token the workers produced, up to the one that ended the choice; a migration resends them.
         self.output_ids: list[int] = []
 
@@ -242,6 +246,8 @@ class Generation:
         step, why_not = self._next_step(bool(down), tries, restartable)
         log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, _names(pair),
                     self.completion_tokens, tries.failure, f"; next: {step}" if step else "")
+        current_span().add_event(step or "failed", {"pdserve.reason": tries.failure, "pdserve.workers": _names(pair),
+                                                    "pdserve.tokens": self.completion_tokens})
         if step is None:
             raise ApiError(503, f"The request failed on the workers: {tries.failure}{why_not}")
         tries.down |= down
@@ -294,7 +300,15 @@ class Generation:
     async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:
         resumed = self.produced
         self.pair, self._failure = pair, None
-        call = self._call = pair.generate.generations.start(self._request(pair))
+        request = self._request(pair)
+        span = None
+        if tracing.enabled():  # the worker's spans hang under this one: the pair, and why it was chosen
+            span = tracing.tracer().start_span("generate", attributes={
+                "pdserve.worker": pair.generate.address, "pdserve.prefill_worker": pair.prefill.address
+                if pair.prefill is not None else "", "pdserve.attempt": self._attempts, "pdserve.resumed": resumed,
+                "pdserve.routing_policy": getattr(self.pairs, "policy", ""), "pdserve.rid": self.worker_rid})
+            request.traceparent = tracing.traceparent_of(span)
+        call = self._call = pair.generate.generations.start(request)
         held = list(pair.workers)
         for w in held:
             w.in_flight += 1
@@ -320,6 +334,8 @@ class Generation:
             if not call.done():
                 call.cancel()  # aborts the request on the worker, freeing its pages
             self._call = None
+            if span is not None:
+                self._end_span(span)
 
     async def _read(self, call, first: bool) -> pb.GenerateResponse:
         """The next message of the stream; a WorkerFailure when the pair fails, stalls or is taken out."""
@@ -339,6 +355,21 @@ class Generation:
         if msg is grpc.aio.EOF:
             raise WorkerFailure("the worker closed the stream before every choice finished")
         return msg
+
+    def _end_span(self, span) -> None:
+        """The attempt's span, and the request's usage on the server span above it (GenAI conventions)."""
+        tokens = self.completion_tokens
+        span.set_attribute("gen_ai.usage.output_tokens", tokens)
+        if self._failure is not None or not all(c.finished for c in self.choices):
+            span.set_status(Status(StatusCode.ERROR, self._failure or "the attempt ended before its choices finished"))
+        span.end()
+        server = current_span()
+        server.set_attribute("gen_ai.usage.input_tokens", self.prompt_tokens)
+        server.set_attribute("gen_ai.usage.output_tokens", tokens)
+        server.set_attribute("pdserve.cached_tokens", self.cached_tokens)
+        reasons = [c.finish_reason for c in self.choices if c.finish_reason]
+        if reasons:
+            server.set_attribute("gen_ai.response.finish_reasons", reasons)
 
     def _release(self, worker: Worker, held: list[Worker]) -> None:
         held.remove(worker)
@@ -390,7 +421,7 @@ class Generation:
             result = choice.stops.push(choice.detok.push([token]))
             update.text += result.text
             if result.matched is not None:
-                choice.finished = True
+                choice.finished, choice.finish_reason = True, "stop"
                 update.finish_reason, update.matched_stop = "stop", result.matched
                 return update
         if delta.finish_reason:
@@ -403,6 +434,7 @@ class Generation:
                 update.text += choice.stops.flush()
                 update.finish_reason = delta.finish_reason
                 update.matched_stop = stop_token if stop_token >= 0 else None
+            choice.finish_reason = update.finish_reason
         if not update.token_ids and not update.text and update.finish_reason is None:
             return None
         return update

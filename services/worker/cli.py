@@ -13,6 +13,7 @@ from pdserve.services.worker.settings import add_expert_arguments
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
 from pdserve.shared.logs import add_log_arguments, setup_logging
+from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -88,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="seed of the generator that requests without a seed of their own sample from "
                              "(default: random)")
     add_log_arguments(parser)
+    add_trace_flags(parser)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long the requests in progress may take to finish before they are "
                              "cancelled (new ones are refused at once)")
@@ -226,7 +228,11 @@ def main(args: argparse.Namespace, command: str) -> int:
         return 1
     if args.random_seed is not None:  # once the model is built: the random init before its weights load took draws
         torch.manual_seed(args.random_seed)
-    return asyncio.run(app.serve())
+    setup_tracing(args, f"pdserve-{command}")
+    try:
+        return asyncio.run(app.serve())
+    finally:
+        shutdown_tracing()
 
 
 def is_encoder_checkpoint(model_path: str) -> bool:

@@ -71,7 +71,8 @@ class KVPull:
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
                                                          lora_version=lora_version,
-                                                         weights_version=engine.weights.version.label),
+                                                         weights_version=engine.weights.version.label,
+                                                         traceparent=request.traceparent),
                                        timeout=self.deadline_s)
             # The prefill worker answers after its last write. Close the window before the engine takes the
             # pages: caching them frees those that duplicate an already cached prefix, and the next request

@@ -16,6 +16,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_from_proto, first_token_to_proto, params_from_proto, prompt_logprobs_to_proto
+from pdserve.services.worker import spans
 from pdserve.services.worker.rpc import Calls, Timeouts, grammar_of
 from pdserve.shared.compat import Compat
 from pdserve.shared.engine import Engine
@@ -85,8 +86,10 @@ class PrefillService(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
                   transfer=TransferTarget(request.peer_name, list(request.dst_pages)))
+        span = spans.start("prefill", request.traceparent, {"pdserve.rid": request.rid,
+                                                             "pdserve.decode_worker": request.peer_name})
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
-        done = False
+        done, result = False, None
         try:
             add = lambda: self._admit(req, request)  # noqa: E731
             fut = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(add)),
@@ -108,6 +111,10 @@ class PrefillService(pb_grpc.PrefillServicer):
                 aborted = asyncio.wrap_future(self.engine.call(lambda: self.engine.abort(request.rid)))
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(aborted, self.timeouts.engine_call)
+            if span is not None and result is None:
+                spans.end_failed(span, "the prefill did not complete (refused, cancelled or timed out)")
+        if span is not None:
+            spans.end_prefill(span, req, result, self.transfer.page_bytes, self.transfer.name)
         return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
                                cached_tokens=result.cached_tokens, queue_s=result.queue_s,
                                compute_s=result.compute_s, transfer_s=result.transfer_s,

@@ -21,8 +21,10 @@ from pdserve.proto.codec import output_to_proto, params_from_proto, prompt_logpr
 from pdserve.services.worker.kv_pull import KVPull
 from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.peers import PrefillPeers
+from pdserve.services.worker import spans
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.services.worker.weights_rpc import WeightUpdates
+from pdserve.shared import tracing
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
@@ -135,6 +137,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         self.kv_pull = KVPull(engine, peers, timeouts.engine_call, timeouts.prefill) if role == Role.DECODE else None
         self._relay: OutputRelay | None = None
         self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
+        self.traced: dict[str, tuple] = {}  # rid -> (its span, its Req), while a traced generation runs
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
@@ -227,6 +230,11 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         relay = self.relay()
         req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
                   on_output=lambda out: relay.send(outputs, out))
+        span = spans.start(f"{self.role.value} generate", request.traceparent,
+                           {"pdserve.rid": request.rid, "pdserve.role": self.role.value})
+        if span is not None:
+            self.traced[request.rid] = (span, req)
+            request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         if self.kv_pull is not None:
             req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
@@ -264,6 +272,9 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
 
     def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
         self.public_ids.pop(request.rid, None)
+        span, req = self.traced.pop(request.rid, (None, None))
+        if span is not None:
+            spans.end_generate(span, req, self.role, len(finished) >= params.n)
         if self.kv_pull is not None:
             self.kv_pull.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out

@@ -1,0 +1,198 @@
+"""Traces of each request across the services, with OpenTelemetry's SDK and OTLP exporters.
+
+Off unless a service is started with `--enable-trace` or `--otlp-traces-endpoint` (SGLang's names): then the
+process installs a tracer provider that batches its spans off the event loop and the engine thread and exports
+them to the collector, over OTLP/gRPC for `host:port` (as SGLang) or OTLP/HTTP for an `http(s)://` URL. Spans
+are made through OpenTelemetry's global API, so code that traces costs nothing but a no-op call where tracing is
+off. The trace context crosses processes as a W3C `traceparent` string in the request messages (a field of
+GenerateRequest and PrefillRequest: one GenerateMany stream carries many requests, so metadata per call cannot),
+and comes in from a client as its `traceparent` header.
+
+Engine timings are monotonic seconds (Req.arrival and the like): `wall_ns` turns them into the span times an
+exporter wants, so spans are ended from the timestamps the engine already keeps, never by waiting on it. An
+unreachable collector costs a warning and the spans it drops (`dropped_spans`), never a request.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "localhost:4317"  # OTLP/gRPC on the collector's host: SGLang's default
+# W3C trace context: version-traceid-spanid-flags; anything else (or longer) starts a new trace.
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+MAX_TRACESTATE = 512  # the spec's limit: a longer tracestate is dropped, the traceparent still continued
+
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+_state: dict = {"on": False, "include_content": False, "exporter": None}
+
+
+def add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tracing (OpenTelemetry)")
+    group.add_argument("--enable-trace", action="store_true",
+                       help=f"export a trace of every request to --otlp-traces-endpoint (default {DEFAULT_ENDPOINT})")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL",
+                       help="where spans go: host:port speaks OTLP/gRPC, an http(s):// URL OTLP/HTTP (e.g. "
+                            "http://collector:4318/v1/traces); giving it turns tracing on")
+    group.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=1.0, metavar="R",
+                       help="share of new traces recorded, 0-1 (a continued trace follows its parent's choice)")
+    group.add_argument("--otlp-traces-include-content", action="store_true",
+                       help="put prompts and completions into spans (off: traces often leave the cluster)")
+
+
+def trace_args(args: argparse.Namespace) -> list[str]:
+    """The flags of `args` that turn tracing on, for passing to the services a launcher starts."""
+    if not (args.enable_trace or args.otlp_traces_endpoint):
+        return []
+    out = ["--otlp-traces-endpoint", args.otlp_traces_endpoint or DEFAULT_ENDPOINT,
+           "--otlp-traces-sample-ratio", str(args.otlp_traces_sample_ratio)]
+    return out + (["--otlp-traces-include-content"] if args.otlp_traces_include_content else [])
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a ratio from 0 to 1, got {text}")
+    return value
+
+
+def setup_tracing(args: argparse.Namespace, service: str) -> bool:
+    """Install this process's tracer provider when its flags ask for tracing; returns whether they do."""
+    if not (getattr(args, "enable_trace", False) or getattr(args, "otlp_traces_endpoint", None)):
+        return False
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    endpoint = args.otlp_traces_endpoint or DEFAULT_ENDPOINT
+    exporter = CountingExporter(_exporter(endpoint))
+    provider = TracerProvider(resource=Resource.create({"service.name": service}),
+                              sampler=ParentBased(TraceIdRatioBased(args.otlp_traces_sample_ratio)))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500, export_timeout_millis=5000))
+    trace.set_tracer_provider(provider)
+    _state.update(on=True, include_content=args.otlp_traces_include_content, exporter=exporter, provider=provider)
+    log.info("tracing: spans of %s go to %s (sample ratio %g)", service, endpoint, args.otlp_traces_sample_ratio)
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Export what is still batched (at most a few seconds), then stop."""
+    provider = _state.get("provider")
+    if provider is not None:
+        provider.shutdown()
+
+
+def _exporter(endpoint: str):
+    if endpoint.startswith(("http://", "https://")):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter(endpoint=endpoint, timeout=5)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    return GrpcExporter(endpoint=endpoint, insecure=True, timeout=5)
+
+
+class CountingExporter:
+    """The OTLP exporter, counting the spans of exports that failed: a collector that is down or slow loses
+    spans, warned about once per outage, and nothing else."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.dropped = 0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:  # the exporter's own errors: the same as a failed export
+            log.debug("span export raised: %s", exc)
+            result = SpanExportResult.FAILURE
+        with self._lock:
+            if result == SpanExportResult.SUCCESS:
+                self._warned = False
+            else:
+                self.dropped += len(spans)
+                if not self._warned:
+                    log.warning("tracing: the collector did not take %d spans; dropping spans until it does",
+                                len(spans))
+                    self._warned = True
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def dropped_spans() -> int:
+    exporter = _state["exporter"]
+    return exporter.dropped if exporter is not None else 0
+
+
+def enabled() -> bool:
+    return _state["on"]
+
+
+def include_content() -> bool:
+    return _state["include_content"]
+
+
+def tracer():
+    from opentelemetry import trace
+
+    return trace.get_tracer("pdserve")
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as the epoch nanoseconds spans are stamped with."""
+    return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
+
+
+def context_from(traceparent: str | None, tracestate: str | None = None):
+    """The remote parent named by a W3C traceparent, or None (no header, or one that is malformed or
+    oversized: the request then starts a trace of its own, and is never refused for it)."""
+    if not enabled() or not traceparent or not _TRACEPARENT.match(traceparent.strip().lower()):
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier = {"traceparent": traceparent.strip().lower()}
+    if tracestate and len(tracestate) <= MAX_TRACESTATE:
+        carrier["tracestate"] = tracestate
+    try:
+        context = TraceContextTextMapPropagator().extract(carrier)
+    except ValueError:
+        return None
+    from opentelemetry import trace
+
+    return context if trace.get_current_span(context).get_span_context().is_valid else None
+
+
+def traceparent_of(span) -> str:
+    """The W3C traceparent naming `span` as the parent of what another process does for it ("" when tracing is
+    off or the span is not recorded)."""
+    if span is None or not enabled():
+        return ""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def child(name: str, parent_span, start_s: float, end_s: float, attributes: dict | None = None):
+    """A finished span under `parent_span`, from monotonic start and end times (the engine's timestamps)."""
+    from opentelemetry import trace
+
+    span = tracer().start_span(name, context=trace.set_span_in_context(parent_span),
+                               start_time=wall_ns(start_s), attributes=attributes or {})
+    span.end(end_time=wall_ns(max(end_s, start_s)))
+    return span
