@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import threading
 import time
@@ -35,22 +36,15 @@ def add_trace_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tracing (OpenTelemetry)")
     group.add_argument("--enable-trace", action="store_true",
                        help=f"export a trace of every request to --otlp-traces-endpoint (default {DEFAULT_ENDPOINT})")
-    group.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL",
+    group.add_argument("--otlp-traces-endpoint", default=os.environ.get("PDSERVE_OTLP_TRACES_ENDPOINT") or None,
+                       metavar="HOST:PORT|URL",
                        help="where spans go: host:port speaks OTLP/gRPC, an http(s):// URL OTLP/HTTP (e.g. "
-                            "http://collector:4318/v1/traces); giving it turns tracing on")
+                            "http://collector:4318/v1/traces); giving it turns tracing on (default: "
+                            "$PDSERVE_OTLP_TRACES_ENDPOINT)")
     group.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=1.0, metavar="R",
                        help="share of new traces recorded, 0-1 (a continued trace follows its parent's choice)")
     group.add_argument("--otlp-traces-include-content", action="store_true",
                        help="put prompts and completions into spans (off: traces often leave the cluster)")
-
-
-def trace_args(args: argparse.Namespace) -> list[str]:
-    """The flags of `args` that turn tracing on, for passing to the services a launcher starts."""
-    if not (args.enable_trace or args.otlp_traces_endpoint):
-        return []
-    out = ["--otlp-traces-endpoint", args.otlp_traces_endpoint or DEFAULT_ENDPOINT,
-           "--otlp-traces-sample-ratio", str(args.otlp_traces_sample_ratio)]
-    return out + (["--otlp-traces-include-content"] if args.otlp_traces_include_content else [])
 
 
 def _ratio(text: str) -> float:

@@ -175,3 +175,22 @@ def test_commands_are_accepted_by_the_pdserve_cli(gpu_project, name):
     args = pdserve_parse(command)
     if name.startswith("decode"):
         assert args.prefill == ["prefill:50051"]
+
+
+def test_the_tracing_profile_adds_a_collector_and_the_endpoint_reaches_the_gateway_and_workers(compose_binary,
+                                                                                               project):
+    assert "jaeger" not in project["services"]  # only under the profile
+    traced = config(compose_binary, "tracing", env={"PDSERVE_OTLP_TRACES_ENDPOINT": "jaeger:4317"})
+    jaeger = traced["services"]["jaeger"]
+    assert [(p["target"], p.get("host_ip")) for p in jaeger["ports"]] == [(16686, "127.0.0.1")]  # the UI, loopback
+    for name in ("gateway", "prefill", "decode"):
+        assert traced["services"][name]["environment"]["PDSERVE_OTLP_TRACES_ENDPOINT"] == "jaeger:4317", name
+        assert project["services"][name]["environment"]["PDSERVE_OTLP_TRACES_ENDPOINT"] == ""  # off by default
+
+
+def test_the_services_read_the_traces_endpoint_from_their_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_OTLP_TRACES_ENDPOINT", "jaeger:4317")
+    for command in ("gateway", "decode"):
+        assert pdserve_parse([command]).otlp_traces_endpoint == "jaeger:4317"
+    monkeypatch.setenv("PDSERVE_OTLP_TRACES_ENDPOINT", "")
+    assert pdserve_parse(["gateway"]).otlp_traces_endpoint is None

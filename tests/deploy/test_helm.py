@@ -272,6 +272,16 @@ def test_lora_flags_and_adapter_volume_reach_both_worker_roles(render):
     assert "--enable-lora" not in render().container("prefill")["args"]
 
 
+def test_tracing_values_reach_the_gateway_and_both_worker_roles(render):
+    r = render("--set", "tracing.enabled=true", "--set", "tracing.endpoint=http://otel:4318/v1/traces",
+               "--set", "tracing.sampleRatio=0.25")
+    for role in ("gateway", "prefill", "decode"):
+        parsed = pdserve_parse(r.container(role)["args"])
+        assert parsed.otlp_traces_endpoint == "http://otel:4318/v1/traces" and parsed.otlp_traces_sample_ratio == 0.25
+        assert not parsed.otlp_traces_include_content
+    assert "--otlp-traces-endpoint" not in render().container("gateway")["args"]  # off unless asked
+
+
 def test_disruption_budgets_for_workers(render):
     r = render()
     budgets = {d["metadata"]["name"]: d for d in r.kinds("PodDisruptionBudget")}

@@ -238,3 +238,18 @@ imagePullSecrets: {{- toYaml . | nindent 2 }}
 {{- end }}
 securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end }}
+
+{{- /* The tracing flags of the gateway and every worker (tracing.enabled). */ -}}
+{{- define "pdserve.traceArgs" -}}
+{{- with .Values.tracing }}
+{{- if .enabled }}
+- --otlp-traces-endpoint
+- {{ .endpoint | quote }}
+- --otlp-traces-sample-ratio
+- {{ .sampleRatio | quote }}
+{{- if .includeContent }}
+- --otlp-traces-include-content
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
