@@ -326,14 +326,23 @@ class Engine:
         new_lps = req.output_logprobs[req.num_sent:] if req.output_logprobs else []
         if not new_ids and finish_reason is None:
             return
+        first = req.num_sent == 0
         req.num_sent = len(req.output_ids)
         self.observer.output(req, len(new_ids), finish_reason)
         prompt_lps = None
         if req.input_logprobs and not req.input_logprobs_sent and req.index == 0:
             prompt_lps, req.input_logprobs_sent = req.input_logprobs, True
-        req.on_output(ReqOutput(req.rid, req.index, new_ids, new_lps, finish_reason, matched,
-                                prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error,
-                                input_logprobs=prompt_lps))
+        out = ReqOutput(req.rid, req.index, new_ids, new_lps, finish_reason, matched,
+                        prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error,
+                        input_logprobs=prompt_lps)
+        if first:
+            out.first_token_time, out.arrival = req.first_token_time, req.arrival
+            started = req.first_scheduled if req.first_scheduled is not None else req.pages_reserved
+            if started is not None:
+                out.queue_s = started - req.arrival
+                if req.first_scheduled is not None and req.first_token_time is not None:
+                    out.compute_s = req.first_token_time - req.first_scheduled
+        req.on_output(out)
 
     # ------------------------------------------------------------ inspection (engine thread)
     def flush_cache(self) -> bool:

@@ -28,6 +28,13 @@ class ReqOutput:
     cached_tokens: int = 0
     error: str | None = None
     input_logprobs: list[TokenLogprobs] | None = None  # first output only: prompt tokens from max(start, 1) on
+    # First output only: this worker's part of the time to first token. queue_s: arrival to the first prompt chunk
+    # (or, on a decode worker, to its pages being reserved and its prefill asked for); compute_s: that chunk to
+    # the first token, when the prompt was computed here.
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    first_token_time: float | None = None  # monotonic, first output only
+    arrival: float | None = None  # monotonic, first output only
 
 
 @dataclass

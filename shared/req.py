@@ -68,6 +68,7 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when its first prompt chunk ran: the end of its queue time
     first_token_time: float | None = None
+    pages_reserved: float | None = None  # decode role: when its prompt's pages were reserved (its prefill asked for)
     last_output: float | None = None  # when its latest tokens left through on_output (inter-token latency)
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
     input_logprobs_sent: bool = False

@@ -15,6 +15,7 @@ unreachable collector costs a warning and the spans it drops (`dropped_spans`), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -145,6 +146,13 @@ def tracer():
     from opentelemetry import trace
 
     return trace.get_tracer("pdserve")
+
+
+def section(name: str, **attributes):
+    """A span around a part of the request's work in this process (nothing when tracing is off)."""
+    if not enabled():
+        return contextlib.nullcontext()
+    return tracer().start_as_current_span(name, attributes={f"pdserve.{k}": v for k, v in attributes.items()})
 
 
 def wall_ns(monotonic_s: float) -> int:

@@ -32,6 +32,7 @@ from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import NoWorker, Pair, Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker, WorkerPool
+from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -117,10 +118,11 @@ class Backend:
         """Let a request of `count` prompts in once the door is open, or refuse it: 503 when no worker pair is
         healthy (checked now if none was at the last round), 429 when even one sequence per prompt would not
         fit. Its generations then hold their places (`generation`, entered with no await after this)."""
-        await self.door.passage()
-        if not await self.pool.served():
-            raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
-        self._check_room(count)
+        with tracing.section("admission", prompts=count):
+            await self.door.passage()
+            if not await self.pool.served():
+                raise Busy(503, "No healthy worker is available to serve the request.", self.settings.retry_after_s)
+            self._check_room(count)
 
     @asynccontextmanager
     async def encoding(self) -> AsyncIterator[None]:

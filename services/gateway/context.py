@@ -20,6 +20,7 @@ from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecke
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker
+from pdserve.shared import tracing
 from pdserve.shared.sampling_params import SamplingParams
 
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
@@ -105,8 +106,9 @@ class Gateway:
             size += len(prompt)
         self.limits.text_total(prompts, list_param, self.tokenizer.max_token_chars)
         self.limits.tokens_total([p for p in prompts if not isinstance(p, str)], list_param)
-        ids = await self.cpu.run(size, lambda: [self.prompt_ids(p, param, add_special_tokens)
-                                                for p, param in zip(prompts, params)])
+        with tracing.section("tokenize", prompts=len(prompts)):
+            ids = await self.cpu.run(size, lambda: [self.prompt_ids(p, param, add_special_tokens)
+                                                    for p, param in zip(prompts, params)])
         self.limits.tokens_total(ids, list_param)
         return ids
 

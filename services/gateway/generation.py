@@ -301,6 +301,7 @@ class Generation:
         resumed = self.produced
         self.pair, self._failure = pair, None
         request = self._request(pair)
+        sent = time.perf_counter()
         span = None
         if tracing.enabled():  # the worker's spans hang under this one: the pair, and why it was chosen
             span = tracing.tracer().start_span("generate", attributes={
@@ -323,6 +324,8 @@ class Generation:
                         self._release(pair.prefill, held)
                     if not resumed:  # usage and prompt logprobs describe the client's prompt
                         self._on_first(msg)
+                        if self._attempts == 1:  # a retry's TTFT holds its failed attempts too
+                            self._ttft_parts(msg, sent, span)
                 for delta in msg.choices:
                     timer.tokens(len(delta.token_ids))
                     update = self._on_delta(delta)
@@ -356,6 +359,23 @@ class Generation:
             raise WorkerFailure("the worker closed the stream before every choice finished")
         return msg
 
+    def _ttft_parts(self, msg: pb.GenerateResponse, sent: float, span) -> None:
+        """Where this request's time to first token went, from the gateway's clock and the workers' reports of
+        their own parts (first message): into /metrics, and onto the attempt's span."""
+        now = time.perf_counter()
+        ttft = now - self.start
+        parts = {"gateway": sent - self.start, "network": max(0.0, now - sent - msg.worker_s),
+                 "worker_queue": msg.queue_s, "prefill_call": msg.prefill_call_s, "prefill_queue": msg.prefill_queue_s,
+                 "prefill_compute": msg.prefill_compute_s or msg.compute_s, "prefill_other": msg.prefill_other_s,
+                 "kv_transfer": msg.transfer_s, "handoff": msg.handoff_s}
+        # What no part names: the worker's own time that its parts miss (0 when they account for all of it).
+        parts["other"] = max(0.0, ttft - sum(parts.values()))
+        for part, seconds in parts.items():
+            self.metrics.ttft_parts.labels(part).observe(seconds)
+        if span is not None:
+            span.set_attribute("pdserve.ttft_s", ttft)
+            span.set_attributes({f"pdserve.ttft.{part}_s": seconds for part, seconds in parts.items()})
+
     def _end_span(self, span) -> None:
         """The attempt's span, and the request's usage on the server span above it (GenAI conventions)."""
         tokens = self.completion_tokens
@@ -370,6 +390,10 @@ class Generation:
         reasons = [c.finish_reason for c in self.choices if c.finish_reason]
         if reasons:
             server.set_attribute("gen_ai.response.finish_reasons", reasons)
+        if tracing.include_content():  # --otlp-traces-include-content: the operator asked for the text
+            server.set_attribute("pdserve.prompt", self.tokenizer.decode(self.job.input_ids)[:CONTENT_CHARS])
+            server.set_attribute("pdserve.completions", [self.tokenizer.decode(c.output_ids)[:CONTENT_CHARS]
+                                                         for c in self.choices])
 
     def _release(self, worker: Worker, held: list[Worker]) -> None:
         held.remove(worker)
@@ -438,6 +462,9 @@ class Generation:
         if not update.token_ids and not update.text and update.finish_reason is None:
             return None
         return update
+
+
+CONTENT_CHARS = 65536  # of a prompt or completion in a span, with --otlp-traces-include-content
 
 
 def _names(pair: Pair) -> str:

@@ -32,6 +32,7 @@ from pdserve.services.gateway.messages_protocol import (CountTokensRequest, Mess
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan
+from pdserve.shared import tracing
 from pdserve.shared.logs import REQUEST_ID
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
@@ -57,7 +58,8 @@ async def _prompt(gw: Gateway, req: CountTokensRequest | MessagesRequest) -> tup
         return gw.prompt_ids(text, "messages", add_special_tokens=False)
 
     try:
-        ids = await gw.cpu.run(chars + 64 * len(messages), render_ids)
+        with tracing.section("tokenize", messages=len(messages)):
+            ids = await gw.cpu.run(chars + 64 * len(messages), render_ids)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, f"The chat template cannot take 'thinking': {exc}", "thinking") from None
     except ValueError as exc:

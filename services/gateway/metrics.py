@@ -36,6 +36,14 @@ class GatewayMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_gateway_e2e_request_latency_seconds", "request latency, first byte in to "
                              "last token out", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_parts = Histogram("pdserve_gateway_ttft_part_seconds", "where the time to first token went: "
+                                    "gateway (admission, routing), network (between gateway and worker, both ways), "
+                                    "worker_queue (the decode or colocated worker's "
+                                    "queue), prefill_call (the Prefill call's network), prefill_queue, "
+                                    "prefill_compute (colocated: the worker's own), prefill_other, kv_transfer, "
+                                    "handoff (from the first token to its message leaving the worker), other (time "
+                                    "in the workers that no part names)", ["part"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "prompt tokens sent to workers", registry=r)
         self.cached_tokens = Counter("pdserve_gateway_cached_tokens", "prompt tokens served from prefix caches",
                                      registry=r)

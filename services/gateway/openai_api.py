@@ -24,6 +24,7 @@ from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.served_models import MODELS
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan, plan_tools, template_messages
+from pdserve.shared import tracing
 
 def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
     return cached if gw.enable_cache_report or req.return_cached_tokens_details else None
@@ -45,7 +46,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chars = sum(len(m["content"]) for m in messages)
     gw.check_chars(chars, "messages")
     try:
-        ids = await gw.cpu.run(chars + 64 * len(messages), _render_ids, gw, req, messages, tools)
+        with tracing.section("tokenize", messages=len(messages)):
+            ids = await gw.cpu.run(chars + 64 * len(messages), _render_ids, gw, req, messages, tools)
     except ReservedTemplateKwarg as exc:
         raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
     except ValueError as exc:

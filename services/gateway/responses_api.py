@@ -35,6 +35,7 @@ from pdserve.services.gateway.responses_store import (IN_FLIGHT, MemoryResponses
                                                       is_response_id, new_item_id)
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan, template_messages
+from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.gateway")
 UNSUPPORTED_RESPONSES = {**UNSUPPORTED_OPENAI, "prompt": "prompt templates", "conversation": "conversations",
@@ -171,7 +172,9 @@ async def prompt(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list
 async def ids_of(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict]) -> list[int]:
     """The prompt ids of `items`: rendered and tokenized inline when short, else on the gateway's pool."""
     size = text_chars(req.instructions) + text_chars(items) + 64 * len(items)
-    return await gw.cpu.run(size, lambda: gw.tokenizer.encode(render(gw, req, plan, items), add_special_tokens=False))
+    with tracing.section("tokenize", items=len(items)):
+        return await gw.cpu.run(size, lambda: gw.tokenizer.encode(render(gw, req, plan, items),
+                                                                  add_special_tokens=False))
 
 
 def render(gw: Gateway, req: ResponsesRequest, plan: ToolPlan, items: list[dict]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -34,6 +35,8 @@ class KVPull:
         self.calls: dict[str, asyncio.Task] = {}  # rid -> its Prefill call
         self.addrs: dict[str, str] = {}  # rid -> the prefill worker filling its pages
         self.replies: dict[str, pb.PrefillReply] = {}  # rid -> reply (its timings), until its first output
+        # rid -> (Prefill call sent, answered, transfer window closed): monotonic times, until the request ends
+        self.timeline: dict[str, tuple[float, float, float]] = {}
         self._abort_stubs: dict[str, pb_grpc.WorkerStub] = {}
 
     def start(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str | None) -> None:
@@ -67,6 +70,7 @@ class KVPull:
         loop = asyncio.get_running_loop()
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
+            sent = time.monotonic()
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
@@ -77,8 +81,10 @@ class KVPull:
             # The prefill worker answers after its last write. Close the window before the engine takes the
             # pages: caching them frees those that duplicate an already cached prefix, and the next request
             # reserved may get one at once; closing later would shut that request's window on it.
+            answered = time.monotonic()
             await loop.run_in_executor(None, transfer.close_window, pages)
             closed = True
+            self.timeline[rid] = (sent, answered, time.monotonic())
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
             self.replies[rid] = reply
             engine.call(lambda: engine.role.kv_ready(rid, firsts, reply.cached_tokens))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import Future
 
 import grpc
@@ -76,6 +77,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             return await self._prefill(request, context)
 
     async def _prefill(self, request: pb.PrefillRequest, context):
+        arrived = time.monotonic()
         if not self.transfer.has_peer(request.peer_name):  # we restarted since it registered
             # FAILED_PRECONDITION makes the decode side register again and resend (peers.PrefillClient).
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -84,7 +86,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
+        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params, arrival=arrived,
                   transfer=TransferTarget(request.peer_name, list(request.dst_pages)))
         span = spans.start("prefill", request.traceparent, {"pdserve.rid": request.rid,
                                                              "pdserve.decode_worker": request.peer_name})
@@ -118,7 +120,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         return pb.PrefillReply(first_tokens=[first_token_to_proto(t) for t in result.first_tokens],
                                cached_tokens=result.cached_tokens, queue_s=result.queue_s,
                                compute_s=result.compute_s, transfer_s=result.transfer_s,
-                               input_logprobs=prompt_logprobs_to_proto(result.input_logprobs))
+                               input_logprobs=prompt_logprobs_to_proto(result.input_logprobs),
+                               total_s=time.monotonic() - arrived)
 
     def _admit(self, req: Req, request: pb.PrefillRequest) -> Future:
         """Engine thread: refuse a decode worker that serves other weights (WeightsError, a ValueError), then queue

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -137,7 +138,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         self.kv_pull = KVPull(engine, peers, timeouts.engine_call, timeouts.prefill) if role == Role.DECODE else None
         self._relay: OutputRelay | None = None
         self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
-        self.traced: dict[str, tuple] = {}  # rid -> (its span, its Req), while a traced generation runs
+        self.traced: dict[str, spans.Traced] = {}  # rid -> its span and Req, while a traced generation runs
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
@@ -214,6 +215,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
     async def _start(self, request: pb.GenerateRequest, context, outputs) -> SamplingParams:
         """Checks the request and hands it to the engine; its outputs go to `outputs` (`put_nowait`, from the
         relay on the event loop)."""
+        arrived = time.monotonic()
         if self.role == Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is a prefill worker: send Generate to a decode or colocated worker")
@@ -228,12 +230,12 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         relay = self.relay()
-        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params,
+        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params, arrival=arrived,
                   on_output=lambda out: relay.send(outputs, out))
         span = spans.start(f"{self.role.value} generate", request.traceparent,
                            {"pdserve.rid": request.rid, "pdserve.role": self.role.value})
         if span is not None:
-            self.traced[request.rid] = (span, req)
+            self.traced[request.rid] = spans.Traced(span, req)
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
         if self.kv_pull is not None:
@@ -255,12 +257,32 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         prompt_lps = next((c.input_logprobs for c in choices if c.input_logprobs), None)
         if prompt_lps:
             msg.input_logprobs.extend(prompt_logprobs_to_proto(prompt_lps))
-        timing = self.kv_pull.take_reply(request.rid) if first and self.kv_pull is not None else None
+        if first:
+            self._timings(msg, request.rid, ready[0])
+        return msg, {c.index for c in choices if c.finish_reason is not None}
+
+    def _timings(self, msg: pb.GenerateResponse, rid: str, out: ReqOutput) -> None:
+        """The first message's account of where the time to first token went on the workers (each part from
+        one process's own clock)."""
+        now = time.monotonic()
+        msg.queue_s, msg.compute_s = out.queue_s, out.compute_s
+        if out.arrival is not None:
+            msg.worker_s = now - out.arrival
+        if out.first_token_time is not None:
+            msg.handoff_s = now - out.first_token_time
+        if rid in self.traced:
+            self.traced[rid].first_sent = now
+        timing = self.kv_pull.take_reply(rid) if self.kv_pull is not None else None
         if timing is not None:
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
             msg.transfer_s = timing.transfer_s
             msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
-        return msg, {c.index for c in choices if c.finish_reason is not None}
+            msg.prefill_other_s = max(0.0, timing.total_s - timing.queue_s - timing.compute_s - timing.transfer_s)
+            pull = self.kv_pull.timeline.get(rid)
+            if pull is not None:
+                sent, answered, _ = pull
+                msg.prefill_call_s = max(0.0, answered - sent - timing.total_s)
+                msg.handoff_s = now - answered
 
     async def _fail(self, context, error: str) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE else grpc.StatusCode.INTERNAL,
@@ -272,9 +294,10 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
 
     def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
         self.public_ids.pop(request.rid, None)
-        span, req = self.traced.pop(request.rid, (None, None))
-        if span is not None:
-            spans.end_generate(span, req, self.role, len(finished) >= params.n)
+        traced = self.traced.pop(request.rid, None)
+        pull = self.kv_pull.timeline.pop(request.rid, None) if self.kv_pull is not None else None
+        if traced is not None:
+            spans.end_generate(traced, len(finished) >= params.n, pull)
         if self.kv_pull is not None:
             self.kv_pull.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out

@@ -6,11 +6,11 @@ no wait on the engine and nothing to a step.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.shared import tracing
-from pdserve.shared.config import Role
 from pdserve.shared.req import Req
 
 
@@ -22,27 +22,45 @@ def start(name: str, traceparent: str, attributes: dict):
     return tracing.tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
 
 
-def end_generate(span, req: Req | None, role: Role, finished: bool) -> None:
+@dataclass
+class Traced:
+    """A traced Generate call: its span, its request, and when its first message left (monotonic)."""
+
+    span: object
+    req: Req
+    first_sent: float | None = None
+
+
+def end_generate(traced: Traced, finished: bool, pull: tuple[float, float, float] | None = None) -> None:
     """A Generate call's parts: the queue, the prompt (computed here, or prefilled by the prefill worker and
-    moved: that worker's spans hang below this one), the first token, and the decode."""
+    moved: that worker's spans hang below the Prefill call's), the first token, its hand-off to the stream, and
+    the decode. `pull`: a decode worker's Prefill call (sent, answered, transfer window closed)."""
     end = time.monotonic()
+    span, req = traced.span, traced.req
     if req is not None:
         arrival, scheduled, first = req.arrival, req.first_scheduled, req.first_token_time
         tokens = len(req.output_ids)
         span.set_attributes({"pdserve.prompt_tokens": len(req.input_ids), "pdserve.cached_tokens": req.cached_tokens,
                              "pdserve.output_tokens": tokens})
-        if role == Role.DECODE:
+        if pull is not None:  # a decode worker's prompt, prefilled by a prefill worker and moved here
+            sent, answered, closed = pull
+            if req.pages_reserved is not None:
+                tracing.child("queue", span, arrival, req.pages_reserved, {"pdserve.pages": len(req.pages)})
+                tracing.child("prefill call start", span, req.pages_reserved, sent)
+            tracing.child("prefill call", span, sent, answered)
+            tracing.child("transfer window close", span, answered, closed)
             if first is not None:
-                tracing.child("prefill and KV transfer", span, arrival, first, {"pdserve.pages": len(req.pages)})
-        else:
-            if scheduled is not None:
-                tracing.child("queue", span, arrival, scheduled)
-            if scheduled is not None and first is not None:
+                tracing.child("first tokens to the engine", span, closed, first)
+        elif scheduled is not None:  # computed here (colocated, or a decode worker's short next turn)
+            tracing.child("queue", span, arrival, scheduled)
+            if first is not None:
                 tracing.child("prefill", span, scheduled, first,
                               {"pdserve.tokens_computed": len(req.input_ids) - req.cached_tokens,
                                "pdserve.cached_tokens": req.cached_tokens})
         if first is not None:
             span.add_event("first token", timestamp=tracing.wall_ns(first))
+            if traced.first_sent is not None:
+                tracing.child("first message", span, first, traced.first_sent)
             tracing.child("decode", span, first, end, {"pdserve.output_tokens": tokens})
         if req.finish_reason:
             span.set_attribute("pdserve.finish_reason", req.finish_reason)

@@ -14,6 +14,8 @@ request before. The role is a `PageHolder` of the scheduler: its requests count 
 """
 from __future__ import annotations
 
+import time
+
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.shared.config import Role
@@ -91,6 +93,7 @@ class DecodeRole(ColocatedRole):
             s.hold_adapter(req)
             req.pages = pages
             req.status = ReqStatus.WAITING_FOR_KV
+            req.pages_reserved = time.monotonic()
             self.awaiting_kv.setdefault(req.rid, []).append(req)
             if req.on_pages_reserved is not None:
                 req.on_pages_reserved(req)
