@@ -5,6 +5,8 @@
     pdserve debug stats HOST:PORT           KV pool and radix cache statistics, integrity check
     pdserve debug generate --decode D [--prefill P] "prompt"   one request straight to a worker pair
     pdserve debug bench-transfer [--backend nixl|tcp]          KV transfer throughput between two processes
+    pdserve debug trace ID [--gateway URL]  where one request's time went (the gateway's flight recorder; the
+                                            API key, if any, from $PDSERVE_API_KEY)
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--timeout", type=float, default=120.0)
+    trace = sub.add_parser("trace", help="where one request's time went, from the gateway's flight recorder")
+    trace.add_argument("id", help="its X-Request-Id (or its id, the client's rid, its trace id)")
+    trace.add_argument("--gateway", default="http://127.0.0.1:30000", metavar="URL")
+    trace.add_argument("--timeout", type=float, default=10.0)
     bench = sub.add_parser("bench-transfer", help="KV transfer throughput between two processes")
     bench.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
     bench.add_argument("--tokens", type=int, default=2048)
@@ -45,11 +51,57 @@ def main(args: argparse.Namespace, command: str) -> int:
 
         run_benchmark(args.backend, args.tokens)
         return 0
+    if args.action == "trace":
+        return _trace(args)
     try:
         return asyncio.run(_run(args))
     except Exception as exc:  # a debugging tool: one clear line
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """Print the request's timelines as the gateway kept them."""
+    import os
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    url = f"{args.gateway.rstrip('/')}/debug/requests/{urllib.parse.quote(args.id, safe='')}"
+    key = os.environ.get("PDSERVE_API_KEY")  # never a flag: a command line shows in `ps`
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as r:
+            timelines = json.load(r)["timelines"]
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["message"]  # the gateway's error shape
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        print(f"error: {args.gateway} answered {exc.code}: {message}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"error: cannot reach {args.gateway}: {exc}", file=sys.stderr)
+        return 1
+    for t in timelines:
+        print(format_timeline(t))
+    return 0
+
+
+def format_timeline(t: dict) -> str:
+    """One timeline as the lines `pdserve debug trace` prints."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t["started"]))
+    lines = [f"request {t['request_id']} (id {t['rid']}{', trace ' + t['trace_id'] if t['trace_id'] else ''})",
+             f"  started {started} on {t['workers'] or 'no worker'}; {t['prompt_tokens']} prompt tokens "
+             f"({t['cached_tokens']} cached), {t['output_tokens']} out, finish {', '.join(t['finish_reasons']) or '-'}"]
+    if t["ttft_s"] is not None:
+        lines.append(f"  time to first token {1000 * t['ttft_s']:.1f} ms:")
+        for part, seconds in t["ttft_parts"].items():
+            share = seconds / t["ttft_s"] if t["ttft_s"] else 0.0
+            lines.append(f"    {part:16} {1000 * seconds:9.1f} ms  {100 * share:5.1f} %")
+    lines.append(f"  total {1000 * t['total_s']:.1f} ms")
+    lines += [f"  event: {e}" for e in t["events"]]
+    return "\n".join(lines)
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.generation import Generation, GenerationSettings, Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import NoWorker, Pair, Router
+from pdserve.services.gateway.timelines import FlightRecorder
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker, WorkerPool
 from pdserve.shared import tracing
@@ -104,6 +105,7 @@ class Backend:
         self.in_flight = 0
         self.generations: dict[str, Generation] = {}
         self.door = Door()
+        self.recorder = FlightRecorder()  # the last requests' timelines (services/gateway/timelines.py)
 
     # ------------------------------------------------------------ admission
     @property
@@ -184,6 +186,7 @@ class Backend:
             self._gauges()
             self.metrics.cached_tokens.inc(gen.cached_tokens)
             self.metrics.e2e.observe(gen.e2e_latency)
+            self.recorder.record(gen.record.finish(gen))
 
     def end_all(self, reason: str) -> int:
         """End every generation in flight with an error (the gateway is stopping); how many there were."""

@@ -22,19 +22,17 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 import grpc
-from opentelemetry.trace import Status, StatusCode
-from opentelemetry.trace import get_current_span as current_span
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import params_to_proto
 from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.metrics import GatewayMetrics, TokenTimer
 from pdserve.services.gateway.migration import continuation, why_not_movable
+from pdserve.services.gateway.record import GenerationRecord, names
 from pdserve.services.gateway.router import Pair
 from pdserve.services.gateway.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker
-from pdserve.shared import tracing
 from pdserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.gateway")
@@ -172,6 +170,7 @@ class Generation:
         # a failure, so that what the workers still hold of an earlier attempt (an abort sent to a prefill worker
         # before the request reached it, remembered to refuse it when it does) never meets the new one.
         self.worker_rid = job.rid
+        self.record = GenerationRecord(job, metrics)  # its spans, TTFT parts and timeline, for operators
         self._attempts = 0
         self._call = None
         self._failure: str | None = None
@@ -244,10 +243,9 @@ class Generation:
         """After `pair` failed: "retry", "migrate" or "restart" (then the next attempt may start), or the 503."""
         down = await self.pairs.probe_pair(pair)
         step, why_not = self._next_step(bool(down), tries, restartable)
-        log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, _names(pair),
+        log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, names(pair),
                     self.completion_tokens, tries.failure, f"; next: {step}" if step else "")
-        current_span().add_event(step or "failed", {"pdserve.reason": tries.failure, "pdserve.workers": _names(pair),
-                                                    "pdserve.tokens": self.completion_tokens})
+        self.record.failed(step or "failed", tries.failure, self.completion_tokens, names(pair))
         if step is None:
             raise ApiError(503, f"The request failed on the workers: {tries.failure}{why_not}")
         tries.down |= down
@@ -301,14 +299,7 @@ class Generation:
         resumed = self.produced
         self.pair, self._failure = pair, None
         request = self._request(pair)
-        sent = time.perf_counter()
-        span = None
-        if tracing.enabled():  # the worker's spans hang under this one: the pair, and why it was chosen
-            span = tracing.tracer().start_span("generate", attributes={
-                "pdserve.worker": pair.generate.address, "pdserve.prefill_worker": pair.prefill.address
-                if pair.prefill is not None else "", "pdserve.attempt": self._attempts, "pdserve.resumed": resumed,
-                "pdserve.routing_policy": getattr(self.pairs, "policy", ""), "pdserve.rid": self.worker_rid})
-            request.traceparent = tracing.traceparent_of(span)
+        self.record.attempt(pair, self._attempts, resumed, request)
         call = self._call = pair.generate.generations.start(request)
         held = list(pair.workers)
         for w in held:
@@ -325,7 +316,7 @@ class Generation:
                     if not resumed:  # usage and prompt logprobs describe the client's prompt
                         self._on_first(msg)
                         if self._attempts == 1:  # a retry's TTFT holds its failed attempts too
-                            self._ttft_parts(msg, sent, span)
+                            self.record.first_message(msg, self.start)
                 for delta in msg.choices:
                     timer.tokens(len(delta.token_ids))
                     update = self._on_delta(delta)
@@ -337,8 +328,7 @@ class Generation:
             if not call.done():
                 call.cancel()  # aborts the request on the worker, freeing its pages
             self._call = None
-            if span is not None:
-                self._end_span(span)
+            self.record.end_attempt(self, self._failure)
 
     async def _read(self, call, first: bool) -> pb.GenerateResponse:
         """The next message of the stream; a WorkerFailure when the pair fails, stalls or is taken out."""
@@ -358,42 +348,6 @@ class Generation:
         if msg is grpc.aio.EOF:
             raise WorkerFailure("the worker closed the stream before every choice finished")
         return msg
-
-    def _ttft_parts(self, msg: pb.GenerateResponse, sent: float, span) -> None:
-        """Where this request's time to first token went, from the gateway's clock and the workers' reports of
-        their own parts (first message): into /metrics, and onto the attempt's span."""
-        now = time.perf_counter()
-        ttft = now - self.start
-        parts = {"gateway": sent - self.start, "network": max(0.0, now - sent - msg.worker_s),
-                 "worker_queue": msg.queue_s, "prefill_call": msg.prefill_call_s, "prefill_queue": msg.prefill_queue_s,
-                 "prefill_compute": msg.prefill_compute_s or msg.compute_s, "prefill_other": msg.prefill_other_s,
-                 "kv_transfer": msg.transfer_s, "handoff": msg.handoff_s}
-        # What no part names: the worker's own time that its parts miss (0 when they account for all of it).
-        parts["other"] = max(0.0, ttft - sum(parts.values()))
-        for part, seconds in parts.items():
-            self.metrics.ttft_parts.labels(part).observe(seconds)
-        if span is not None:
-            span.set_attribute("pdserve.ttft_s", ttft)
-            span.set_attributes({f"pdserve.ttft.{part}_s": seconds for part, seconds in parts.items()})
-
-    def _end_span(self, span) -> None:
-        """The attempt's span, and the request's usage on the server span above it (GenAI conventions)."""
-        tokens = self.completion_tokens
-        span.set_attribute("gen_ai.usage.output_tokens", tokens)
-        if self._failure is not None or not all(c.finished for c in self.choices):
-            span.set_status(Status(StatusCode.ERROR, self._failure or "the attempt ended before its choices finished"))
-        span.end()
-        server = current_span()
-        server.set_attribute("gen_ai.usage.input_tokens", self.prompt_tokens)
-        server.set_attribute("gen_ai.usage.output_tokens", tokens)
-        server.set_attribute("pdserve.cached_tokens", self.cached_tokens)
-        reasons = [c.finish_reason for c in self.choices if c.finish_reason]
-        if reasons:
-            server.set_attribute("gen_ai.response.finish_reasons", reasons)
-        if tracing.include_content():  # --otlp-traces-include-content: the operator asked for the text
-            server.set_attribute("pdserve.prompt", self.tokenizer.decode(self.job.input_ids)[:CONTENT_CHARS])
-            server.set_attribute("pdserve.completions", [self.tokenizer.decode(c.output_ids)[:CONTENT_CHARS]
-                                                         for c in self.choices])
 
     def _release(self, worker: Worker, held: list[Worker]) -> None:
         held.remove(worker)
@@ -462,45 +416,3 @@ class Generation:
         if not update.token_ids and not update.text and update.finish_reason is None:
             return None
         return update
-
-
-CONTENT_CHARS = 65536  # of a prompt or completion in a span, with --otlp-traces-include-content
-
-
-def _names(pair: Pair) -> str:
-    return " + ".join(f"{w.role} {w.address}" for w in pair.workers)
-
-
-async def merge_updates(gens: list[Generation]) -> AsyncIterator[tuple[int, Update]]:
-    """Updates of several generations as they come, tagged with the generation's position."""
-    if len(gens) == 1:
-        async with contextlib.aclosing(gens[0].updates()) as updates:
-            async for u in updates:
-                yield 0, u
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(k: int, gen: Generation) -> None:
-        try:
-            async with contextlib.aclosing(gen.updates()) as updates:
-                async for u in updates:
-                    queue.put_nowait((k, u))
-            queue.put_nowait((k, None))
-        except Exception as exc:  # handed to the consumer, which stops everything
-            queue.put_nowait((k, exc))
-
-    tasks = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
-    try:
-        remaining = len(gens)
-        while remaining:
-            k, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield k, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

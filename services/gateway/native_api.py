@@ -11,7 +11,8 @@ from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
 from pdserve.services.gateway.dialects import NATIVE
 from pdserve.services.gateway.weights_api import weight_version
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob, merge_updates
+from pdserve.services.gateway.fan_in import merge_updates
+from pdserve.services.gateway.generation import ChoiceResult, Generation, Job, TokenLogprob
 from pdserve.services.gateway.served_models import GENERATE, MODELS
 from pdserve.services.gateway.siblings import SIBLINGS
 from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,

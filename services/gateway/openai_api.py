@@ -17,7 +17,8 @@ from pdserve.services.gateway.constraints import after_reasoning
 from pdserve.services.gateway.context import GATEWAY, SSE, Gateway, new_id
 from pdserve.services.gateway.dialects import OPENAI_CHAT, OPENAI_COMPLETION
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.generation import Job, Update, merge_updates
+from pdserve.services.gateway.fan_in import merge_updates
+from pdserve.services.gateway.generation import Job, Update
 from pdserve.services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse, per_prompt,
                                                refuse_unsupported)
 from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text

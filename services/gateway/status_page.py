@@ -1,4 +1,5 @@
-"""The status page: `GET /` and `GET /status` (one static HTML page) and `GET /status.json` (what it shows).
+"""The status page: `GET /` and `GET /status` (one static HTML page) and `GET /status.json` (what it shows); and
+`GET /debug/requests/{id}`, one request's timeline from the flight recorder (`pdserve debug trace` prints it).
 
 The page holds no data, so it is served without the API key; it fetches /status.json every 2 s, which needs
 the key like every other route (the page asks for it and keeps it in sessionStorage). /status.json reads
@@ -20,7 +21,9 @@ from aiohttp import web
 
 from pdserve.services.gateway import jobs_proxy
 from pdserve.services.gateway.context import GATEWAY
+from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.timelines import RECENT, SLOWEST
 from pdserve.shared.outputs import acceptance
 
 PAGE_PATHS = frozenset({"/", "/status"})  # the HTML only: answered without the API key
@@ -28,6 +31,7 @@ INTERVAL_S = 3.0  # between two samples
 WINDOW_S = 600.0  # samples kept: the last ten minutes
 ACTIVE_BATCH_STATUSES = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 JOBS_TIMEOUT = aiohttp.ClientTimeout(total=2)
+SHOWN = 10  # of the flight recorder's recent and slowest requests, on the page
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,24 @@ async def status_json(request: web.Request) -> web.Response:
     body = {"model": gw.served_model_name, "mode": backend.mode, "time": time.time(), "workers": workers,
             "requests": requests_in_flight(backend),
             "samples": {"interval_s": request.app[SAMPLER].interval_s,
-                        "points": [asdict(s) for s in request.app[SAMPLER].samples]}}
+                        "points": [asdict(s) for s in request.app[SAMPLER].samples]},
+            "timelines": {"recent": [t.as_dict() for t in list(backend.recorder.recent)[::-1][:SHOWN]],
+                          "slowest": [t.as_dict() for t in backend.recorder.slowest[:SHOWN]]}}
     batches = await batches_in_flight(request)
     if batches is not None:
         body["batches_in_flight"] = batches
     return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+
+async def request_timelines(request: web.Request) -> web.Response:
+    """GET /debug/requests/{id}: the kept timelines of a request, by its X-Request-Id, its id, the client's id or
+    its trace id (this gateway process's flight recorder: services/gateway/timelines.py)."""
+    wanted = request.match_info["id"]
+    found = request.app[GATEWAY].backend.recorder.find(wanted)
+    if not found:
+        raise ApiError(404, f"No timeline of a request {wanted!r} is kept by this gateway process (it keeps the last "
+                            f"{RECENT} requests and the {SLOWEST} slowest).", "id")
+    return web.json_response({"timelines": [t.as_dict() for t in found]}, headers={"Cache-Control": "no-store"})
 
 
 async def page(request: web.Request) -> web.Response:
@@ -178,6 +195,7 @@ def add_routes(app: web.Application) -> None:
     for path in sorted(PAGE_PATHS):
         app.router.add_get(path, page)
     app.router.add_get("/status.json", status_json)
+    app.router.add_get("/debug/requests/{id}", request_timelines)
     app.cleanup_ctx.append(sampling)
 
 
@@ -216,6 +234,12 @@ svg { background: #fff; border: 1px solid #dde; border-radius: 6px; }
 <h2>Workers</h2>
 <table><thead><tr><th>role</th><th>address</th><th>health</th><th>running</th><th>queued</th>
   <th>in flight (this gateway)</th><th>KV use</th><th>speculation</th></tr></thead><tbody id="workers"></tbody></table>
+<h2>Last requests</h2>
+<table><thead><tr><th>started</th><th>request id</th><th>workers</th><th>TTFT ms</th><th>where the TTFT went (ms)</th>
+  <th>total ms</th><th>tokens in / out</th><th>events</th></tr></thead><tbody id="timelines"></tbody></table>
+<h2>Slowest requests</h2>
+<table><thead><tr><th>started</th><th>request id</th><th>workers</th><th>TTFT ms</th><th>where the TTFT went (ms)</th>
+  <th>total ms</th><th>tokens in / out</th><th>events</th></tr></thead><tbody id="slowest"></tbody></table>
 <h2>Last 10 minutes</h2>
 <div class="charts">
   <svg id="chart-throughput" width="520" height="200" viewBox="0 0 520 200" role="img"></svg>
@@ -257,6 +281,17 @@ function chart(svg, title, points, pick, unit) {
   svg.innerHTML = out;
 }
 
+function timelineRows(list) {
+  return list.map((t) => {
+    const parts = Object.entries(t.ttft_parts).filter(([, v]) => v >= 0.0005).sort((a, b) => b[1] - a[1])
+                        .map(([k, v]) => `${esc(k)} ${(1000 * v).toFixed(1)}`).join(", ");
+    return `<tr><td>${new Date(t.started * 1000).toLocaleTimeString()}</td><td>${esc(t.request_id)}</td>` +
+           `<td>${esc(t.workers)}</td><td>${t.ttft_s === null ? "–" : (1000 * t.ttft_s).toFixed(1)}</td>` +
+           `<td>${parts || "–"}</td><td>${(1000 * t.total_s).toFixed(1)}</td>` +
+           `<td>${t.prompt_tokens} / ${t.output_tokens}</td><td>${esc(t.events.join("; ")) || "–"}</td></tr>`;
+  }).join("") || `<tr><td colspan="8" class="muted">none yet</td></tr>`;
+}
+
 function render(s) {
   const updated = new Date(s.time * 1000).toLocaleTimeString();
   $("summary").textContent = `model ${s.model} · ${s.mode} mode · updated ${updated}`;
@@ -279,6 +314,8 @@ function render(s) {
     }
   }
   $("workers").innerHTML = rows || `<tr><td colspan="8" class="muted">no workers</td></tr>`;
+  $("timelines").innerHTML = timelineRows(s.timelines.recent);
+  $("slowest").innerHTML = timelineRows(s.timelines.slowest);
   chart($("chart-throughput"), "Output tokens/s", s.samples.points, (p) => p.tokens_per_s, "tok/s");
   chart($("chart-ttft"), "TTFT p50 (ms)", s.samples.points,
         (p) => p.ttft_p50_s === null ? null : 1000 * p.ttft_p50_s, "ms");

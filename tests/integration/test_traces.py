@@ -3,6 +3,7 @@ protobuf service, decoded here): one trace per request, continuing the client's 
 the decode worker's and the prefill worker's spans correctly parented, the KV transfer among them."""
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -148,6 +149,20 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         ttft_parts(attempt)
         assert server.start <= attempt.start <= work.start and attempt.end <= server.end
         assert abs(work.end - attempt.end) < 100e6  # the worker closes its span as it sends the last message
+
+        # The same breakdown without a collector: the status page's flight recorder, and `pdserve debug trace`.
+        kept = requests.get(f"{gw.url}/status.json", timeout=10).json()["timelines"]["recent"][0]
+        assert kept["request_id"] == r.headers["X-Request-Id"] and kept["trace_id"] == CLIENT_TRACE
+        assert kept["ttft_parts"].keys() == {k.split(".")[-1][:-2] for k in attempt.attributes
+                                             if k.startswith("pdserve.ttft.")}
+        printed = subprocess.run([sys.executable, "-m", "pdserve", "debug", "trace", r.headers["X-Request-Id"],
+                                  "--gateway", gw.url], capture_output=True, text=True, timeout=60)
+        assert printed.returncode == 0, printed.stderr
+        assert f"trace {CLIENT_TRACE}" in printed.stdout and "prefill_compute" in printed.stdout
+        assert f"{usage['completion_tokens']} out, finish length" in printed.stdout
+        missing = subprocess.run([sys.executable, "-m", "pdserve", "debug", "trace", "no-such-request",
+                                  "--gateway", gw.url], capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 1 and "404" in missing.stderr and "no-such-request" in missing.stderr
 
         # A malformed traceparent starts a trace of the gateway's own and is no error; a bad request is traced.
         r = chat(gw, "00-not-a-trace-01")
