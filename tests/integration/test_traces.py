@@ -5,89 +5,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
-from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
 import requests
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "services" / "gateway"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
 from harness import start_gateway, start_worker  # noqa: E402
+from otlp_receiver import Span, serve  # noqa: E402
 
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 CHAT = {"model": "default", "max_tokens": 6, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
 
-@dataclass
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    attributes: dict
-    events: list[str]
-    status: int
-    start: int
-    end: int
-
-
-@dataclass
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    spans: list[Span] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def Export(self, request, context):
-        with self.lock:
-            for rs in request.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                for scope in rs.scope_spans:
-                    for s in scope.spans:
-                        attrs = {a.key: _value(a.value) for a in s.attributes}
-                        self.spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(),
-                                               s.parent_span_id.hex(), attrs, [e.name for e in s.events],
-                                               s.status.code, s.start_time_unix_nano, s.end_time_unix_nano))
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: str, services: set[str], timeout: float = 15.0) -> list[Span]:
-        """The spans of `trace_id` once every one of `services` has exported its part."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                got = [s for s in self.spans if s.trace_id == trace_id]
-            if services <= {s.service for s in got} and _settled(got):
-                return got
-            time.sleep(0.2)
-        raise AssertionError(f"trace {trace_id}: only {[(s.service, s.name) for s in got]}")
-
-
-def _settled(spans: list[Span]) -> bool:
-    """Every span's parent arrived too (a service's spans come in several exports)."""
-    ids = {s.span_id for s in spans}
-    return all(s.parent_id in ids or s.parent_id in ("", CLIENT_SPAN) for s in spans)
-
-
-def _value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
 @pytest.fixture(scope="module")
 def receiver():
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    sink = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield sink, f"127.0.0.1:{port}"
+    server, sink, endpoint = serve()
+    yield sink, endpoint
     server.stop(0)
 
 
@@ -129,7 +65,7 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         r = chat(gw, f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
         assert r.status_code == 200, r.text
         assert trace_of(r) == CLIENT_TRACE
-        spans = sink.trace(CLIENT_TRACE, {"pdserve-gateway", "pdserve-colocated"})
+        spans = sink.trace(CLIENT_TRACE, {"pdserve-gateway", "pdserve-colocated"}, outside={CLIENT_SPAN})
         server = by_name(spans, "pdserve-gateway", "POST /v1/chat/completions")
         assert server.parent_id == CLIENT_SPAN
         usage = r.json()["usage"]
@@ -217,4 +153,53 @@ def test_a_pd_chat_is_one_trace_over_three_processes_with_the_kv_transfer(receiv
     finally:
         gw.proc.stop()
         for proc in (decode, prefill):
+            proc.stop()
+
+
+def stream_chat(gw, max_tokens: int) -> requests.Response:
+    body = {**CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    return requests.post(f"{gw.url}/v1/chat/completions", json=body, stream=True, timeout=120)
+
+
+def test_a_migration_and_an_abort_show_in_their_traces(receiver, default_model_dir):
+    sink, endpoint = receiver
+    trace = ("--otlp-traces-endpoint", endpoint)
+    workers = dict(start_worker("colocated", str(default_model_dir), *trace)[::-1] for _ in range(2))
+    gw = start_gateway(default_model_dir, *[f for addr in workers for f in ("--worker", addr)], *trace)
+    try:
+        for proc in workers.values():
+            proc.wait_healthy(180)
+        gw.proc.wait_healthy(60)
+        # A stream whose worker is killed mid-way moves to the other worker: one trace, two attempts.
+        r = stream_chat(gw, 160)
+        lines = r.iter_lines()
+        chunks = [line for line, _ in zip((x for x in lines if x.startswith(b"data: {")), range(10))]
+        status = requests.get(f"{gw.url}/status.json", timeout=10).json()
+        busy = next(w["address"] for w in status["workers"]["colocated"] if w["in_flight"])
+        workers[busy].popen.kill()
+        chunks += [line for line in lines if line.startswith(b"data: {")]
+        assert b'"finish_reason": "length"' in chunks[-1]  # the stream went on to its end, no error
+        spans = sink.trace(trace_of(r), {"pdserve-gateway"})
+        server = by_name(spans, "pdserve-gateway", "POST /v1/chat/completions")
+        assert "migrate" in server.events
+        attempts = sorted((s for s in spans if s.name == "generate"), key=lambda s: s.start)
+        assert [a.attributes["pdserve.worker"] for a in attempts][0] == busy and len(attempts) == 2
+        assert attempts[0].status == 2 and attempts[1].attributes["pdserve.resumed"]  # 2: STATUS_CODE_ERROR
+        survivor = attempts[1].attributes["pdserve.worker"]
+        moved = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-colocated"})
+        assert by_name(moved, "pdserve-colocated", "colocated generate").parent_id == attempts[1].span_id
+        kept = requests.get(f"{gw.url}/status.json", timeout=10).json()["timelines"]["recent"][0]
+        assert kept["events"] and kept["events"][0].startswith("migrate") and survivor in kept["workers"]
+
+        # A client that goes away mid-stream: its attempt and the worker's span end in error, the worker's at once.
+        r = stream_chat(gw, 400)
+        next(x for x in r.iter_lines() if x.startswith(b"data: {"))
+        r.close()
+        spans = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-colocated"})
+        work = by_name(spans, "pdserve-colocated", "colocated generate")
+        assert work.status == 2 and work.attributes["pdserve.output_tokens"] < 400
+        assert by_name(spans, "pdserve-gateway", "generate").status == 2
+    finally:
+        gw.proc.stop()
+        for proc in workers.values():
             proc.stop()

@@ -1,0 +1,77 @@
+"""A real OTLP/gRPC trace receiver on loopback (OpenTelemetry's own protobuf service), decoding what it gets:
+what the tracing benchmark exports to, and what the trace tests read their spans from."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+
+@dataclass
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict
+    events: list[str]
+    status: int
+    start: int
+    end: int
+
+
+@dataclass
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    spans: list[Span] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    exports: int = 0
+
+    def Export(self, request, context):
+        with self.lock:
+            self.exports += 1
+            for rs in request.resource_spans:
+                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                for scope in rs.scope_spans:
+                    for s in scope.spans:
+                        attrs = {a.key: _value(a.value) for a in s.attributes}
+                        self.spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(),
+                                               s.parent_span_id.hex(), attrs, [e.name for e in s.events],
+                                               s.status.code, s.start_time_unix_nano, s.end_time_unix_nano))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: str, services: set[str], timeout: float = 15.0,
+              outside: set[str] = frozenset()) -> list[Span]:
+        """The spans of `trace_id` once every one of `services` has exported its part and every span's parent
+        has arrived too (`outside`: parent ids from beyond the receiver, a client's span)."""
+        deadline = time.monotonic() + timeout
+        got: list[Span] = []
+        while time.monotonic() < deadline:
+            with self.lock:
+                got = [s for s in self.spans if s.trace_id == trace_id]
+            ids = {s.span_id for s in got} | set(outside) | {""}
+            if services <= {s.service for s in got} and all(s.parent_id in ids for s in got):
+                return got
+            time.sleep(0.2)
+        raise AssertionError(f"trace {trace_id}: only {[(s.service, s.name) for s in got]}")
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def serve() -> tuple[grpc.Server, Receiver, str]:
+    """A started receiver: (its server, to stop; its spans; its host:port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    sink = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, sink, f"127.0.0.1:{port}"
