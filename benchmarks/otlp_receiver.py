@@ -23,6 +23,7 @@ class Span:
     status: int
     start: int
     end: int
+    links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id) of each linked span
 
 
 @dataclass
@@ -41,7 +42,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                         attrs = {a.key: _value(a.value) for a in s.attributes}
                         self.spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(),
                                                s.parent_span_id.hex(), attrs, [e.name for e in s.events],
-                                               s.status.code, s.start_time_unix_nano, s.end_time_unix_nano))
+                                               s.status.code, s.start_time_unix_nano, s.end_time_unix_nano,
+                                               [(k.trace_id.hex(), k.span_id.hex()) for k in s.links]))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def trace(self, trace_id: str, services: set[str], timeout: float = 15.0,

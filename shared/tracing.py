@@ -190,6 +190,17 @@ def traceparent_of(span) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
+def link_current(traceparent: str, attributes: dict | None = None) -> None:
+    """Link the current span to the span a W3C traceparent names (a stored Response's trace from its
+    continuation): another trace, related rather than parent."""
+    context = context_from(traceparent)
+    if context is None:
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().add_link(trace.get_current_span(context).get_span_context(), attributes or {})
+
+
 def child(name: str, parent_span, start_s: float, end_s: float, attributes: dict | None = None):
     """A finished span under `parent_span`, from monotonic start and end times (the engine's timestamps)."""
     from opentelemetry import trace

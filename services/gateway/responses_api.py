@@ -18,6 +18,7 @@ import contextlib
 import logging
 
 from aiohttp import web
+from opentelemetry.trace import get_current_span as current_span
 from redis.exceptions import RedisError
 
 from pdserve.services.gateway import intake
@@ -88,8 +89,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     lora = await gw.adapter_of(req.model, req.lora_path)
     plan = tool_plan(req, gw.tool_call_parser)
     history: list[dict] = []
+    trace = tracing.traceparent_of(current_span())  # stored with the response: a continuation links to it
     if req.previous_response_id is not None:
         previous = await responses.read(req.previous_response_id, "previous_response_id")
+        tracing.link_current(previous.trace, {"pdserve.previous_response_id": req.previous_response_id})
         if previous.response["status"] in IN_FLIGHT:
             raise ApiError(400, f"Response {req.previous_response_id!r} is still {previous.response['status']}: "
                                 "continue it once it has ended.", "previous_response_id")
@@ -110,7 +113,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background:
         await gw.backend.admit()  # refused now (429, 503) rather than failed later
         queued = {**response, "status": "queued"}
-        await responses.call(responses.store.put(Stored(queued, conversation)))
+        await responses.call(responses.store.put(Stored(queued, conversation, trace)))
         task = asyncio.create_task(run_background(gw, responses, job, plan, queued, conversation))
         responses.running[rid] = task
         task.add_done_callback(lambda _: responses.running.pop(rid, None))
@@ -119,11 +122,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     await gw.backend.admit()
     with gw.backend.generation(job) as gen:
         if req.stream:
-            return await stream_response(request, gw, responses, req.store, gen, builder, response, conversation)
+            return await stream_response(request, gw, responses, req.store, gen, builder, response, conversation,
+                                         trace)
         results = await gen.collect()
     final, _ = finish(gw, gen, builder, response, results[0].text, results[0].finish_reason)
     if req.store:
-        await responses.call(responses.store.put(Stored(final, conversation)))
+        await responses.call(responses.store.put(Stored(final, conversation, trace)))
     return web.json_response(final)
 
 
@@ -201,7 +205,8 @@ def finish(gw: Gateway, gen, builder: out.OutputBuilder, response: dict, text: s
 
 # ---------------------------------------------------------------- streaming
 async def stream_response(request: web.Request, gw: Gateway, responses: Responses, store: bool, gen,
-                          builder: out.OutputBuilder, response: dict, conversation: list[dict]) -> web.StreamResponse:
+                          builder: out.OutputBuilder, response: dict, conversation: list[dict],
+                          trace: str) -> web.StreamResponse:
     sse, events = SSE(request), out.Events()
     last = None
     try:
@@ -220,14 +225,14 @@ async def stream_response(request: web.Request, gw: Gateway, responses: Response
             raise
         failed = out.finished(response, "failed", builder.items, None, error=out.error_of(exc.message))
         if store:
-            await _store_quietly(responses, Stored(failed, conversation))
+            await _store_quietly(responses, Stored(failed, conversation, trace))
         await sse.send(events.of_response("response.failed", failed))
         return await sse.done()
     final, closing = finish(gw, gen, builder, response, last.text if last else "", last and last.finish_reason)
     for event in closing:
         await sse.send(events.number(event))
     if store:
-        await _store_quietly(responses, Stored(final, conversation))
+        await _store_quietly(responses, Stored(final, conversation, trace))
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(final["status"],
                                                                                          "response.failed")
     await sse.send(events.of_response(kind, final))

@@ -67,6 +67,7 @@ def is_response_id(value: str) -> bool:
 class Stored:
     response: dict  # the response object, as GET shows it
     input: list[dict]  # the conversation's items before this response's output, each with its id
+    trace: str = ""  # W3C traceparent of the request that made it: a continuation's trace links to it
 
 
 class ResponseStore:
@@ -122,7 +123,7 @@ class MemoryResponses(ResponseStore):
         current = await self.get(response["id"])
         if current is None or current.response["status"] not in when:
             return False
-        await self.put(Stored(response, current.input))
+        await self.put(Stored(response, current.input, current.trace))
         return True
 
     async def delete(self, response_id: str) -> bool:
@@ -148,15 +149,16 @@ class RedisResponses(ResponseStore):
         key = self.key(record.response["id"])
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"status": record.response["status"], "response": json.dumps(record.response),
-                                    "input": json.dumps(record.input)})
+                                    "input": json.dumps(record.input), "trace": record.trace})
             pipe.expire(key, int(self.ttl_s))
             await pipe.execute()
 
     async def get(self, response_id: str) -> Stored | None:
-        fields = await self.r.hmget(self.key(response_id), "response", "input")
+        fields = await self.r.hmget(self.key(response_id), "response", "input", "trace")
         if fields[0] is None:
             return None
-        return Stored(json.loads(fields[0]), json.loads(fields[1] or "[]"))
+        trace = fields[2].decode() if isinstance(fields[2], bytes) else fields[2] or ""
+        return Stored(json.loads(fields[0]), json.loads(fields[1] or "[]"), trace)
 
     async def update(self, response: dict, when: tuple[str, ...]) -> bool:
         done = await self._update(keys=[self.key(response["id"])],
@@ -190,11 +192,11 @@ class SiblingResponses(ResponseStore):
                            type="server_error") from None
 
     async def put(self, record: Stored) -> None:
-        await self._ask("put", {"response": record.response, "input": record.input})
+        await self._ask("put", {"response": record.response, "input": record.input, "trace": record.trace})
 
     async def get(self, response_id: str) -> Stored | None:
         found = (await self._ask("get", {"id": response_id}))["record"]
-        return None if found is None else Stored(found["response"], found["input"])
+        return None if found is None else Stored(found["response"], found["input"], found.get("trace", ""))
 
     async def update(self, response: dict, when: tuple[str, ...]) -> bool:
         return (await self._ask("update", {"response": response, "when": list(when)}))["done"]
@@ -206,12 +208,13 @@ class SiblingResponses(ResponseStore):
 def serve_memory(store: MemoryResponses, siblings: Siblings) -> None:
     """Answer the other processes' `SiblingResponses` calls from `store`."""
     async def put(body: dict) -> dict:
-        await store.put(Stored(body["response"], body["input"]))
+        await store.put(Stored(body["response"], body["input"], body.get("trace", "")))
         return {}
 
     async def get(body: dict) -> dict:
         record = await store.get(body["id"])
-        return {"record": None if record is None else {"response": record.response, "input": record.input}}
+        return {"record": None if record is None else {"response": record.response, "input": record.input,
+                                                       "trace": record.trace}}
 
     async def update(body: dict) -> dict:
         return {"done": await store.update(body["response"], tuple(body["when"]))}
@@ -225,7 +228,7 @@ def serve_memory(store: MemoryResponses, siblings: Siblings) -> None:
 
 def _copy(record: Stored) -> Stored:
     """Records in memory are handed out as copies, as Redis would: a caller's edits never reach the store."""
-    return Stored(json.loads(json.dumps(record.response)), json.loads(json.dumps(record.input)))
+    return Stored(json.loads(json.dumps(record.response)), json.loads(json.dumps(record.input)), record.trace)
 
 
 def open_store(redis_url: str | None, ttl_s: float = DEFAULT_TTL_S, siblings: Siblings | None = None) -> ResponseStore:

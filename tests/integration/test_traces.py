@@ -100,6 +100,17 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
                                   "--gateway", gw.url], capture_output=True, text=True, timeout=60)
         assert missing.returncode == 1 and "404" in missing.stderr and "no-such-request" in missing.stderr
 
+        # A stored Response's continuation is a trace of its own, linked to the one that made the Response.
+        first = requests.post(f"{gw.url}/v1/responses", json={"model": "default", "input": "Hi", "max_output_tokens": 3},
+                              timeout=120)
+        then = requests.post(f"{gw.url}/v1/responses", json={"model": "default", "input": "And then?",
+                                                             "max_output_tokens": 3,
+                                                             "previous_response_id": first.json()["id"]}, timeout=120)
+        assert first.status_code == then.status_code == 200, then.text
+        made = by_name(sink.trace(trace_of(first), {"pdserve-gateway"}), "pdserve-gateway", "POST /v1/responses")
+        later = by_name(sink.trace(trace_of(then), {"pdserve-gateway"}), "pdserve-gateway", "POST /v1/responses")
+        assert later.trace_id != made.trace_id and later.links == [(made.trace_id, made.span_id)]
+
         # A malformed traceparent starts a trace of the gateway's own and is no error; a bad request is traced.
         r = chat(gw, "00-not-a-trace-01")
         assert r.status_code == 200 and trace_of(r) != CLIENT_TRACE
