@@ -48,6 +48,15 @@ def add_trace_flags(parser: argparse.ArgumentParser) -> None:
                        help="put prompts and completions into spans (off: traces often leave the cluster)")
 
 
+def trace_flags(args: argparse.Namespace) -> list[str]:
+    """The tracing flags of `args` again, for a child process to trace as its parent does."""
+    if not (args.enable_trace or args.otlp_traces_endpoint):
+        return []
+    flags = ["--otlp-traces-endpoint", args.otlp_traces_endpoint or DEFAULT_ENDPOINT,
+             "--otlp-traces-sample-ratio", str(args.otlp_traces_sample_ratio)]
+    return flags + (["--otlp-traces-include-content"] if args.otlp_traces_include_content else [])
+
+
 def _ratio(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -188,6 +197,30 @@ def traceparent_of(span) -> str:
     if not ctx.is_valid:
         return ""
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def well_formed(traceparent: str | None) -> str:
+    """`traceparent` when it is a W3C traceparent (normalised), else "": what may be stored for later."""
+    text = (traceparent or "").strip().lower()
+    return text if _TRACEPARENT.match(text) else ""
+
+
+@contextlib.contextmanager
+def batch_item(batch_id: str, custom_id: str, url: str, batch_trace: str):
+    """A batch item's span while the gateway runs it (yields its traceparent, "" when tracing is off): a trace
+    of its own per item, linked to the request that created the batch."""
+    if not enabled():
+        yield ""
+        return
+    from opentelemetry import trace
+
+    links = []
+    created = context_from(batch_trace)
+    if created is not None:
+        links.append(trace.Link(trace.get_current_span(created).get_span_context(), {"pdserve.batch_id": batch_id}))
+    with tracer().start_as_current_span("batch item", kind=trace.SpanKind.CLIENT, links=links, attributes={
+            "pdserve.batch_id": batch_id, "pdserve.custom_id": custom_id, "url.path": url}) as span:
+        yield traceparent_of(span)
 
 
 def link_current(traceparent: str, attributes: dict | None = None) -> None:

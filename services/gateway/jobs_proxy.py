@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.trace import get_current_span as current_span
 from yarl import URL
 
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import ApiError
+from pdserve.shared import tracing
 
 JOBS_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("jobs_session", aiohttp.ClientSession)
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Beta", "Idempotency-Key")
@@ -31,6 +33,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
     session = request.app[JOBS_SESSION]
     url = URL(gw.jobs_url.rstrip("/") + request.rel_url.raw_path_qs, encoded=True)
     headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
+    trace = tracing.traceparent_of(current_span())
+    if trace:  # a batch remembers the request that made it: its items' traces link to it
+        headers["traceparent"] = trace
     stalled = asyncio.Event()
     data = _upload(request, gw.limits.body_timeout_s, stalled) if request.body_exists else None
     reply: web.StreamResponse | None = None

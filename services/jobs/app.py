@@ -19,6 +19,7 @@ from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invali
 from pdserve.services.jobs.metrics import JobsMetrics
 from pdserve.services.jobs.store import (BATCH_ID, FILE_ID, QuotaExceeded, Store, TooManyFiles, dump, is_id, new_id,
                                          now)
+from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.jobs")
 
@@ -216,7 +217,8 @@ async def create_batch(request: web.Request) -> web.Response:
         "id": batch_id, "status": "validating", "endpoint": params.endpoint, "input_file_id": params.input_file_id,
         "completion_window": params.completion_window, "created_at": created, "expires_at": created + window,
         "total": 0, "metadata": dump(params.metadata) if params.metadata is not None else "",
-        "output_expires_after": params.output_expires_after_s or ""}
+        "output_expires_after": params.output_expires_after_s or "",
+        "trace": tracing.well_formed(request.headers.get("traceparent"))}
     store: Store = request.app[STORE]
     outcome = await store.create_batch(batch_id, params.input_file_id, fields, settings.max_unfinished_batches)
     if outcome == "busy":

@@ -30,6 +30,7 @@ from pdserve.services.jobs import control
 from pdserve.services.jobs.executor import Executor
 from pdserve.services.jobs.store import Store
 from pdserve.services.jobs.workqueue import Entry, ItemEntry, Queue
+from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.jobs.worker")
 T = TypeVar("T")
@@ -53,7 +54,7 @@ def consumer_name() -> str:
 def item_from(entry: Entry) -> ItemEntry | None:
     f = entry.fields
     try:
-        return ItemEntry(entry.id, f["b"], int(f["i"]), f["c"], f["u"], f["body"])
+        return ItemEntry(entry.id, f["b"], int(f["i"]), f["c"], f["u"], f["body"], f.get("t", ""))
     except (KeyError, ValueError):
         return None
 
@@ -200,7 +201,8 @@ class BatchRunner:
             if not await self.with_redis(lambda: self.queue.should_run(item), self.settings.redis_patience_s):
                 await self.with_redis(lambda: self.queue.ack(self.queue.k.items, [item.id]))
                 return
-            outcome = await self.executor.run(item.url, item.body)
+            with tracing.batch_item(item.batch_id, item.custom_id, item.url, item.trace) as traceparent:
+                outcome = await self.executor.run(item.url, item.body, traceparent)
             line = outcome.line(item.custom_id)
             await self.with_redis(lambda: self.queue.record(item, outcome.ok, line), self.settings.redis_patience_s)
         except TRANSIENT:

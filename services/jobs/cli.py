@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from pdserve.services.signals import install_signal_handlers
 from pdserve.shared.logs import add_log_arguments, setup_logging
+from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing, trace_flags
 
 DEFAULT_MAX_FILE_SIZE = 100 << 20
 # Sized for the chart's Redis (1 GiB of memory and of disk): files, plus a running batch's results beside them,
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--retries", type=int, default=3,
                         help="retries of a batch item on connection errors and 5xx replies, with backoff")
     add_log_arguments(parser)
+    add_trace_flags(parser)
     if command == "jobs":
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=30010)
@@ -84,8 +86,11 @@ def main(args: argparse.Namespace, command: str) -> int:
             print("error: --batch-workers must be >= 0, --max-file-size >= 1 and --files-quota-bytes >= 0",
                   file=sys.stderr, flush=True)
             return 2
-        return asyncio.run(serve_jobs(args))
-    return asyncio.run(serve_worker(args))
+    setup_tracing(args, f"pdserve-{command}")
+    try:
+        return asyncio.run(serve_jobs(args) if command == "jobs" else serve_worker(args))
+    finally:
+        shutdown_tracing()
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
@@ -93,7 +98,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return ["--gateway-url", args.gateway_url, "--concurrency", str(args.concurrency),
             "--lease-seconds", str(args.lease_seconds), "--request-timeout", str(args.request_timeout),
             "--retries", str(args.retries),
-            "--log-level", args.log_level, "--log-format", args.log_format]
+            "--log-level", args.log_level, "--log-format", args.log_format, *trace_flags(args)]
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:

@@ -102,7 +102,8 @@ async def _queue(store: Store, batch_id: str, record: dict, start: dict) -> bool
             pipe.hset(key, mapping={**(start if first else {}), "queued": end})
             for item in pending:
                 pipe.xadd(store.k.items, {"b": batch_id, "i": item.index, "c": item.custom_id,
-                                          "u": record["endpoint"], "body": dump(item.body)})
+                                          "u": record["endpoint"], "body": dump(item.body),
+                                          "t": record.get("trace", "")})
 
         if not await _guarded(store, key, may, write):
             return False

@@ -66,7 +66,8 @@ class Executor:
         if self.session is not None:
             await self.session.close()
 
-    async def run(self, url_path: str, body: str) -> Outcome:
+    async def run(self, url_path: str, body: str, traceparent: str = "") -> Outcome:
+        """`traceparent`: the item's span, which the gateway's trace of the request continues."""
         s = self.settings
         url = s.gateway_url.rstrip("/") + url_path
         attempts = s.retries + 1
@@ -74,7 +75,8 @@ class Executor:
         start = time.monotonic()
         while True:
             try:
-                async with self.session.post(url, data=body, headers={"Content-Type": "application/json"}) as reply:
+                headers = {"Content-Type": "application/json", **({"traceparent": traceparent} if traceparent else {})}
+                async with self.session.post(url, data=body, headers=headers) as reply:
                     status, text, retry_after = reply.status, await reply.text(), retry_after_s(reply.headers)
             except asyncio.TimeoutError:
                 return Outcome(None, None, {"code": "request_timeout", "message": f"The gateway did not answer "

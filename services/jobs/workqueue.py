@@ -30,6 +30,7 @@ class ItemEntry:
     custom_id: str
     url: str
     body: str  # the request body, JSON text
+    trace: str = ""  # W3C traceparent of the request that created the batch ("" when it was not traced)
 
 
 class Queue:

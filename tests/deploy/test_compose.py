@@ -183,7 +183,7 @@ def test_the_tracing_profile_adds_a_collector_and_the_endpoint_reaches_the_gatew
     traced = config(compose_binary, "tracing", env={"PDSERVE_OTLP_TRACES_ENDPOINT": "jaeger:4317"})
     jaeger = traced["services"]["jaeger"]
     assert [(p["target"], p.get("host_ip")) for p in jaeger["ports"]] == [(16686, "127.0.0.1")]  # the UI, loopback
-    for name in ("gateway", "prefill", "decode"):
+    for name in ("gateway", "prefill", "decode", "jobs"):
         assert traced["services"][name]["environment"]["PDSERVE_OTLP_TRACES_ENDPOINT"] == "jaeger:4317", name
         assert project["services"][name]["environment"]["PDSERVE_OTLP_TRACES_ENDPOINT"] == ""  # off by default
 

@@ -275,7 +275,7 @@ def test_lora_flags_and_adapter_volume_reach_both_worker_roles(render):
 def test_tracing_values_reach_the_gateway_and_both_worker_roles(render):
     r = render("--set", "tracing.enabled=true", "--set", "tracing.endpoint=http://otel:4318/v1/traces",
                "--set", "tracing.sampleRatio=0.25")
-    for role in ("gateway", "prefill", "decode"):
+    for role in ("gateway", "prefill", "decode", "jobs"):
         parsed = pdserve_parse(r.container(role)["args"])
         assert parsed.otlp_traces_endpoint == "http://otel:4318/v1/traces" and parsed.otlp_traces_sample_ratio == 0.25
         assert not parsed.otlp_traces_include_content

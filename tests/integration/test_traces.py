@@ -3,8 +3,10 @@ protobuf service, decoded here): one trace per request, continuing the client's 
 the decode worker's and the prefill worker's spans correctly parented, the KV transfer among them."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from harness import start_gateway, start_worker  # noqa: E402
 from otlp_receiver import Span, serve  # noqa: E402
 
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-CHAT = {"model": "default", "max_tokens": 6, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+CHAT = {"model": "default", "max_tokens": 6,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,8 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         parts = {s.name: s for s in spans if s.parent_id == work.span_id}
         assert set(parts) == {"queue", "prefill", "first message", "decode"}
         assert parts["decode"].attributes["pdserve.output_tokens"] == usage["completion_tokens"]
-        assert parts["queue"].end <= parts["prefill"].start + 1000 and parts["prefill"].end <= parts["decode"].start + 1000
+        assert parts["queue"].end <= parts["prefill"].start + 1000
+        assert parts["prefill"].end <= parts["decode"].start + 1000
         assert "pdserve.prompt" not in server.attributes  # no text in spans unless the operator asks
         ttft_parts(attempt)
         assert server.start <= attempt.start <= work.start and attempt.end <= server.end
@@ -101,8 +105,8 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         assert missing.returncode == 1 and "404" in missing.stderr and "no-such-request" in missing.stderr
 
         # A stored Response's continuation is a trace of its own, linked to the one that made the Response.
-        first = requests.post(f"{gw.url}/v1/responses", json={"model": "default", "input": "Hi", "max_output_tokens": 3},
-                              timeout=120)
+        first = requests.post(f"{gw.url}/v1/responses",
+                              json={"model": "default", "input": "Hi", "max_output_tokens": 3}, timeout=120)
         then = requests.post(f"{gw.url}/v1/responses", json={"model": "default", "input": "And then?",
                                                              "max_output_tokens": 3,
                                                              "previous_response_id": first.json()["id"]}, timeout=120)
@@ -117,7 +121,8 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         r = chat(gw, None, {**CHAT, "temperature": -1})
         assert r.status_code == 400
         bad = sink.trace(trace_of(r), {"pdserve-gateway"})
-        assert by_name(bad, "pdserve-gateway", "POST /v1/chat/completions").attributes["http.response.status_code"] == 400
+        refused = by_name(bad, "pdserve-gateway", "POST /v1/chat/completions")
+        assert refused.attributes["http.response.status_code"] == 400
     finally:
         gw.proc.stop()
         worker.stop()
@@ -129,7 +134,8 @@ def test_a_pd_chat_is_one_trace_over_three_processes_with_the_kv_transfer(receiv
     prefill, paddr = start_worker("prefill", str(default_model_dir), "--transfer-backend", "tcp", *trace)
     decode, daddr = start_worker("decode", str(default_model_dir), "--transfer-backend", "tcp", "--prefill", paddr,
                                  *trace)
-    gw = start_gateway(default_model_dir, "--prefill", paddr, "--decode", daddr, *trace, "--otlp-traces-include-content")
+    gw = start_gateway(default_model_dir, "--prefill", paddr, "--decode", daddr, *trace,
+                       "--otlp-traces-include-content")
     try:
         for proc in (prefill, decode):
             proc.wait_healthy(180)
@@ -214,3 +220,47 @@ def test_a_migration_and_an_abort_show_in_their_traces(receiver, default_model_d
         gw.proc.stop()
         for proc in workers.values():
             proc.stop()
+
+
+def test_batch_items_are_traces_linked_to_the_request_that_made_the_batch(receiver, tmp_path):
+    import openai
+    from integration.test_up_e2e import Up
+
+    sink, endpoint = receiver
+    up = Up(tmp_path, "--colocated", "--otlp-traces-endpoint", endpoint)  # one flag: every service traces
+    try:
+        base_url, _ = up.wait_ready()
+        client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=120)
+        lines = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"model": "default", "max_tokens": 3,
+                                             "messages": [{"role": "user", "content": f"Hi {i}"}]}}) + "\n"
+                        for i in range(2))
+        uploaded = client.files.create(file=("batch.jsonl", lines.encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 120
+        while batch.status != "completed" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+        made = next(s for s in wait_for(sink, lambda s: s.name == "POST /v1/batches"))
+        items = wait_for(sink, lambda s: s.name == "batch item", count=2)
+        assert {s.attributes["pdserve.custom_id"] for s in items} == {"q0", "q1"}
+        for item in items:
+            assert item.service == "pdserve-batch-worker" and item.attributes["pdserve.batch_id"] == batch.id
+            assert item.links == [(made.trace_id, made.span_id)] and item.trace_id != made.trace_id
+            served = sink.trace(item.trace_id, {"pdserve-batch-worker", "pdserve-gateway", "pdserve-colocated"})
+            assert by_name(served, "pdserve-gateway", "POST /v1/chat/completions").parent_id == item.span_id
+    finally:
+        up.close()
+
+
+def wait_for(sink, test, count: int = 1, timeout: float = 15.0) -> list[Span]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with sink.lock:
+            found = [s for s in sink.spans if test(s)]
+        if len(found) >= count:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{count} spans expected, {len(found)} arrived")
