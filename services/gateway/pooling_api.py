@@ -26,6 +26,7 @@ from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.router import load_of
 from pdserve.services.gateway.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.worker_pool import Worker
+from pdserve.shared import tracing
 
 ENCODE_TIMEOUT_S = 300.0
 RETRY_AFTER_S = 2  # what a client refused because the encoder workers are full is told to wait
@@ -91,7 +92,9 @@ async def _encode(gw: Gateway, seqs: list[list[int]], label_token_ids: list[int]
                                    label_token_ids=list(label_token_ids))
         worker.in_flight += 1
         try:
-            reply = await stub.Encode(message, timeout=ENCODE_TIMEOUT_S)
+            with tracing.section("encode", worker=worker.address, inputs=len(seqs)) as span:
+                message.traceparent = tracing.traceparent_of(span)
+                reply = await stub.Encode(message, timeout=ENCODE_TIMEOUT_S)
             return Encoded([list(v.values) for v in reply.outputs], reply.prompt_tokens)
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or exc.code().name

@@ -15,6 +15,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.worker import spans
 from pdserve.shared.config import Role
 from pdserve.shared.encoder import Encoder
 from pdserve.shared.engine import Engine
@@ -32,6 +33,23 @@ class PoolingService(pb_grpc.PoolingServicer):
         self.timeout_s = timeout_s  # for one group to be computed, queueing included
 
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
+        span = spans.start("encode", request.traceparent, {"pdserve.rid": request.rid,
+                                                            "pdserve.inputs": len(request.inputs)})
+        if span is None:
+            return await self._encode(request, context)
+        try:
+            reply = await self._encode(request, context)
+            span.set_attribute("pdserve.prompt_tokens", reply.prompt_tokens)
+            return reply
+        except BaseException as exc:
+            spans.end_failed(span, f"{type(exc).__name__}: {exc}")
+            span = None
+            raise
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
         seqs = [list(s.ids) for s in request.inputs]
         types = [list(s.type_ids) for s in request.inputs] if any(s.type_ids for s in request.inputs) else None
         labels = list(request.label_token_ids)

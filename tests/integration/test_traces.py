@@ -104,6 +104,17 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
                                   "--gateway", gw.url], capture_output=True, text=True, timeout=60)
         assert missing.returncode == 1 and "404" in missing.stderr and "no-such-request" in missing.stderr
 
+        # A prefill-only call (scoring, as embeddings) goes through the worker's Encode, traced the same way.
+        scored = requests.post(f"{gw.url}/v1/score", json={"model": "default", "query": "Is Paris in France?",
+                                                           "items": [" yes", " no"], "label_token_ids": [1]},
+                               timeout=120)
+        assert scored.status_code == 200, scored.text
+        encode = sink.trace(trace_of(scored), {"pdserve-gateway", "pdserve-colocated"})
+        asked = by_name(encode, "pdserve-gateway", "encode")
+        assert asked.parent_id == by_name(encode, "pdserve-gateway", "POST /v1/score").span_id
+        served = by_name(encode, "pdserve-colocated", "encode")
+        assert served.parent_id == asked.span_id and served.attributes["pdserve.inputs"] == 2
+
         # A stored Response's continuation is a trace of its own, linked to the one that made the Response.
         first = requests.post(f"{gw.url}/v1/responses",
                               json={"model": "default", "input": "Hi", "max_output_tokens": 3}, timeout=120)
