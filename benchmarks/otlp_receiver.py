@@ -47,17 +47,24 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def trace(self, trace_id: str, services: set[str], timeout: float = 15.0,
-              outside: set[str] = frozenset()) -> list[Span]:
+              outside: set[str] = frozenset(), complete: bool = True) -> list[Span]:
         """The spans of `trace_id` once every one of `services` has exported its part and every span's parent
-        has arrived too (`outside`: parent ids from beyond the receiver, a client's span)."""
+        has arrived too (`outside`: parent ids from beyond the receiver, a client's span). `complete=False`: a
+        process of the trace was killed, and the spans it had not exported yet never come: wait for `services`
+        and a second more."""
         deadline = time.monotonic() + timeout
         got: list[Span] = []
         while time.monotonic() < deadline:
             with self.lock:
                 got = [s for s in self.spans if s.trace_id == trace_id]
             ids = {s.span_id for s in got} | set(outside) | {""}
-            if services <= {s.service for s in got} and all(s.parent_id in ids for s in got):
-                return got
+            if services <= {s.service for s in got}:
+                if not complete:
+                    time.sleep(1.0)
+                    with self.lock:
+                        return [s for s in self.spans if s.trace_id == trace_id]
+                if all(s.parent_id in ids for s in got):
+                    return got
             time.sleep(0.2)
         raise AssertionError(f"trace {trace_id}: only {[(s.service, s.name) for s in got]}")
 
@@ -77,3 +84,30 @@ def serve() -> tuple[grpc.Server, Receiver, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, sink, f"127.0.0.1:{port}"
+
+
+def serve_http() -> tuple[object, Receiver, str]:
+    """The same receiver over OTLP/HTTP (protobuf bodies POSTed to /v1/traces): (its server, to shut down; its
+    spans; its URL)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sink = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            reply = sink.Export(request, None).SerializeToString()
+            self.send_response(200 if self.path == "/v1/traces" else 404)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, sink, f"http://127.0.0.1:{server.server_address[1]}/v1/traces"

@@ -231,8 +231,10 @@ class Engine:
                 reqs.append(req)
                 continue
             self.stats.prefill_tokens += n
+            ended = time.monotonic()
+            req.prefill_chunks.append((ended - compute_s, ended, n))
             if req.first_scheduled is None:  # its first chunk: it left the queue when this step began
-                req.first_scheduled = time.monotonic() - compute_s
+                req.first_scheduled = ended - compute_s
                 self.observer.scheduled(req)
             if req.num_computed < req.seq_len:
                 req.status = ReqStatus.PREFILLING

@@ -69,6 +69,8 @@ class Req:
     first_scheduled: float | None = None  # when its first prompt chunk ran: the end of its queue time
     first_token_time: float | None = None
     pages_reserved: float | None = None  # decode role: when its prompt's pages were reserved (its prefill asked for)
+    # (step start, step end, tokens) of each step that computed part of its prompt here (what a trace shows)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
     last_output: float | None = None  # when its latest tokens left through on_output (inter-token latency)
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
     input_logprobs_sent: bool = False

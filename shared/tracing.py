@@ -30,7 +30,7 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 MAX_TRACESTATE = 512  # the spec's limit: a longer tracestate is dropped, the traceparent still continued
 
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
-_state: dict = {"on": False, "include_content": False, "exporter": None}
+_state: dict = {"on": False, "include_content": False, "exporter": None, "on_dropped": []}
 
 
 def add_trace_flags(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +125,8 @@ class CountingExporter:
                 self._warned = False
             else:
                 self.dropped += len(spans)
+                for count in _state["on_dropped"]:
+                    count(len(spans))
                 if not self._warned:
                     log.warning("tracing: the collector did not take %d spans; dropping spans until it does",
                                 len(spans))
@@ -136,6 +138,11 @@ class CountingExporter:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
+
+
+def on_dropped(count) -> None:
+    """Have `count(n)` called with the number of spans each failed export drops (a metric's inc)."""
+    _state["on_dropped"].append(count)
 
 
 def dropped_spans() -> int:

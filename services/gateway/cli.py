@@ -14,7 +14,7 @@ from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.shared.logs import add_log_arguments, setup_logging
-from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing
+from pdserve.shared.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
     from pdserve.services.gateway.siblings import Siblings
@@ -148,7 +148,10 @@ def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | No
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    setup_tracing(args, "pdserve-gateway")
+    if setup_tracing(args, "pdserve-gateway"):
+        from pdserve.services.gateway.context import GATEWAY
+
+        on_dropped(app[GATEWAY].backend.metrics.trace_spans_dropped.inc)
     try:
         return asyncio.run(_serve(app, args, name))
     finally:

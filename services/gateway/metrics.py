@@ -55,6 +55,9 @@ class GatewayMetrics:
         self.workers_healthy = Gauge("pdserve_gateway_worker_healthy", "1 if the worker is in rotation",
                                      ["role", "address"], registry=r, multiprocess_mode="mostrecent")
         self.retries = Counter("pdserve_gateway_retries", "generations retried on another worker", registry=r)
+        self.trace_spans_dropped = Counter("pdserve_gateway_trace_spans_dropped", "spans the trace collector did "
+                                           "not take (unreachable, slow or refusing): dropped, never retried",
+                                           registry=r)
         self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
                                   "mid-stream, continuing from the tokens already out", registry=r)
 

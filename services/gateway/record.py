@@ -45,7 +45,8 @@ class GenerationRecord:
         self.span = tracing.tracer().start_span("generate", attributes={
             "pdserve.worker": pair.generate.address,
             "pdserve.prefill_worker": pair.prefill.address if pair.prefill is not None else "",
-            "pdserve.attempt": number, "pdserve.resumed": resumed, "pdserve.rid": request.rid})
+            "pdserve.attempt": number, "pdserve.resumed": resumed, "pdserve.rid": request.rid,
+            "pdserve.route": pair.why})
         request.traceparent = tracing.traceparent_of(self.span)
 
     def first_message(self, msg: pb.GenerateResponse, start: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
@@ -37,6 +37,7 @@ class NoWorker(Exception):
 class Pair:
     generate: Worker  # serves Generate: colocated or decode
     prefill: Worker | None = None  # PD mode only
+    why: str = field(default="", compare=False)  # how the router chose (a trace shows it)
 
     @property
     def workers(self) -> list[Worker]:
@@ -72,43 +73,48 @@ class Router:
         if not cache_workers:
             raise NoWorker(f"no healthy {self.pool.cache_role} worker")
         if self.pool.mode == "colocated":
-            return Pair(self._pick_cache_worker(cache_workers, input_ids))
+            worker, why = self._pick_cache_worker(cache_workers, input_ids)
+            return Pair(worker, why=why)
         decodes = [w for w in self.pool.healthy("decode") if w.address not in exclude]
         if not decodes:
             raise NoWorker("no healthy decode worker")
-        prefill = self._pick_cache_worker(cache_workers, input_ids)
-        return Pair(self._pick_decode(decodes, input_ids), prefill)
+        prefill, why_prefill = self._pick_cache_worker(cache_workers, input_ids)
+        decode, why_decode = self._pick_decode(decodes, input_ids)
+        return Pair(decode, prefill, why=f"prefill: {why_prefill}; decode: {why_decode}")
 
     # ------------------------------------------------------------ policies
-    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> Worker:
+    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
         if self.policy == "round_robin":
-            return workers[next(self._turn) % len(workers)]
+            return workers[next(self._turn) % len(workers)], "round robin"
         hashes = self._prefix_hashes(input_ids, workers[0].page_size)
         least = least_loaded(workers, hashes, load_of)
         return self._by_prefix(workers, hashes, least, self.prefixes)
 
-    def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> Worker:
+    def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
         if self.policy == "round_robin":
-            return workers[next(self._turn) % len(workers)]
+            return workers[next(self._turn) % len(workers)], "round robin"
         roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)] or workers
         hashes = self._prefix_hashes(input_ids, roomy[0].page_size)
         least = least_loaded(roomy, hashes, lambda w: (load_of(w), -w.free_pages))
         return self._by_prefix(roomy, hashes, least, self.decode_prefixes)
 
     def _by_prefix(self, workers: list[Worker], hashes: list[int], least: Worker,
-                   table: OrderedDict[int, str]) -> Worker:
+                   table: OrderedDict[int, str]) -> tuple[Worker, str]:
         """The worker of `table` that last served the prompt's longest known prefix (`hashes`), unless it is
-        clearly busier than `least` (then `least`); the choice becomes the owner of the prompt's prefixes."""
+        clearly busier than `least` (then `least`); the choice becomes the owner of the prompt's prefixes. And
+        why, in words."""
         by_address = {w.address: w for w in workers}
-        chosen = least
-        for h in reversed(hashes):  # longest known prefix first
-            owner = by_address.get(table.get(h, ""))
+        chosen, why = least, "least loaded, no known prefix"
+        for pages in range(len(hashes), 0, -1):  # longest known prefix first
+            owner = by_address.get(table.get(hashes[pages - 1], ""))
             if owner is not None:
                 if self._balanced(owner, least):
-                    chosen = owner
+                    chosen, why = owner, f"holds the prompt's first {pages} pages"
+                else:
+                    why = f"least loaded: the holder of the first {pages} pages is busier"
                 break
         self._remember(hashes, chosen.address, table)
-        return chosen
+        return chosen, why
 
     def _balanced(self, owner: Worker, least: Worker) -> bool:
         a, b = load_of(owner), load_of(least)

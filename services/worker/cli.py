@@ -13,7 +13,7 @@ from pdserve.services.worker.settings import add_expert_arguments
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
 from pdserve.shared.logs import add_log_arguments, setup_logging
-from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing
+from pdserve.shared.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
@@ -228,7 +228,8 @@ def main(args: argparse.Namespace, command: str) -> int:
         return 1
     if args.random_seed is not None:  # once the model is built: the random init before its weights load took draws
         torch.manual_seed(args.random_seed)
-    setup_tracing(args, f"pdserve-{command}")
+    if setup_tracing(args, f"pdserve-{command}"):
+        on_dropped(app.metrics.trace_spans_dropped.inc)
     try:
         return asyncio.run(app.serve())
     finally:

@@ -25,6 +25,8 @@ class EncoderMetrics:
         self.requests = Counter("sglang:num_requests", "requests answered", NAME, registry=r).labels(m)
         self.failed = Counter("sglang:num_aborted_requests", "requests whose forward failed", NAME,
                               registry=r).labels(m)
+        self.trace_spans_dropped = Counter("pdserve_worker_trace_spans_dropped", "spans the trace collector did "
+                                           "not take: dropped, never retried", NAME, registry=r).labels(m)
         self.sequences = Counter("pdserve_worker_encoder_sequences", "input sequences encoded", NAME,
                                  registry=r).labels(m)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "arrival to the request's last vector",

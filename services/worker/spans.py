@@ -54,9 +54,8 @@ def end_generate(traced: Traced, finished: bool, pull: tuple[float, float, float
         elif scheduled is not None:  # computed here (colocated, or a decode worker's short next turn)
             tracing.child("queue", span, arrival, scheduled)
             if first is not None:
-                tracing.child("prefill", span, scheduled, first,
-                              {"pdserve.tokens_computed": len(req.input_ids) - req.cached_tokens,
-                               "pdserve.cached_tokens": req.cached_tokens})
+                chunks(tracing.child("prefill", span, scheduled, first, prompt_attributes(req, req.cached_tokens)),
+                       req)
         if first is not None:
             span.add_event("first token", timestamp=tracing.wall_ns(first))
             if traced.first_sent is not None:
@@ -76,9 +75,8 @@ def end_prefill(span, req: Req, result, page_bytes: int, backend: str) -> None:
     queued = req.arrival + result.queue_s
     computed = queued + result.compute_s
     tracing.child("prefill queue", span, req.arrival, queued)
-    tracing.child("prefill compute", span, queued, computed,
-                  {"pdserve.tokens_computed": len(req.input_ids) - result.cached_tokens,
-                   "pdserve.cached_tokens": result.cached_tokens})
+    chunks(tracing.child("prefill compute", span, queued, computed, prompt_attributes(req, result.cached_tokens)),
+           req)
     pages = len(req.transfer.dst_pages) if req.transfer is not None else 0
     moved = pages * page_bytes
     rate = moved / result.transfer_s / 1e9 if result.transfer_s > 0 else 0.0
@@ -86,6 +84,20 @@ def end_prefill(span, req: Req, result, page_bytes: int, backend: str) -> None:
                   {"pdserve.pages": pages, "pdserve.bytes": moved, "pdserve.transfer_backend": backend,
                    "pdserve.gb_per_s": round(rate, 3)})
     span.end(end_time=tracing.wall_ns(end))
+
+
+def prompt_attributes(req: Req, cached: int) -> dict:
+    """What a prompt's computation span says: tokens computed, and those that came from the prefix cache (and
+    from which tier of it: the device pool is the only one here)."""
+    attributes = {"pdserve.tokens_computed": len(req.input_ids) - cached, "pdserve.cached_tokens": cached,
+                  "pdserve.prefill_chunks": len(req.prefill_chunks)}
+    return attributes | ({"pdserve.cache_tier": "device"} if cached else {})
+
+
+def chunks(parent, req: Req) -> None:
+    """One span per engine step that computed a chunk of the prompt, with its tokens, under `parent`."""
+    for number, (start, end, tokens) in enumerate(req.prefill_chunks, 1):
+        tracing.child(f"chunk {number}", parent, start, end, {"pdserve.tokens": tokens})
 
 
 def end_failed(span, reason: str) -> None:

@@ -15,7 +15,8 @@ import requests
 sys.path.insert(0, str(Path(__file__).parent.parent / "services" / "gateway"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
-from harness import start_gateway, start_worker  # noqa: E402
+from harness import start_gateway, start_worker, wait_listening  # noqa: E402
+from procs import free_port  # noqa: E402
 from otlp_receiver import Span, serve  # noqa: E402
 
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -83,6 +84,9 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         parts = {s.name: s for s in spans if s.parent_id == work.span_id}
         assert set(parts) == {"queue", "prefill", "first message", "decode"}
         assert parts["decode"].attributes["pdserve.output_tokens"] == usage["completion_tokens"]
+        steps = [s for s in spans if s.parent_id == parts["prefill"].span_id]
+        assert [s.name for s in steps] == ["chunk 1"] and steps[0].attributes["pdserve.tokens"] == usage["prompt_tokens"]
+        assert attempt.attributes["pdserve.route"] == "least loaded, no known prefix"  # the first of its prompt
         assert parts["queue"].end <= parts["prefill"].start + 1000
         assert parts["prefill"].end <= parts["decode"].start + 1000
         assert "pdserve.prompt" not in server.attributes  # no text in spans unless the operator asks
@@ -126,9 +130,14 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         later = by_name(sink.trace(trace_of(then), {"pdserve-gateway"}), "pdserve-gateway", "POST /v1/responses")
         assert later.trace_id != made.trace_id and later.links == [(made.trace_id, made.span_id)]
 
-        # A malformed traceparent starts a trace of the gateway's own and is no error; a bad request is traced.
+        # A malformed traceparent starts a trace of the gateway's own and is no error, nor is an oversized
+        # tracestate (dropped, the traceparent still continued); a bad request is traced.
         r = chat(gw, "00-not-a-trace-01")
         assert r.status_code == 200 and trace_of(r) != CLIENT_TRACE
+        other = "0af7651916cd43dd8448eb211c80319c"
+        r = requests.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=120,
+                          headers={"traceparent": f"00-{other}-{CLIENT_SPAN}-01", "tracestate": "k=" + "v" * 5000})
+        assert r.status_code == 200 and trace_of(r) == other
         r = chat(gw, None, {**CHAT, "temperature": -1})
         assert r.status_code == 400
         bad = sink.trace(trace_of(r), {"pdserve-gateway"})
@@ -175,6 +184,8 @@ def test_a_pd_chat_is_one_trace_over_three_processes_with_the_kv_transfer(receiv
         moved = parts["kv transfer"].attributes
         assert moved["pdserve.pages"] >= 1 and moved["pdserve.bytes"] > 0 and moved["pdserve.transfer_backend"] == "tcp"
         assert parts["prefill compute"].attributes["pdserve.tokens_computed"] == r.json()["usage"]["prompt_tokens"]
+        assert [s.name for s in spans if s.parent_id == parts["prefill compute"].span_id] == ["chunk 1"]
+        assert attempt.attributes["pdserve.route"].startswith("prefill: ")
         assert {s.name for s in spans if s.parent_id == work.span_id} == {
             "queue", "prefill call start", "prefill call", "prefill", "transfer window close",
             "first tokens to the engine", "first message", "decode"}
@@ -192,8 +203,11 @@ def stream_chat(gw, max_tokens: int) -> requests.Response:
 def test_a_migration_and_an_abort_show_in_their_traces(receiver, default_model_dir):
     sink, endpoint = receiver
     trace = ("--otlp-traces-endpoint", endpoint)
-    workers = dict(start_worker("colocated", str(default_model_dir), *trace)[::-1] for _ in range(2))
-    gw = start_gateway(default_model_dir, *[f for addr in workers for f in ("--worker", addr)], *trace)
+    prefill, paddr = start_worker("prefill", str(default_model_dir), "--transfer-backend", "tcp", *trace)
+    workers = dict(start_worker("decode", str(default_model_dir), "--transfer-backend", "tcp", "--prefill", paddr,
+                                *trace)[::-1] for _ in range(2))
+    gw = start_gateway(default_model_dir, "--prefill", paddr, *[f for a in workers for f in ("--decode", a)], *trace)
+    workers[paddr] = prefill
     try:
         for proc in workers.values():
             proc.wait_healthy(180)
@@ -203,28 +217,28 @@ def test_a_migration_and_an_abort_show_in_their_traces(receiver, default_model_d
         lines = r.iter_lines()
         chunks = [line for line, _ in zip((x for x in lines if x.startswith(b"data: {")), range(10))]
         status = requests.get(f"{gw.url}/status.json", timeout=10).json()
-        busy = next(w["address"] for w in status["workers"]["colocated"] if w["in_flight"])
-        workers[busy].popen.kill()
+        busy = next(w["address"] for w in status["workers"]["decode"] if w["in_flight"])
+        workers[busy].popen.kill()  # the decode worker streaming it
         chunks += [line for line in lines if line.startswith(b"data: {")]
         assert b'"finish_reason": "length"' in chunks[-1]  # the stream went on to its end, no error
-        spans = sink.trace(trace_of(r), {"pdserve-gateway"})
+        # The killed worker's spans not exported yet died with it: the rest of the trace is all there is.
+        spans = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-decode", "pdserve-prefill"}, complete=False)
         server = by_name(spans, "pdserve-gateway", "POST /v1/chat/completions")
         assert "migrate" in server.events
         attempts = sorted((s for s in spans if s.name == "generate"), key=lambda s: s.start)
         assert [a.attributes["pdserve.worker"] for a in attempts][0] == busy and len(attempts) == 2
         assert attempts[0].status == 2 and attempts[1].attributes["pdserve.resumed"]  # 2: STATUS_CODE_ERROR
         survivor = attempts[1].attributes["pdserve.worker"]
-        moved = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-colocated"})
-        assert by_name(moved, "pdserve-colocated", "colocated generate").parent_id == attempts[1].span_id
+        assert by_name(spans, "pdserve-decode", "decode generate").parent_id == attempts[1].span_id
         kept = requests.get(f"{gw.url}/status.json", timeout=10).json()["timelines"]["recent"][0]
         assert kept["events"] and kept["events"][0].startswith("migrate") and survivor in kept["workers"]
 
-        # A client that goes away mid-stream: its attempt and the worker's span end in error, the worker's at once.
+        # A client that goes away mid-stream: its attempt and the worker's span end in error.
         r = stream_chat(gw, 400)
         next(x for x in r.iter_lines() if x.startswith(b"data: {"))
         r.close()
-        spans = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-colocated"})
-        work = by_name(spans, "pdserve-colocated", "colocated generate")
+        spans = sink.trace(trace_of(r), {"pdserve-gateway", "pdserve-decode"})
+        work = by_name(spans, "pdserve-decode", "decode generate")
         assert work.status == 2 and work.attributes["pdserve.output_tokens"] < 400
         assert by_name(spans, "pdserve-gateway", "generate").status == 2
     finally:
@@ -275,3 +289,37 @@ def wait_for(sink, test, count: int = 1, timeout: float = 15.0) -> list[Span]:
             return found
         time.sleep(0.2)
     raise AssertionError(f"{count} spans expected, {len(found)} arrived")
+
+
+def test_otlp_over_http_and_an_unreachable_collector_that_costs_only_dropped_spans(default_model_dir):
+    from otlp_receiver import serve_http
+
+    server, sink, url = serve_http()
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    over_http = start_gateway(default_model_dir, "--worker", nowhere, "--otlp-traces-endpoint", url)
+    unreachable = start_gateway(default_model_dir, "--worker", nowhere, "--otlp-traces-endpoint", nowhere)
+    try:
+        for gw in (over_http, unreachable):
+            wait_listening(gw)
+        r = chat(over_http, None)
+        assert r.status_code == 503  # no worker: refused, and traced all the same
+        refused = by_name(sink.trace(trace_of(r), {"pdserve-gateway"}), "pdserve-gateway",
+                          "POST /v1/chat/completions")
+        assert refused.attributes["http.response.status_code"] == 503 and refused.status == 2
+        started = time.monotonic()
+        assert chat(unreachable, None).status_code == 503
+        assert time.monotonic() - started < 5  # the collector is never waited for
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and dropped(unreachable) == 0:
+            time.sleep(0.5)
+        assert dropped(unreachable) >= 1 and "the collector did not take" in unreachable.proc.tail(200)
+    finally:
+        for gw in (over_http, unreachable):
+            gw.proc.stop()
+        server.shutdown()
+
+
+def dropped(gw) -> float:
+    text = requests.get(f"{gw.url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve_gateway_trace_spans_dropped_total"))
