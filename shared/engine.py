@@ -227,6 +227,7 @@ class Engine:
             req.num_computed += n
             if batch.is_decode or req.status == ReqStatus.RUNNING:  # a decode, alone or beside prefills
                 self.stats.decode_tokens += 1
+                req.decode_steps += 1
                 rows.append(i)
                 reqs.append(req)
                 continue

@@ -71,6 +71,9 @@ class Req:
     pages_reserved: float | None = None  # decode role: when its prompt's pages were reserved (its prefill asked for)
     # (step start, step end, tokens) of each step that computed part of its prompt here (what a trace shows)
     prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
+    decode_steps: int = 0  # engine steps that gave it tokens after the first
+    drafted_tokens: int = 0  # speculative decoding: its draft tokens verified, and accepted
+    accepted_tokens: int = 0
     last_output: float | None = None  # when its latest tokens left through on_output (inter-token latency)
     input_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens from max(start, 1) on
     input_logprobs_sent: bool = False

@@ -229,8 +229,10 @@ class Speculator:
                     going.append(i)
             live, pos = going, pos + 1
         for req, draft, n in zip(reqs, drafts, accepted):
+            req.decode_steps += 1
             if draft:
                 self.drafting[req].record(len(draft), n)
+                req.drafted_tokens, req.accepted_tokens = req.drafted_tokens + len(draft), req.accepted_tokens + n
             if req.status == ReqStatus.RUNNING:  # pages past its next token held only rejected drafts
                 keep = -(-req.seq_len // self.scheduler.page_size)
                 self.scheduler.allocator.free(req.pages[keep:])

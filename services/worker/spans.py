@@ -60,7 +60,9 @@ def end_generate(traced: Traced, finished: bool, pull: tuple[float, float, float
             span.add_event("first token", timestamp=tracing.wall_ns(first))
             if traced.first_sent is not None:
                 tracing.child("first message", span, first, traced.first_sent)
-            tracing.child("decode", span, first, end, {"pdserve.output_tokens": tokens})
+            tracing.child("decode", span, first, end, {
+                "pdserve.output_tokens": tokens, "pdserve.steps": req.decode_steps,
+                "pdserve.draft_tokens": req.drafted_tokens, "pdserve.accepted_draft_tokens": req.accepted_tokens})
         if req.finish_reason:
             span.set_attribute("pdserve.finish_reason", req.finish_reason)
     if not finished:

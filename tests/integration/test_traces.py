@@ -84,6 +84,8 @@ def test_a_colocated_chat_is_one_trace_continuing_the_clients(receiver, default_
         parts = {s.name: s for s in spans if s.parent_id == work.span_id}
         assert set(parts) == {"queue", "prefill", "first message", "decode"}
         assert parts["decode"].attributes["pdserve.output_tokens"] == usage["completion_tokens"]
+        assert parts["decode"].attributes["pdserve.steps"] == usage["completion_tokens"] - 1  # after the first
+        assert parts["decode"].attributes["pdserve.draft_tokens"] == 0  # no speculation on this worker
         steps = [s for s in spans if s.parent_id == parts["prefill"].span_id]
         assert [s.name for s in steps] == ["chunk 1"] and steps[0].attributes["pdserve.tokens"] == usage["prompt_tokens"]
         assert attempt.attributes["pdserve.route"] == "least loaded, no known prefix"  # the first of its prompt
