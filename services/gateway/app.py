@@ -19,6 +19,7 @@ import time
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
+from pdserve.services import tracing
 from pdserve.services.gateway import messages_api
 from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
                                       pooling_api, status_page, weights_api)
@@ -28,7 +29,6 @@ from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, to
 from pdserve.services.gateway import responses_api
 from pdserve.services.gateway.responses_store import ResponseStore
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
-from pdserve.shared import tracing
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
 log = logging.getLogger("pdserve.gateway")

@@ -26,6 +26,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
+from pdserve.services import tracing
 from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.generation import Generation, GenerationSettings, Job
 from pdserve.services.gateway.metrics import GatewayMetrics
@@ -33,7 +34,6 @@ from pdserve.services.gateway.router import NoWorker, Pair, Router
 from pdserve.services.gateway.timelines import FlightRecorder
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker, WorkerPool
-from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -14,7 +14,7 @@ from pdserve.services.gateway.reasoning import PARSERS
 from pdserve.services.gateway.router import POLICIES
 from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.shared.logs import add_log_arguments, setup_logging
-from pdserve.shared.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
+from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
     from pdserve.services.gateway.siblings import Siblings

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pdserve.services import tracing
 from pdserve.services.gateway.adapters import adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.backend import Backend
 from pdserve.services.gateway.cpu_pool import CpuPool
@@ -20,7 +21,6 @@ from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecke
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.services.gateway.worker_pool import Worker
-from pdserve.shared import tracing
 from pdserve.shared.sampling_params import SamplingParams
 
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0

@@ -17,9 +17,9 @@ from aiohttp import web
 from opentelemetry.trace import get_current_span as current_span
 from yarl import URL
 
+from pdserve.services import tracing
 from pdserve.services.gateway.context import GATEWAY
 from pdserve.services.gateway.errors import ApiError
-from pdserve.shared import tracing
 
 JOBS_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("jobs_session", aiohttp.ClientSession)
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Beta", "Idempotency-Key")

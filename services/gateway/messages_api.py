@@ -19,6 +19,7 @@ import json
 
 from aiohttp import web
 
+from pdserve.services import tracing
 from pdserve.services.gateway import intake
 from pdserve.services.gateway import messages_format as fmt
 from pdserve.services.gateway.constraints import after_reasoning
@@ -32,7 +33,6 @@ from pdserve.services.gateway.messages_protocol import (CountTokensRequest, Mess
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan
-from pdserve.shared import tracing
 from pdserve.shared.logs import REQUEST_ID
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})

@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from pdserve.services import tracing
 from pdserve.services.gateway import intake
 from pdserve.services.gateway import openai_format as fmt
 from pdserve.services.gateway.constraints import after_reasoning
@@ -25,7 +26,6 @@ from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.served_models import MODELS
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan, plan_tools, template_messages
-from pdserve.shared import tracing
 
 def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
     return cached if gw.enable_cache_report or req.return_cached_tokens_details else None

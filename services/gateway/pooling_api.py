@@ -20,13 +20,13 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services import tracing
 from pdserve.services.gateway.context import GATEWAY, Gateway, new_id
 from pdserve.services.gateway.errors import ApiError, Busy, read_json
 from pdserve.services.gateway.protocol import parse
 from pdserve.services.gateway.router import load_of
 from pdserve.services.gateway.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.worker_pool import Worker
-from pdserve.shared import tracing
 
 ENCODE_TIMEOUT_S = 300.0
 RETRY_AFTER_S = 2  # what a client refused because the encoder workers are full is told to wait

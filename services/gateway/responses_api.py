@@ -21,6 +21,7 @@ from aiohttp import web
 from opentelemetry.trace import get_current_span as current_span
 from redis.exceptions import RedisError
 
+from pdserve.services import tracing
 from pdserve.services.gateway import intake
 from pdserve.services.gateway import responses_output as out
 from pdserve.services.gateway.constraints import after_reasoning
@@ -36,7 +37,6 @@ from pdserve.services.gateway.responses_store import (IN_FLIGHT, MemoryResponses
                                                       is_response_id, new_item_id)
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.tool_calls import ToolPlan, template_messages
-from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.gateway")
 UNSUPPORTED_RESPONSES = {**UNSUPPORTED_OPENAI, "prompt": "prompt templates", "conversation": "conversations",

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from pdserve.services import tracing
 from pdserve.services.jobs import batches, files
 from pdserve.services.jobs.errors import ApiError, bad_request, conflict, invalid_id, not_found
 from pdserve.services.jobs.metrics import JobsMetrics
 from pdserve.services.jobs.store import (BATCH_ID, FILE_ID, QuotaExceeded, Store, TooManyFiles, dump, is_id, new_id,
                                          now)
-from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.jobs")
 

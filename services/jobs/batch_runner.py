@@ -26,11 +26,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pdserve.services import tracing
 from pdserve.services.jobs import control
 from pdserve.services.jobs.executor import Executor
 from pdserve.services.jobs.store import Store
 from pdserve.services.jobs.workqueue import Entry, ItemEntry, Queue
-from pdserve.shared import tracing
 
 log = logging.getLogger("pdserve.jobs.worker")
 T = TypeVar("T")

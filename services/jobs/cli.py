@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from pdserve.services.signals import install_signal_handlers
 from pdserve.shared.logs import add_log_arguments, setup_logging
-from pdserve.shared.tracing import add_trace_flags, setup_tracing, shutdown_tracing, trace_flags
+from pdserve.services.tracing import add_trace_flags, setup_tracing, shutdown_tracing, trace_flags
 
 DEFAULT_MAX_FILE_SIZE = 100 << 20
 # Sized for the chart's Redis (1 GiB of memory and of disk): files, plus a running batch's results beside them,

@@ -13,7 +13,7 @@ from pdserve.services.worker.settings import add_expert_arguments
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
 from pdserve.shared.logs import add_log_arguments, setup_logging
-from pdserve.shared.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
+from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")

@@ -19,13 +19,13 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import output_to_proto, params_from_proto, prompt_logprobs_to_proto
+from pdserve.services import tracing
 from pdserve.services.worker.kv_pull import KVPull
 from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker import spans
 from pdserve.services.worker.relay import OutputRelay
 from pdserve.services.worker.weights_rpc import WeightUpdates
-from pdserve.shared import tracing
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine

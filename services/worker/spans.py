@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pdserve.shared import tracing
 from pdserve.shared.req import Req
+from pdserve.services import tracing
 
 
 def start(name: str, traceparent: str, attributes: dict):
