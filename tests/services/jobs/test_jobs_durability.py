@@ -70,6 +70,9 @@ def test_sigkilled_worker_batch_is_finished_by_another(redis_server, slow_upstre
     sent_before = slow_upstream.stats()["requests"]
     batch = create_batch(c, lines)
     wait_batch(c, batch.id, until=lambda b: b.request_counts.completed >= 8, timeout=30)
+    deadline = time.monotonic() + 10  # between two items the worker may have none out: kill it with one out
+    while slow_upstream.stats()["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     doomed.kill()  # SIGKILL with items in flight
     stalled = c.batches.retrieve(batch.id)
     assert stalled.status == "in_progress" and stalled.request_counts.completed < 40
