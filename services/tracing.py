@@ -10,7 +10,7 @@ and comes in from a client as its `traceparent` header.
 
 Engine timings are monotonic seconds (Req.arrival and the like): `wall_ns` turns them into the span times an
 exporter wants, so spans are ended from the timestamps the engine already keeps, never by waiting on it. An
-unreachable collector costs a warning and the spans it drops (`dropped_spans`), never a request.
+unreachable collector costs a warning and the spans it drops (counted through `on_dropped`), never a request.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 MAX_TRACESTATE = 512  # the spec's limit: a longer tracestate is dropped, the traceparent still continued
 
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
-_state: dict = {"on": False, "include_content": False, "exporter": None, "on_dropped": []}
+_state: dict = {"on": False, "include_content": False, "on_dropped": []}
 
 
 def add_trace_flags(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def setup_tracing(args: argparse.Namespace, service: str) -> bool:
                               sampler=ParentBased(TraceIdRatioBased(args.otlp_traces_sample_ratio)))
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500, export_timeout_millis=5000))
     trace.set_tracer_provider(provider)
-    _state.update(on=True, include_content=args.otlp_traces_include_content, exporter=exporter, provider=provider)
+    _state.update(on=True, include_content=args.otlp_traces_include_content, provider=provider)
     log.info("tracing: spans of %s go to %s (sample ratio %g)", service, endpoint, args.otlp_traces_sample_ratio)
     return True
 
@@ -143,11 +143,6 @@ class CountingExporter:
 def on_dropped(count) -> None:
     """Have `count(n)` called with the number of spans each failed export drops (a metric's inc)."""
     _state["on_dropped"].append(count)
-
-
-def dropped_spans() -> int:
-    exporter = _state["exporter"]
-    return exporter.dropped if exporter is not None else 0
 
 
 def enabled() -> bool:

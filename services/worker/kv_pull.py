@@ -34,9 +34,9 @@ class KVPull:
         self.deadline_s = call_timeout_s + prefill_timeout_s + 10.0
         self.calls: dict[str, asyncio.Task] = {}  # rid -> its Prefill call
         self.addrs: dict[str, str] = {}  # rid -> the prefill worker filling its pages
-        self.replies: dict[str, pb.PrefillReply] = {}  # rid -> reply (its timings), until its first output
-        # rid -> (Prefill call sent, answered, transfer window closed): monotonic times, until the request ends
-        self.timeline: dict[str, tuple[float, float, float]] = {}
+        # rid -> the reply (its timings) and the call's own: (sent, answered, transfer window closed), monotonic;
+        # until its first output
+        self.replies: dict[str, tuple[pb.PrefillReply, tuple[float, float, float]]] = {}
         self._abort_stubs: dict[str, pb_grpc.WorkerStub] = {}
 
     def start(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str | None) -> None:
@@ -44,7 +44,7 @@ class KVPull:
         self.addrs[rid] = request.prefill_addr
         self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version or ""))
 
-    def take_reply(self, rid: str) -> pb.PrefillReply | None:
+    def take_reply(self, rid: str) -> tuple[pb.PrefillReply, tuple[float, float, float]] | None:
         return self.replies.pop(rid, None)
 
     def abort(self, rid: str) -> None:
@@ -84,9 +84,8 @@ class KVPull:
             answered = time.monotonic()
             await loop.run_in_executor(None, transfer.close_window, pages)
             closed = True
-            self.timeline[rid] = (sent, answered, time.monotonic())
             firsts = [first_token_from_proto(t) for t in reply.first_tokens]
-            self.replies[rid] = reply
+            self.replies[rid] = reply, (sent, answered, time.monotonic())
             engine.call(lambda: engine.role.kv_ready(rid, firsts, reply.cached_tokens))
         except asyncio.CancelledError:
             raise

@@ -272,17 +272,18 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
             msg.handoff_s = now - out.first_token_time
         if rid in self.traced:
             self.traced[rid].first_sent = now
-        timing = self.kv_pull.take_reply(rid) if self.kv_pull is not None else None
-        if timing is not None:
+        taken = self.kv_pull.take_reply(rid) if self.kv_pull is not None else None
+        if taken is not None:
+            timing, pull = taken
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
             msg.transfer_s = timing.transfer_s
             msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
             msg.prefill_other_s = max(0.0, timing.total_s - timing.queue_s - timing.compute_s - timing.transfer_s)
-            pull = self.kv_pull.timeline.get(rid)
-            if pull is not None:
-                sent, answered, _ = pull
-                msg.prefill_call_s = max(0.0, answered - sent - timing.total_s)
-                msg.handoff_s = now - answered
+            sent, answered, _ = pull
+            msg.prefill_call_s = max(0.0, answered - sent - timing.total_s)
+            msg.handoff_s = now - answered
+            if rid in self.traced:
+                self.traced[rid].pull = pull
 
     async def _fail(self, context, error: str) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE else grpc.StatusCode.INTERNAL,
@@ -295,9 +296,8 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
     def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
         self.public_ids.pop(request.rid, None)
         traced = self.traced.pop(request.rid, None)
-        pull = self.kv_pull.timeline.pop(request.rid, None) if self.kv_pull is not None else None
         if traced is not None:
-            spans.end_generate(traced, len(finished) >= params.n, pull)
+            spans.end_generate(traced, len(finished) >= params.n)
         if self.kv_pull is not None:
             self.kv_pull.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out

@@ -24,19 +24,21 @@ def start(name: str, traceparent: str, attributes: dict):
 
 @dataclass
 class Traced:
-    """A traced Generate call: its span, its request, and when its first message left (monotonic)."""
+    """A traced Generate call: its span, its request, when its first message left (monotonic), and a decode
+    worker's Prefill call."""
 
     span: object
     req: Req
     first_sent: float | None = None
+    pull: tuple[float, float, float] | None = None  # decode: its Prefill call (sent, answered, window closed)
 
 
-def end_generate(traced: Traced, finished: bool, pull: tuple[float, float, float] | None = None) -> None:
+def end_generate(traced: Traced, finished: bool) -> None:
     """A Generate call's parts: the queue, the prompt (computed here, or prefilled by the prefill worker and
     moved: that worker's spans hang below the Prefill call's), the first token, its hand-off to the stream, and
-    the decode. `pull`: a decode worker's Prefill call (sent, answered, transfer window closed)."""
+    the decode."""
     end = time.monotonic()
-    span, req = traced.span, traced.req
+    span, req, pull = traced.span, traced.req, traced.pull
     if req is not None:
         arrival, scheduled, first = req.arrival, req.first_scheduled, req.first_token_time
         tokens = len(req.output_ids)
