@@ -5,8 +5,8 @@
 #
 # That machine (../shared/notes/gpu.md) has Python 3.12, torch, triton, transformers, tokenizers, aiohttp,
 # numpy and safetensors, but not what the gateway and the workers import besides: pydantic (and its three
-# companions), redis, xgrammar (and the tvm-ffi runtime it loads), and grpcio/protobuf recent enough for our
-# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35). gguf is left out: it is read only for GGUF models and
+# companions), redis, xgrammar (and the tvm-ffi runtime it loads), grpcio/protobuf recent enough for our
+# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35), and pyzmq and msgpack (a worker's engine channel). gguf is left out: it is read only for GGUF models and
 # the check serves a safetensors one.
 #
 # Versions are pinned to the ones the project's CPU environment runs with, so the GPU run tests the same
@@ -23,6 +23,8 @@ WHEELS=(
   redis==8.1.0
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
   grpcio==1.85.3 protobuf==7.36.2
+  # the local channel between a worker's front process and its engine process
+  pyzmq==27.3.0 msgpack==1.2.4
 )
 
 mkdir -p "$DIR"

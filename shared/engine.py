@@ -66,6 +66,9 @@ class Engine:
         self.overlap = Overlap(self)
         self.observer = observer or RequestObserver()
         self.stats = StepStats()
+        # Called once per loop iteration, after its step: a worker's engine process sends that step's outputs
+        # in one message from here.
+        self.on_iteration: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | ComputeThread | None = None
         self._stopping = False
@@ -126,6 +129,8 @@ class Engine:
                 except Exception as exc:  # a failed step must not leave requests hanging
                     log.exception("engine step failed")
                     self._fail_all(f"internal error: {exc}")
+            if self.on_iteration is not None:
+                self.on_iteration()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

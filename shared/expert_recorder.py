@@ -19,8 +19,10 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ def no_experts(model: str) -> ValueError:
 class ExpertRecorder:
     def __init__(self, num_layers: int, num_experts: int, device: torch.device | str = "cpu") -> None:
         """`num_layers`: all the model's layers (rows of dense layers stay zero, as in SGLang's files)."""
+        import torch  # here, not at import: a worker's front reads MODES for its flags and never loads torch
+
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)  # [L, E]
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self.recording = False
@@ -87,6 +91,8 @@ def writable_dir(directory: str | Path) -> Path:
 
 def save_dump(counts: torch.Tensor, directory: str | Path, tag: str = "") -> Path:
     """Write counts [L, E] as SGLang's stat file in `directory`; returns its path. Written whole or not at all."""
+    import torch
+
     name = f"expert_distribution_recorder_{time.time()}{'_' + tag if tag else ''}.pt"
     path = writable_dir(directory) / name
     data = {"rank": 0, "logical_count": counts.to(torch.int64).unsqueeze(0),  # [1, L, E]

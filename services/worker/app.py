@@ -1,179 +1,168 @@
-"""WorkerApp: wires one Engine to its gRPC services, its KV transfer and its HTTP probes.
+"""WorkerApp: a generative worker's front process: its gRPC services, registration with peers, /health, /metrics and
+the stats line, over the engine process it starts (`engine_link.EngineLink`); it never loads torch.
 
-Lifecycle: load the model, start the engine thread, (decode) register with the
-listed prefill workers, serve until SIGTERM/SIGINT, drain (not ready, no new Generate,
-those in progress finish: `_drain`), then stop everything. The periodic stats line
-(`StatsLine`) runs with the HTTP side, beside /metrics, which reads the same numbers.
+Lifecycle: start the engine process and wait until it is ready, (decode) register with the listed prefill
+workers, serve until SIGTERM/SIGINT, drain (not ready, no new Generate, those in progress finish: `_drain`), then
+stop everything. If the engine process dies, the worker reports unhealthy at once, its requests end with an error
+(a decode worker's migrate), and the front exits with an error so that its supervisor starts the worker again.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import sys
 import time
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.signals import install_signal_handlers
-from pdserve.services.worker.settings import expert_settings, worker_name
-from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
+from pdserve.services.signals import install_signal_handlers
+from pdserve.services.worker.channel import EngineGone, RemoteError
+from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError, PrefillPeers
-from pdserve.services.worker.pooling import PoolingService
+from pdserve.services.worker.pooling import PoolingService, engine_encode
 from pdserve.services.worker.prefill_rpc import PrefillService
 from pdserve.services.worker.rpc import Calls, WorkerService
+from pdserve.services.worker.settings import worker_name
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.cluster_auth import server_interceptors
-from pdserve.shared.compat import Compat
-from pdserve.shared.config import Role, RuntimeConfig
-from pdserve.shared.engine import Engine
+from pdserve.shared.compat import Compat, WeightsVersion
+from pdserve.shared.config import Role
 from pdserve.shared.logs import RequestIdServerInterceptor
-from pdserve.shared.compute_thread import ComputeThread
-from pdserve.shared.model_runner import ModelRunner
-from pdserve.shared.scoring import DecoderPooling
 
 log = logging.getLogger("pdserve.worker")
 
 
 class WorkerApp:
-    def __init__(self, config: RuntimeConfig, role: Role, args: argparse.Namespace) -> None:
-        self.config = config
+    def __init__(self, role: Role, args: argparse.Namespace, model_path: str) -> None:
         self.role = role
         self.args = args
         self.http_port = args.http_port or args.port + 1000
         self.name = worker_name(role.value, args.host, args.port)
-        self.compute = ComputeThread()  # loads the model, then runs the engine loop: one OpenMP pool
-        runner = self.compute.run(lambda: ModelRunner(config))
-        self.pooled = None  # a pooling decoder (embedding or classifier): served by Encode, never Generate
-        if config.is_embedding or runner.model_config.is_classifier or runner.model_config.is_bare:
-            if role != Role.COLOCATED:
-                raise ValueError(f"{runner.model_config.architecture} with --is-embedding serves embeddings or "
-                                 "scores, which need no prefill/decode split: run it as `pdserve colocated`")
-            self.pooled = DecoderPooling.for_model(config.model_path, runner.model_config.is_classifier)
-        self.experts = expert_settings(args, f"{role.value}-{args.port}")
-        if self.experts.mode is not None and runner.model_config.moe is None:
-            raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
-                             f"{runner.model_config.architecture} has no experts (not a Mixture-of-Experts model)")
-        self.transfer = None
-        backend = "none"
-        if role != Role.COLOCATED:
-            from pdserve.shared.transfer import available_backends, create_transfer
-
-            backend = args.transfer_backend
-            if backend == "auto":
-                backend = "nixl" if "nixl" in available_backends() else "tcp"
-            kwargs = {}
-            if backend == "tcp" and role == Role.DECODE:
-                kwargs = {"host": args.host, "port": args.transfer_port or args.port + 2000}
-            self.transfer = create_transfer(backend, self.name, runner.pool.buffer, **kwargs)
-        transfer_fn = self._write_kv if role == Role.PREFILL else None
-        poll_fn = self.transfer.poll if (self.transfer is not None and role == Role.DECODE) else None
-        self.metrics = WorkerMetrics(args.served_model_name or config.model_path, role, runner.pool.page_size,
-                                     runner.pool.num_pages, runner.lora.pool.num_slots if runner.lora else None)
-        self.engine = Engine(config, role, runner, transfer_fn=transfer_fn, poll_fn=poll_fn,
-                             observer=self.metrics)
-        mc = runner.model_config
-        self.compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
-                             page_size=config.cache.page_size, num_layers=mc.num_layers,
-                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, transfer_backend=backend,
-                             lora_adapters=tuple(sorted(f"{a.name}@{a.version}" for a in self.engine.adapters.list())),
-                             weights_version=self.engine.weights.version.label,
-                             quantization=config.quantization or "")
-        self.info = pb.InfoReply(
-            role=role.value, model_path=config.model_path,
-            served_model_name=args.served_model_name or config.model_path,
-            compat=compat_to_proto(self.compat), max_total_tokens=runner.pool.num_pages * runner.pool.page_size,
-            context_length=runner.context_length, max_running_requests=config.scheduler.max_running_requests,
-            architecture=mc.architecture, model_type=mc.model_type,
-            attention_backend=runner.ops.name, lora_enabled=runner.lora is not None,
-            max_lora_rank=runner.lora.pool.max_rank if runner.lora else 0,
-            max_loras_per_batch=runner.lora.pool.num_slots if runner.lora else 0,
-            weights=weights_to_proto(self.engine.weights.version))
-        self.peers = PrefillPeers(self.name, self.compat, self.transfer) if role == Role.DECODE else None
+        flags = {**vars(args), "model_path": model_path, "worker_name": self.name}
+        self.link = EngineLink(role.value, flags, on_exit=self._engine_exited)
+        self.link.on_event = self._event
+        self.registry = CollectorRegistry()  # the front's own series, beside the engine's
+        self.trace_spans_dropped = Counter(
+            "pdserve_worker_trace_spans_dropped", "spans the trace collector did not take (unreachable, slow or "
+            "refusing): dropped, never retried", ["model_name"], registry=self.registry).labels(
+            args.served_model_name or model_path)
+        self.model_path = model_path
         self.ready = False
+        self.transfer_ok = True
+        self.engine_exit: int | None = None
+        self._stop: asyncio.Event | None = None
+        self.kv_pull = None
+
+    async def _start_engine(self) -> None:
+        """Start the engine process; what the worker tells the gateway (Info) and its peers, from its answer."""
+        info = await self.link.start()
+        self.compat = Compat(**{**info["compat"], "lora_adapters": tuple(info["compat"]["lora_adapters"])})
+        self.weights = WeightsVersion(**info["weights"])
+        self.engine_info = info
+        self.info = pb.InfoReply(
+            role=self.role.value, model_path=self.model_path,
+            served_model_name=self.args.served_model_name or self.model_path,
+            compat=compat_to_proto(self.compat), max_total_tokens=info["max_total_tokens"],
+            context_length=info["context_length"], max_running_requests=info["max_running_requests"],
+            architecture=info["architecture"], model_type=info["model_type"], attention_backend=info["kernels"],
+            lora_enabled=info["lora_enabled"], max_lora_rank=info["max_lora_rank"],
+            max_loras_per_batch=info["max_loras_per_batch"], weights=weights_to_proto(self.weights))
 
     def healthy(self) -> bool:
-        """Ready, its engine thread alive, and (PD) its KV transfer still able to take pages."""
-        return self.ready and self.engine.is_alive() and (self.transfer is None or self.transfer.healthy())
+        """Ready, its engine process alive, and (PD) its KV transfer still able to take pages."""
+        return self.ready and self.link.alive and self.transfer_ok
 
-    def _write_kv(self, req) -> float:
-        import time
+    def _event(self, event: list) -> None:
+        kind = event[0]
+        if kind == "reserved" and self.kv_pull is not None:
+            self.kv_pull.reserved(*event[1:])
+        elif kind == "transfer_healthy":
+            self.transfer_ok = event[1]
+            log.log(logging.INFO if self.transfer_ok else logging.ERROR, "KV transfer %s",
+                    "healthy again" if self.transfer_ok else "unhealthy: peers cannot write into this pool")
 
-        peer, num_pages = req.transfer.peer_name, len(req.transfer.dst_pages)
-        t0 = time.perf_counter()
-        try:
-            self.transfer.write_pages(peer, req.pages[:num_pages], req.transfer.dst_pages)
-        except Exception:
-            self.metrics.transfer_failed(peer)
-            raise
-        seconds = time.perf_counter() - t0
-        self.metrics.transferred(peer, num_pages * self.transfer.page_bytes, seconds)
-        return seconds
+    def _engine_exited(self, code: int) -> None:
+        log.error("the engine process exited (code %s): this worker stops, for its supervisor to start it again",
+                  code)
+        self.engine_exit = code
+        self.ready = False
+        if self._stop is not None:
+            self._stop.set()
 
     async def serve(self) -> int:
-        stop = asyncio.Event()
+        self._stop = stop = asyncio.Event()
         install_signal_handlers(stop)
-        self.engine.start(self.compute)
+        try:
+            await self._start_engine()
+        except (ValueError, EngineGone) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            await self.link.stop()
+            return 1
         server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=[*server_interceptors(self.args.host), RequestIdServerInterceptor()])
         calls = Calls()
-        prefill = PrefillService(self.engine, self.compat, self.transfer, calls=calls) \
-            if self.role == Role.PREFILL else None
+        info = self.engine_info
+        prefill = PrefillService(self.link, self.compat, calls=calls, page_bytes=info["page_bytes"],
+                                 transfer_name=info["transfer_name"]) if self.role == Role.PREFILL else None
+        peers = None
+        if self.role == Role.DECODE:
+            metadata = await self.link.call("transfer_metadata")
+            peers = PrefillPeers(self.name, self.compat, metadata)
 
         def weights_changed(compat: Compat) -> None:  # what registration exchanges names the new weights
             self.compat = compat
             if prefill is not None:
                 prefill.compat = compat
 
-        pb_grpc.add_WorkerServicer_to_server(
-            WorkerService(self.engine, self.role, self.compat, self.info, self.peers,
-                          is_ready=self.healthy, experts=self.experts,
-                          on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval),
-            server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine=self.engine, pooled=self.pooled),
-                                              server)
+        worker = WorkerService(self.link, self.role, self.compat, self.info, peers, is_ready=self.healthy,
+                               on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval,
+                               generates=info["generates"])
+        self.kv_pull = worker.kv_pull
+        pb_grpc.add_WorkerServicer_to_server(worker, server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine_encode(self.link)), server)
         if prefill is not None:
             pb_grpc.add_PrefillServicer_to_server(prefill, server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         if bound == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
-            self.engine.stop()
+            await self.link.stop()
             return 1
         await server.start()
         http = await self._start_http()
         if http is None:
             await server.stop(0)
-            self.engine.stop()
+            await self.link.stop()
             return 1
         code = 0
         try:
             if self.role == Role.DECODE and self.args.prefill:
                 addrs = [a for spec in self.args.prefill for a in expand_hostports(spec)]
-                await self.peers.register_all(addrs, deadline_s=120)
-            self.ready = True
-            spec = self.config.speculative
-            weights = self.info.compat.dtype + (f" ({self.config.quantization})" if self.config.quantization else "")
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, %s, kernels %s%s%s", self.role.value, self.args.host,
-                     self.args.port, self.http_port, weights, self.info.attention_backend,
-                     f", speculative ngram (up to {spec.num_draft_tokens} draft tokens)"
-                     if spec is not None and self.role != Role.PREFILL else "",
-                     ", overlapped decode steps" if self.engine.overlap.enabled else "")
+                await peers.register_all(addrs, deadline_s=120)
+            self.ready = self.link.alive
+            spec = info["speculative_tokens"]
+            weights = self.compat.dtype + (f" ({self.args.quantization})" if self.args.quantization else "")
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s", self.role.value,
+                     self.args.host, self.args.port, self.http_port, self.link.pid, weights, info["kernels"],
+                     f", speculative ngram (up to {spec} draft tokens)" if spec else "",
+                     ", overlapped decode steps" if info["overlap"] else "")
             await stop.wait()
-            await self._drain(calls)
+            if self.engine_exit is None:
+                await self._drain(calls)
         except PeerError as exc:
             log.error("%s", exc)
             code = 1
         finally:
             self.ready = False
-            await server.stop(grace=2)
+            await server.stop(grace=0.5 if self.engine_exit is not None else 2)
             await http.cleanup()
-            self.engine.stop()
-            if self.transfer is not None:
-                self.transfer.close()
-        return code
+            await self.link.stop()
+        return 1 if self.engine_exit is not None else code
 
     async def _drain(self, calls: Calls) -> None:
         """Report not ready (gRPC Health and HTTP /health) and refuse new Generate calls; let those in progress
@@ -192,10 +181,15 @@ class WorkerApp:
             return web.Response(text="ok" if ok else "starting", status=200 if ok else 503)
 
         async def metrics(request: web.Request) -> web.Response:
-            return await self.metrics.scrape(self.engine)
+            try:
+                engine = await self.link.call("metrics", 5.0)
+            except (RemoteError, EngineGone, asyncio.TimeoutError):
+                engine = b""
+            return web.Response(body=engine + generate_latest(self.registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         async def stats_line(app: web.Application):
-            task = asyncio.create_task(StatsLine(self.engine, self.args.log_stats_interval).run())
+            task = asyncio.create_task(StatsLine(self.link, self.args.log_stats_interval).run())
             yield
             task.cancel()
 
@@ -219,16 +213,11 @@ class StatsLine:
     """A worker's load, logged every `interval_s` while it has requests or made tokens since the last line (as
     SGLang's batch lines): running and queued requests, KV use, prefill and generation throughput."""
 
-    def __init__(self, engine: Engine, interval_s: float) -> None:
-        self.engine = engine
+    def __init__(self, link: EngineLink, interval_s: float) -> None:
+        self.link = link
         self.interval_s = interval_s
         self._tokens = (0, 0)  # prefill and decode tokens made by the previous line (engine.stats: running totals)
         self._at = time.monotonic()
-
-    def _sample(self):  # on the engine thread
-        spec = self.engine.speculator
-        return (self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens,
-                spec.figures() if spec is not None else None)
 
     async def run(self) -> None:
         while True:
@@ -237,9 +226,8 @@ class StatsLine:
 
     async def tick(self) -> None:
         try:
-            load, prefill, decode, spec = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(self._sample)),
-                                                           self.interval_s)
-        except asyncio.TimeoutError:  # a long step, or the engine stopped: no line this time
+            load, prefill, decode, spec = await self.link.call("stats_sample", self.interval_s)
+        except (asyncio.TimeoutError, RemoteError, EngineGone):  # a long step, or the engine stopped: no line now
             return
         now = time.monotonic()
         seconds, made = now - self._at, (prefill - self._tokens[0], decode - self._tokens[1])

@@ -205,7 +205,22 @@ def main(args: argparse.Namespace, command: str) -> int:
     except (ModelNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    # torch and the apps load only here: `pdserve up` and `--help` read this module's flags without them.
+    if command == "colocated" and is_encoder_checkpoint(model_path):
+        return _serve_encoder(config, args)
+    # A generative worker's front: gRPC and HTTP here, the model in the engine process it starts (no torch here).
+    from pdserve.services.worker.app import WorkerApp
+
+    app = WorkerApp(Role(command), args, model_path)
+    if setup_tracing(args, f"pdserve-{command}"):
+        on_dropped(app.trace_spans_dropped.inc)
+    try:
+        return asyncio.run(app.serve())
+    finally:
+        shutdown_tracing()
+
+
+def _serve_encoder(config: RuntimeConfig, args: argparse.Namespace) -> int:
+    """An encoder model (BERT family): one process, the Encoder batching in a thread of its own."""
     import torch
 
     if args.threads:
@@ -214,21 +229,16 @@ def main(args: argparse.Namespace, command: str) -> int:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    from pdserve.services.worker.app import WorkerApp
+    from pdserve.services.worker.encoder_app import EncoderWorkerApp
 
     try:
-        if command == "colocated" and is_encoder_checkpoint(model_path):
-            from pdserve.services.worker.encoder_app import EncoderWorkerApp
-
-            app = EncoderWorkerApp(config, args)
-        else:
-            app = WorkerApp(config, Role(command), args)
+        app = EncoderWorkerApp(config, args)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.random_seed is not None:  # once the model is built: the random init before its weights load took draws
+    if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
-    if setup_tracing(args, f"pdserve-{command}"):
+    if setup_tracing(args, "pdserve-colocated"):
         on_dropped(app.metrics.trace_spans_dropped.inc)
     try:
         return asyncio.run(app.serve())

@@ -18,6 +18,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.encoder_metrics import EncoderMetrics
 from pdserve.services.worker.peers import GRPC_OPTIONS
+from pdserve.services.worker.channel import RemoteError, error_kind
 from pdserve.services.worker.pooling import PoolingService
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.config import Role, RuntimeConfig
@@ -81,6 +82,18 @@ class EncoderWorkerApp:
             model_type=cfg.model_type, attention_backend="torch")
         self.ready = False
 
+    async def _encode(self, seqs: list[list[int]], types: list[list[int]] | None, labels: list[int],
+                      timeout_s: float = 120.0) -> dict:
+        """Queued on the Encoder, batched with whatever else is queued; failures by kind (channel.error_kind)."""
+        try:
+            if labels:
+                raise ValueError("this worker serves an embedding model: scoring label tokens needs a generative "
+                                 "model")
+            vectors = await asyncio.wait_for(asyncio.wrap_future(self.encoder.submit(seqs, types)), timeout_s)
+        except (ValueError, RuntimeError) as exc:
+            raise RemoteError(error_kind(exc), str(exc)) from None
+        return {"vectors": vectors, "prompt_tokens": sum(len(s) for s in seqs), "cached_tokens": 0}
+
     async def serve(self) -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
@@ -88,7 +101,7 @@ class EncoderWorkerApp:
         is_ready = lambda: self.ready and self.encoder.is_alive()  # noqa: E731
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(self.args.host))
         pb_grpc.add_WorkerServicer_to_server(EncoderWorkerService(self.encoder, self.info, is_ready), server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(Role.COLOCATED, encoder=self.encoder), server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(Role.COLOCATED, self._encode), server)
         if server.add_insecure_port(f"{self.args.host}:{self.args.port}") == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
             self.encoder.stop()

@@ -85,9 +85,6 @@ class WorkerMetrics(RequestObserver):
                                 registry=r).labels(m)
         self.aborted = Counter("sglang:num_aborted_requests", "requests aborted (by clients or errors)", NAME,
                                registry=r).labels(m)
-        self.trace_spans_dropped = Counter("pdserve_worker_trace_spans_dropped", "spans the trace collector did "
-                                           "not take (unreachable, slow or refusing): dropped, never retried",
-                                           NAME, registry=r).labels(m)
         self.computed_tokens = Counter("pdserve_worker_tokens", "tokens computed by forward passes, by kind "
                                        "(prefill includes the recompute of retracted requests)",
                                        NAME + ["kind"], registry=r)

@@ -73,18 +73,19 @@ class PrefillClient:
 
 
 class PrefillPeers:
-    def __init__(self, name: str, compat: Compat, transfer, timeout: float = 10.0,
+    def __init__(self, name: str, compat: Compat, metadata: bytes, timeout: float = 10.0,
                  refresh_s: float = REFRESH_S) -> None:
+        """`metadata`: what a prefill worker needs to write into our KV pool (the transfer agent's), the same
+        bytes every time, so that registering again changes nothing there."""
         self.name = name
         self.compat = compat
-        self.transfer = transfer
         self.timeout = timeout
         self.refresh_s = refresh_s
         self._channels: dict[str, grpc.aio.Channel] = {}  # every address ever used, registered or not
         self._clients: dict[str, PrefillClient] = {}  # the addresses we are registered with now
         self._locks: dict[str, asyncio.Lock] = {}
         self._answered_at: dict[str, float] = {}  # loop time of each address's last registration (or first try)
-        self._metadata: bytes | None = None
+        self._metadata = metadata
         self._keeper: asyncio.Task | None = None
 
     async def get(self, addr: str) -> tuple[PrefillClient, str]:
@@ -159,8 +160,6 @@ class PrefillPeers:
             pass
 
     def _request(self) -> pb.RegisterRequest:
-        if self._metadata is None:  # the same bytes every time, so the prefill side sees nothing changed
-            self._metadata = self.transfer.metadata()
         return pb.RegisterRequest(peer_name=self.name, compat=compat_to_proto(self.compat),
                                   transfer_metadata=self._metadata)
 

@@ -1,8 +1,9 @@
-"""The Worker gRPC service over one Engine (all roles); prefill workers also serve `prefill_rpc.PrefillService`.
+"""The Worker gRPC service over one engine process (all roles); prefill workers also serve
+`prefill_rpc.PrefillService`.
 
-Thin by design: parse the message, hand a function to the engine thread, map
-results and errors back to gRPC. Request outputs hop from the engine thread to
-the event loop through an asyncio.Queue per request.
+Thin by design: parse the message, make the engine call (`engine_link.EngineLink`), map results and errors back
+to gRPC. A request's outputs come from the link a step at a time, into an asyncio.Queue (Generate) or a StepSink
+(GenerateMany).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,28 +20,26 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import output_to_proto, params_from_proto, prompt_logprobs_to_proto
 from pdserve.services import tracing
+from pdserve.services.worker import spans
+from pdserve.services.worker.channel import EngineGone, RemoteError
+from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.kv_pull import KVPull
 from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.peers import PrefillPeers
-from pdserve.services.worker import spans
-from pdserve.services.worker.relay import OutputRelay
 from pdserve.services.worker.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
 from pdserve.shared.config import Role
-from pdserve.shared.engine import Engine
-from pdserve.shared.expert_recorder import RECORDING_OFF, RecordSettings, save_dump, writable_dir
-from pdserve.shared.grammar import Constraint, GrammarError
-from pdserve.shared.lora import AdapterNotFound, LoraAdapter, LoraError
 from pdserve.shared.outputs import ReqOutput, coalesce
-from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_SEQUENCES = 1024  # Generate sequences a worker holds beyond its --max-running-requests
-# Grammars compile here, not in the default executor that KV-page release and DNS share: a slow compile (the
-# gateway refuses those past its budget first) holds one of these threads, nothing else.
-GRAMMAR_THREADS = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+# How the front answers an engine call that failed, by the failure's kind (channel.error_kind).
+CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+         "precondition": grpc.StatusCode.FAILED_PRECONDITION, "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "unavailable": grpc.StatusCode.UNAVAILABLE, "not_found": grpc.StatusCode.NOT_FOUND,
+         "weights": grpc.StatusCode.INVALID_ARGUMENT, "internal": grpc.StatusCode.INTERNAL}
 
 
 @dataclass(frozen=True)
@@ -86,19 +84,22 @@ class Calls:
             return False
 
 
-async def grammar_of(engine: Engine, params, context, timeout: float) -> Constraint | None:
-    """The request's grammar state, compiled in a thread: the engine's step loop never waits for it."""
-    if params.constraint is None:
-        return None
-    loop = asyncio.get_running_loop()
+async def engine_call(link: EngineLink, context, method: str, timeout: float, /, **kwargs):
+    """`link.call`, its failure ending the gRPC call with the matching status and the engine's message."""
     try:
-        compiled = await asyncio.wait_for(loop.run_in_executor(GRAMMAR_THREADS, engine.compile_grammar, params),
-                                          timeout)
-    except GrammarError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except asyncio.TimeoutError:
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the grammar did not compile in time")
-    return Constraint.for_params(compiled, params)
+        return await link.call(method, timeout, **kwargs)
+    except RemoteError as exc:
+        await context.abort(CODES.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
+    except EngineGone as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    """The fields that differ from their defaults: what the engine process rebuilds the params from."""
+    return {name: value for name, value in vars(params).items() if value != DEFAULT_PARAMS[name]}
+
+
+DEFAULT_PARAMS = vars(SamplingParams())
 
 
 async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_tokens: int) -> list[ReqOutput]:
@@ -117,38 +118,33 @@ async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_to
 
 
 class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, role: Role, compat: Compat, info: pb.InfoReply,
+    def __init__(self, link: EngineLink, role: Role, compat: Compat, info: pb.InfoReply,
                  peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
-                 is_ready: Callable[[], bool] | None = None, experts: RecordSettings = RecordSettings(),
-                 on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
-                 max_queued: int = MAX_QUEUED_SEQUENCES, stream_interval: int = 1) -> None:
+                 is_ready: Callable[[], bool] | None = None, on_weights: Callable[[Compat], None] | None = None,
+                 calls: Calls | None = None, max_queued: int = MAX_QUEUED_SEQUENCES, stream_interval: int = 1,
+                 generates: bool = True) -> None:
         """`on_weights`: told this worker's new compatibility info after its weights changed. `calls`: what is in
         progress, shared with the Prefill service; at most max_running_requests + `max_queued` sequences."""
-        self.engine = engine
+        self.link = link
         self.calls = calls or Calls()
         self.max_sequences = info.max_running_requests + max_queued
         self.stream_interval = stream_interval  # tokens per message while a stream keeps up (SGLang's)
-        self.is_ready = is_ready or engine.is_alive
+        self.is_ready = is_ready or (lambda: link.alive)
         self.role = role
+        self.generates = generates
         self.compat = compat
         self.info = info
         self.peers = peers
         self.timeouts = timeouts
-        self.experts = experts
-        self.kv_pull = KVPull(engine, peers, timeouts.engine_call, timeouts.prefill) if role == Role.DECODE else None
-        self._relay: OutputRelay | None = None
+        self.kv_pull = KVPull(link, peers, timeouts.engine_call, timeouts.prefill, lambda: self.compat.weights_version) \
+            if role == Role.DECODE else None
         self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
-        self.traced: dict[str, spans.Traced] = {}  # rid -> its span and Req, while a traced generation runs
+        self.traced: dict[str, spans.Traced] = {}  # rid -> its span, while a traced generation runs
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
-    def relay(self) -> OutputRelay:
-        if self._relay is None:  # made on the serving loop, the first time a request needs it
-            self._relay = OutputRelay(asyncio.get_running_loop())
-        return self._relay
-
-    async def _engine(self, fn):
-        return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), self.timeouts.engine_call)
+    async def _engine(self, method: str, timeout: float | None = None, /, **kwargs):
+        return await self.link.call(method, timeout or self.timeouts.engine_call, **kwargs)
 
     # ------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -156,7 +152,11 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         falls behind gets what queued meanwhile in one message."""
         with self.calls.hold(await self._admit(request, context)):
             outputs: asyncio.Queue[ReqOutput] = asyncio.Queue()
-            params = await self._start(request, context, outputs)
+
+            def deliver(outs: list[ReqOutput]) -> None:
+                for out in outs:
+                    outputs.put_nowait(out)
+            params = await self._start(request, context, deliver)
             finished: set[int] = set()
             first = True
             try:
@@ -183,12 +183,17 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
                 yield message
 
     async def _generate_posting(self, request: pb.GenerateRequest, context, post) -> None:
-        """A GenerateMany call: as Generate, but each relay delivery's outputs become a message there and then
-        (`StepSink`), without waking a coroutine per generation per step."""
+        """A GenerateMany call: as Generate, but each step's outputs become a message there and then (`StepSink`),
+        without waking a coroutine per generation per step."""
         with self.calls.hold(await self._admit(request, context)):
             sink = StepSink(max(1, request.sampling.n), self.stream_interval,
                             lambda ready, first: self._message(request, ready, first), post)
-            params = await self._start(request, context, sink)
+
+            def deliver(outs: list[ReqOutput]) -> None:
+                for out in outs:
+                    sink.put_nowait(out)
+                sink.flush()
+            params = await self._start(request, context, deliver)
             try:
                 error = await sink.wait(self._wait_limit)
                 if error:
@@ -212,39 +217,41 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
                                 f"{self.max_sequences}: retry later")
         return n
 
-    async def _start(self, request: pb.GenerateRequest, context, outputs) -> SamplingParams:
-        """Checks the request and hands it to the engine; its outputs go to `outputs` (`put_nowait`, from the
-        relay on the event loop)."""
+    async def _start(self, request: pb.GenerateRequest, context, deliver) -> SamplingParams:
+        """Checks the request and hands it to the engine; each step's outputs of it go to `deliver`."""
         arrived = time.monotonic()
         if self.role == Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is a prefill worker: send Generate to a decode or colocated worker")
-        if not self.engine.generates:
+        if not self.generates:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker serves a pooling model (embeddings or scores): it does not generate")
         if self.role == Role.DECODE and not request.prefill_addr:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr")
-        loop = asyncio.get_running_loop()
         try:
             params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        relay = self.relay()
-        req = Req(rid=request.rid, input_ids=list(request.input_ids), params=params, arrival=arrived,
-                  on_output=lambda out: relay.send(outputs, out))
         span = spans.start(f"{self.role.value} generate", request.traceparent,
                            {"pdserve.rid": request.rid, "pdserve.role": self.role.value})
         if span is not None:
-            self.traced[request.rid] = spans.Traced(span, req)
+            self.traced[request.rid] = spans.Traced(span)
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
-        req.grammar = await grammar_of(self.engine, params, context, self.timeouts.engine_call)
+        self.link.watch(request.rid, deliver)
         if self.kv_pull is not None:
-            req.on_pages_reserved = lambda r: loop.call_soon_threadsafe(
-                self.kv_pull.start, r.rid, request, list(r.pages), r.lora and r.lora.version)
+            self.kv_pull.expect(request.rid, request)
         try:
-            await self._engine(lambda: self.engine.add_request(req, request.lora or None))
-        except (InvalidParam, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await engine_call(self.link, context, "generate", self.timeouts.engine_call, rid=request.rid,
+                              input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
+                              lora=request.lora, traced=span is not None)
+        except BaseException:
+            self.link.unwatch(request.rid)
+            if self.kv_pull is not None:
+                self.kv_pull.forget(request.rid)
+            traced = self.traced.pop(request.rid, None)
+            if traced is not None:
+                spans.end_failed(traced.span, "refused")
+            raise
         self.public_ids[request.rid] = request.public_id  # until `_end`
         return params
 
@@ -294,14 +301,22 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
 
     def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
+        self.link.unwatch(request.rid)
         self.public_ids.pop(request.rid, None)
         traced = self.traced.pop(request.rid, None)
         if traced is not None:
-            spans.end_generate(traced, len(finished) >= params.n)
+            asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= params.n, time.monotonic()))
         if self.kv_pull is not None:
             self.kv_pull.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out
             self._abort_soon(request.rid)
+
+    async def _end_span(self, rid: str, traced: spans.Traced, finished: bool, end: float) -> None:
+        try:
+            trace = await self._engine("trace", rid=rid)
+        except (RemoteError, EngineGone, asyncio.TimeoutError):
+            trace = None
+        spans.end_generate(traced, spans.ReqTrace(**trace) if trace else None, finished, end)
 
     def _wait_limit(self, first: bool) -> float:
         if first and self.role == Role.DECODE:
@@ -309,7 +324,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         return self.timeouts.stall
 
     def _abort_soon(self, rid: str) -> None:
-        self.engine.call(lambda: self.engine.abort(rid))
+        self.link.cast("abort", rids=[rid])
         self._stop_prefill(rid)
 
     def _stop_prefill(self, rid: str) -> None:
@@ -325,7 +340,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
                        if request.all or public == request.public_id}
         else:
             targets = {request.rid: ""}
-        found = await self._engine(lambda: [rid for rid in targets if self.engine.abort(rid)])
+        found = await engine_call(self.link, context, "abort", self.timeouts.engine_call, rids=list(targets))
         for rid in targets:
             self._stop_prefill(rid)
         return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])
@@ -336,82 +351,60 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
     async def Info(self, request, context):
         reply = pb.InfoReply()
         reply.CopyFrom(self.info)
-        reply.lora_adapters.extend(await self._engine(self._adapter_infos))
+        reply.lora_adapters.extend(adapter_info(a) for a in await engine_call(
+            self.link, context, "adapters", self.timeouts.engine_call))
         return reply
 
     # ------------------------------------------------------------ LoRA adapters
-    def _adapter_infos(self) -> list[pb.LoraAdapterInfo]:
-        return [adapter_info(a) for a in self.engine.adapters.list()]
-
     async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
-        def load():
-            try:
-                self.engine.adapters.load(request.name, request.path)
-            except AdapterNotFound as exc:  # one answer whatever is at the path: callers learn nothing of the host
-                log.warning("%s", exc)
-                raise LoraError(f"adapter {request.name!r}: no PEFT LoRA adapter to load at {request.path!r} (a "
-                                "directory this worker can read, holding adapter_config.json and "
-                                "adapter_model.safetensors)") from None
-        return await self._change_adapters(load)
+        # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
+        return await self._change_adapters(context, "load_adapter", name=request.name, path=request.path)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
-        return await self._change_adapters(lambda: self.engine.adapters.unload(request.name))
+        return await self._change_adapters(context, "unload_adapter", name=request.name)
 
-    async def _change_adapters(self, change) -> pb.LoraReply:
-        def run():
-            change()
-            return self._adapter_infos()
+    async def _change_adapters(self, context, method: str, /, **kwargs) -> pb.LoraReply:
         try:
-            # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
-            return pb.LoraReply(ok=True, adapters=await self._engine(run))
-        except ValueError as exc:  # LoraError included: the message names the adapter and the problem
-            return pb.LoraReply(ok=False, error=str(exc), adapters=await self._engine(self._adapter_infos))
+            return pb.LoraReply(ok=True, adapters=[adapter_info(a) for a in await self._engine(method, **kwargs)])
+        except RemoteError as exc:  # the message names the adapter and the problem
+            if exc.kind not in ("invalid", "weights"):
+                raise
+            error = str(exc)
+        adapters = await engine_call(self.link, context, "adapters", self.timeouts.engine_call)
+        return pb.LoraReply(ok=False, error=error, adapters=[adapter_info(a) for a in adapters])
 
     # ------------------------------------------------------------ expert distribution
     async def StartExpertRecord(self, request, context):
-        await self._expert_call(self.engine.experts.start, context)
+        await self._expert_call(context, "start")
         return pb.ExpertRecordReply(recording=True)
 
     async def StopExpertRecord(self, request, context):
-        await self._expert_call(self.engine.experts.stop, context)
+        await self._expert_call(context, "stop")
         return pb.ExpertRecordReply(recording=False)
 
     async def DumpExpertRecord(self, request, context):
-        def dump():
-            writable_dir(self.experts.directory)  # before the counts are cleared: a bad directory loses nothing
-            return self.engine.experts.dump()
-        counts = await self._expert_call(dump, context)  # [L, E]
-        try:
-            path = await asyncio.to_thread(save_dump, counts, self.experts.directory, self.experts.tag)
-        except (OSError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"cannot write the expert distribution: {exc}")
-        return pb.ExpertDumpReply(counts=counts.flatten().tolist(), shape=list(counts.shape), path=str(path))
+        dump = await self._expert_call(context, "dump")  # counts [L, E], flattened
+        return pb.ExpertDumpReply(counts=dump["counts"], shape=dump["shape"], path=dump["path"])
 
-    async def _expert_call(self, fn, context):
-        """`fn` on the engine thread; the reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION."""
+    async def _expert_call(self, context, op: str):
+        """The reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION; a dump that cannot be
+        written as INTERNAL."""
         try:
-            if self.engine.model_config.moe is not None and self.experts.mode is None:
-                raise ValueError(RECORDING_OFF)
-            return await self._engine(fn)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return await self._engine("experts", op=op)
+        except RemoteError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION if exc.kind == "precondition"
+                                else grpc.StatusCode.INTERNAL, str(exc))
 
     async def Load(self, request, context):
-        return pb.LoadReply(**await self._engine(self.engine.load))
+        return pb.LoadReply(**await engine_call(self.link, context, "load", self.timeouts.engine_call))
 
     async def FlushCache(self, request, context):
-        ok = await self._engine(self.engine.flush_cache)
+        ok = await engine_call(self.link, context, "flush_cache", self.timeouts.engine_call)
         return pb.FlushReply(ok=ok, message="cache flushed" if ok else "requests are running; cache not flushed")
 
     async def Stats(self, request, context):
-        def stats():
-            report = self.engine.scheduler.check_integrity()
-            return pb.PoolStats(total_pages=report.total, free_pages=report.free, used_pages=report.held,
-                                cached_pages=report.cached, radix_nodes=self.engine.cache.num_pages,
-                                integrity_ok=report.ok, integrity_message=report.message)
-        return await self._engine(stats)
+        return pb.PoolStats(**await engine_call(self.link, context, "pool_stats", self.timeouts.engine_call))
 
 
-def adapter_info(adapter: LoraAdapter) -> pb.LoraAdapterInfo:
-    return pb.LoraAdapterInfo(name=adapter.name, path=str(adapter.path), version=adapter.version, rank=adapter.rank,
-                              target_modules=list(adapter.target_modules))
+def adapter_info(adapter: dict) -> pb.LoraAdapterInfo:
+    return pb.LoraAdapterInfo(**adapter)

@@ -1,7 +1,7 @@
 """A worker's spans of one request, under the span of whoever sent it (the gateway, or for a prefill worker the
 decode worker): one span for the call, started when it arrives, and its parts made when it ends from the
-timestamps the engine keeps on the request (Req.arrival, first_scheduled, first_token_time), so tracing adds
-no wait on the engine and nothing to a step.
+timestamps the engine kept on the request (arrival, first_scheduled, first_token_time: `ReqTrace`, sent by the
+engine process afterwards), so tracing adds no wait on the engine and nothing to a step.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pdserve.shared.req import Req
 from pdserve.services import tracing
 
 
@@ -23,31 +22,49 @@ def start(name: str, traceparent: str, attributes: dict):
 
 
 @dataclass
+class ReqTrace:
+    """What the engine kept of a request (monotonic times; engine_calls.trace_of)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token_time: float | None
+    pages_reserved: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    pages: int
+    prefill_chunks: list
+    decode_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    finish_reason: str | None
+    dst_pages: int
+
+
+@dataclass
 class Traced:
-    """A traced Generate call: its span, its request, when its first message left (monotonic), and a decode
-    worker's Prefill call."""
+    """A traced Generate call: its span, when its first message left (monotonic), and a decode worker's Prefill
+    call."""
 
     span: object
-    req: Req
     first_sent: float | None = None
-    pull: tuple[float, float, float] | None = None  # decode: its Prefill call (sent, answered, window closed)
+    pull: list[float] | None = None  # decode: its Prefill call (sent, answered, window closed)
 
 
-def end_generate(traced: Traced, finished: bool) -> None:
+def end_generate(traced: Traced, req: ReqTrace | None, finished: bool, end: float) -> None:
     """A Generate call's parts: the queue, the prompt (computed here, or prefilled by the prefill worker and
     moved: that worker's spans hang below the Prefill call's), the first token, its hand-off to the stream, and
     the decode."""
-    end = time.monotonic()
-    span, req, pull = traced.span, traced.req, traced.pull
+    span, pull = traced.span, traced.pull
     if req is not None:
         arrival, scheduled, first = req.arrival, req.first_scheduled, req.first_token_time
-        tokens = len(req.output_ids)
-        span.set_attributes({"pdserve.prompt_tokens": len(req.input_ids), "pdserve.cached_tokens": req.cached_tokens,
+        tokens = req.output_tokens
+        span.set_attributes({"pdserve.prompt_tokens": req.prompt_tokens, "pdserve.cached_tokens": req.cached_tokens,
                              "pdserve.output_tokens": tokens})
         if pull is not None:  # a decode worker's prompt, prefilled by a prefill worker and moved here
             sent, answered, closed = pull
             if req.pages_reserved is not None:
-                tracing.child("queue", span, arrival, req.pages_reserved, {"pdserve.pages": len(req.pages)})
+                tracing.child("queue", span, arrival, req.pages_reserved, {"pdserve.pages": req.pages})
                 tracing.child("prefill call start", span, req.pages_reserved, sent)
             tracing.child("prefill call", span, sent, answered)
             tracing.child("transfer window close", span, answered, closed)
@@ -72,33 +89,34 @@ def end_generate(traced: Traced, finished: bool) -> None:
     span.end(end_time=tracing.wall_ns(end))
 
 
-def end_prefill(span, req: Req, result, page_bytes: int, backend: str) -> None:
+def end_prefill(span, req: ReqTrace, result: dict, page_bytes: int, backend: str) -> None:
     """A Prefill call's parts, from the engine's own timings of it: queue, compute, and the KV write to the decode
     worker's pages (pages, bytes, backend, rate)."""
     end = time.monotonic()
-    queued = req.arrival + result.queue_s
-    computed = queued + result.compute_s
+    queued = req.arrival + result["queue_s"]
+    computed = queued + result["compute_s"]
+    transfer_s = result["transfer_s"]
     tracing.child("prefill queue", span, req.arrival, queued)
-    chunks(tracing.child("prefill compute", span, queued, computed, prompt_attributes(req, result.cached_tokens)),
+    chunks(tracing.child("prefill compute", span, queued, computed, prompt_attributes(req, result["cached_tokens"])),
            req)
-    pages = len(req.transfer.dst_pages) if req.transfer is not None else 0
+    pages = req.dst_pages
     moved = pages * page_bytes
-    rate = moved / result.transfer_s / 1e9 if result.transfer_s > 0 else 0.0
-    tracing.child("kv transfer", span, end - result.transfer_s, end,
+    rate = moved / transfer_s / 1e9 if transfer_s > 0 else 0.0
+    tracing.child("kv transfer", span, end - transfer_s, end,
                   {"pdserve.pages": pages, "pdserve.bytes": moved, "pdserve.transfer_backend": backend,
                    "pdserve.gb_per_s": round(rate, 3)})
     span.end(end_time=tracing.wall_ns(end))
 
 
-def prompt_attributes(req: Req, cached: int) -> dict:
+def prompt_attributes(req: ReqTrace, cached: int) -> dict:
     """What a prompt's computation span says: tokens computed, and those that came from the prefix cache (and
     from which tier of it: the device pool is the only one here)."""
-    attributes = {"pdserve.tokens_computed": len(req.input_ids) - cached, "pdserve.cached_tokens": cached,
+    attributes = {"pdserve.tokens_computed": req.prompt_tokens - cached, "pdserve.cached_tokens": cached,
                   "pdserve.prefill_chunks": len(req.prefill_chunks)}
     return attributes | ({"pdserve.cache_tier": "device"} if cached else {})
 
 
-def chunks(parent, req: Req) -> None:
+def chunks(parent, req: ReqTrace) -> None:
     """One span per engine step that computed a chunk of the prompt, with its tokens, under `parent`."""
     for number, (start, end, tokens) in enumerate(req.prefill_chunks, 1):
         tracing.child(f"chunk {number}", parent, start, end, {"pdserve.tokens": tokens})

@@ -1,75 +1,73 @@
 """The Worker service's live weight update (see WeightsStep in the proto and shared/weights.py): prepare new
-weights beside the running ones, swap them in once nothing runs here, or discard them.
+weights beside the running ones, swap them in once nothing runs here, or discard them. The engine process does
+the work (`EngineCalls.call_weights`); this side waits for running requests and tells peers the new version.
 
-A mixin of `rpc.WorkerService`, whose engine, compatibility info and peers it changes.
+A mixin of `rpc.WorkerService`, whose link, compatibility info and peers it changes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
+from pdserve.services.worker.channel import RemoteError
 from pdserve.shared.compat import WeightsVersion
-from pdserve.shared.weights import CheckpointNotFound, WeightsError
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_BUILD_TIMEOUT_S = 600.0  # for the engine thread to build new weights (a step's worth per layer or so)
+WEIGHTS_BUILD_TIMEOUT_S = 600.0  # for the engine to read and build new weights (a step's worth per layer or so)
 WEIGHTS_DRAIN_S = 60.0  # for the requests running here to finish before new weights are swapped in
 UPDATE_ABORT_REASON = "aborted: the model weights are being updated (update_weights_from_disk, abort_all_requests)"
+STEPS = {pb.WEIGHTS_PREPARE: "prepare", pb.WEIGHTS_COMMIT: "commit", pb.WEIGHTS_DISCARD: "discard"}
 
 
 class WeightUpdates:
-    """UpdateWeights, over the WorkerService's `engine`, `compat`, `info`, `peers`, `on_weights` and
+    """UpdateWeights, over the WorkerService's `link`, `compat`, `info`, `peers`, `on_weights` and
     `_weights_lock` (one step at a time)."""
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsReply:
         """One step of a live weight update (see WeightsStep in the proto); any refusal leaves the served weights
         as they were and says why."""
-        aborted = 0
         async with self._weights_lock:
             try:
-                if request.step == pb.WEIGHTS_DISCARD:
-                    await self._engine(self.engine.weights.discard)
-                elif not request.model_path:
-                    raise WeightsError("model_path is empty")
-                elif request.step == pb.WEIGHTS_PREPARE:
-                    await self._prepare_weights(request.model_path)
+                if request.step != pb.WEIGHTS_DISCARD and not request.model_path:
+                    return self._weights_reply("model_path is empty", served=await self._served())
+                if request.step == pb.WEIGHTS_COMMIT:
+                    done = await self._commit_weights(request)
                 else:
-                    aborted = await self._commit_weights(request)
-            except CheckpointNotFound as exc:
-                return self._weights_reply(str(exc), path_not_found=True)
-            except WeightsError as exc:
+                    done = await self.link.call("weights", WEIGHTS_BUILD_TIMEOUT_S, step=STEPS[request.step],
+                                                path=request.model_path)
+            except RemoteError as exc:
+                if exc.kind not in ("weights", "not_found", "invalid"):
+                    raise
                 log.warning("weights from %s refused: %s", request.model_path, exc)
-                return self._weights_reply(str(exc))
-        return self._weights_reply(aborted=aborted)
+                return self._weights_reply(str(exc), path_not_found=exc.kind == "not_found",
+                                           served=await self._served())
+            except asyncio.TimeoutError:
+                return self._weights_reply(f"building the new weights took more than {WEIGHTS_BUILD_TIMEOUT_S:g} s",
+                                           served=await self._served())
+        return self._weights_reply(aborted=done["aborted"], served=WeightsVersion(**done["weights"]))
 
-    async def _prepare_weights(self, path: str) -> None:
-        checkpoint = await in_own_thread(lambda: self.engine.runner.read_weights(path))
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(self.engine.call(lambda: self.engine.weights.stage(checkpoint))),
-                                   WEIGHTS_BUILD_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise WeightsError(f"building the new weights took more than {WEIGHTS_BUILD_TIMEOUT_S:g} s") from None
-
-    async def _commit_weights(self, request: pb.UpdateWeightsRequest) -> int:
+    async def _commit_weights(self, request: pb.UpdateWeightsRequest) -> dict:
         """Swap the weights in once no request runs here; waits for running ones unless told to abort them."""
-        if self.engine.weights.staged != request.model_path:
-            await self._prepare_weights(request.model_path)
-        version = WeightsVersion(request.version, request.model_path, request.tag)
         reason = UPDATE_ABORT_REASON if request.abort_all_requests else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WEIGHTS_DRAIN_S
-        while (aborted := await self._engine(lambda: self.engine.weights.commit(version, reason))) is None:
+        while (done := await self.link.call("weights", WEIGHTS_BUILD_TIMEOUT_S, step="commit",
+                                            path=request.model_path, number=request.version, tag=request.tag,
+                                            abort_reason=reason)) is None:
             if loop.time() > deadline:
-                raise WeightsError(f"requests were still running after {WEIGHTS_DRAIN_S:g} s, so the weights were "
-                                   "not swapped (retry, or pass abort_all_requests)")
+                raise RemoteError("weights", f"requests were still running after {WEIGHTS_DRAIN_S:g} s, so the "
+                                             "weights were not swapped (retry, or pass abort_all_requests)")
             await asyncio.sleep(0.05)
-        self._weights_changed(version)
-        return aborted
+        self._weights_changed(WeightsVersion(**done["weights"]))
+        return done
+
+    async def _served(self) -> WeightsVersion:
+        done = await self.link.call("weights", self.timeouts.engine_call, step="served")
+        return WeightsVersion(**done["weights"])
 
     def _weights_changed(self, version: WeightsVersion) -> None:
         """What this worker tells the gateway (Info) and its peers (registration) names the new weights."""
@@ -82,16 +80,8 @@ class WeightUpdates:
         if self.on_weights is not None:
             self.on_weights(self.compat)
 
-    def _weights_reply(self, error: str = "", path_not_found: bool = False, aborted: int = 0) -> pb.UpdateWeightsReply:
+    @staticmethod
+    def _weights_reply(error: str = "", path_not_found: bool = False, aborted: int = 0,
+                       served: WeightsVersion | None = None) -> pb.UpdateWeightsReply:
         return pb.UpdateWeightsReply(ok=not error, error=error, path_not_found=path_not_found, aborted=aborted,
-                                     weights=weights_to_proto(self.engine.weights.version))
-
-
-async def in_own_thread(fn):
-    """`fn` on a thread that ends with it: compute there (converting a GGUF file) must not leave a second
-    OpenMP pool alive beside the engine thread's (see shared/compute_thread.py)."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
-    try:
-        return await asyncio.wrap_future(pool.submit(fn))
-    finally:
-        pool.shutdown(wait=False)
+                                     weights=weights_to_proto(served) if served is not None else None)

@@ -1,12 +1,11 @@
 """A prefill worker drops the connection of a decode worker that stopped registering (it died or was scaled
 away) instead of keeping one per decode worker it ever saw; a decode worker that registers again is kept.
 
-Unit test of PrefillService's bookkeeping: the engine runs each call at once and the transfer is a set of
-names, standing in for the thread and the connections below the logic under test."""
+Unit test of PrefillService's bookkeeping: the engine process answers each call at once and its transfer is a set
+of names, standing in for the process and the connections below the logic under test."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto
@@ -18,32 +17,21 @@ COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_k
                 transfer_backend="tcp")
 
 
-class InlineEngine:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def call(self, fn) -> Future:
-        self.calls += 1
-        fut: Future = Future()
-        fut.set_result(fn())
-        return fut
-
-
 class Connections:
+    """The engine process's side of registration (engine_calls.call_add_peer, call_remove_peer)."""
+
     def __init__(self) -> None:
         self.peers: set[str] = set()
+        self.removals = 0
 
-    def add_peer(self, name: str, metadata: bytes) -> None:
-        self.peers.add(name)
-
-    def has_peer(self, name: str) -> bool:
-        return name in self.peers
-
-    def remove_peer(self, name: str) -> None:
-        self.peers.discard(name)
-
-    def metadata(self) -> bytes:
-        return b"prefill"
+    async def call(self, method: str, timeout: float, /, **kwargs):
+        if method == "add_peer":
+            known = kwargs["name"] in self.peers
+            self.peers.add(kwargs["name"])
+            return known, b"prefill"
+        assert method == "remove_peer"
+        self.removals += 1
+        self.peers.discard(kwargs["name"])
 
 
 async def register(service: PrefillService, name: str) -> pb.RegisterReply:
@@ -52,8 +40,8 @@ async def register(service: PrefillService, name: str) -> pb.RegisterReply:
 
 
 async def test_a_decode_worker_silent_past_the_limit_is_dropped_and_one_that_comes_back_is_not():
-    engine, connections = InlineEngine(), Connections()
-    service = PrefillService(engine, COMPAT, connections, Timeouts(peer_silence=0.3))
+    connections = Connections()
+    service = PrefillService(connections, COMPAT, Timeouts(peer_silence=0.3))
     for name in ("decode-a", "decode-b"):
         assert (await register(service, name)).ok
     assert connections.peers == {"decode-a", "decode-b"}
@@ -61,28 +49,29 @@ async def test_a_decode_worker_silent_past_the_limit_is_dropped_and_one_that_com
         await asyncio.sleep(0.1)
         assert (await register(service, "decode-b")).ok
     assert connections.peers == {"decode-b"} and set(service.registered_at) == {"decode-b"}
-    assert engine.calls == 1  # dropped on the engine thread, once
+    assert connections.removals == 1  # dropped on the engine thread, once
     assert (await register(service, "decode-a")).ok  # a restarted worker of the same name is welcome again
     assert connections.peers == {"decode-a", "decode-b"}
 
 
-class BusyOnce(InlineEngine):
+class BusyOnce(Connections):
     """An engine thread that is busy (a long KV write) the first time a peer is to be dropped."""
 
-    def call(self, fn) -> Future:
-        self.calls += 1
-        if self.calls == 1:
-            return Future()  # never runs: the wait for it times out
-        return super().call(fn)
+    async def call(self, method: str, timeout: float, /, **kwargs):
+        if method == "remove_peer" and self.removals == 0:
+            self.removals += 1
+            raise asyncio.TimeoutError  # the wait for the engine timed out
+        return await super().call(method, timeout, **kwargs)
 
 
 async def test_a_drop_that_the_busy_engine_could_not_run_is_tried_again():
-    engine, connections = BusyOnce(), Connections()
-    service = PrefillService(engine, COMPAT, connections, Timeouts(peer_silence=0.3, engine_call=0.05))
+    connections = BusyOnce()
+    service = PrefillService(connections, COMPAT, Timeouts(peer_silence=0.3, engine_call=0.05))
     for name in ("decode-a", "decode-b"):
         assert (await register(service, name)).ok
     for _ in range(8):
         await asyncio.sleep(0.1)
         assert (await register(service, "decode-b")).ok
     # The first try timed out (before, the peer was forgotten there and its connection kept for good).
-    assert connections.peers == {"decode-b"} and set(service.registered_at) == {"decode-b"} and engine.calls >= 2
+    assert connections.peers == {"decode-b"} and set(service.registered_at) == {"decode-b"} and \
+        connections.removals >= 2

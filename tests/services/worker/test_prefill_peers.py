@@ -39,11 +39,6 @@ class ScriptedPrefill(pb_grpc.PrefillServicer):
         return pb.PrefillReply(cached_tokens=7)
 
 
-class Transfer:
-    def metadata(self) -> bytes:
-        return b"{}"
-
-
 async def serve(port: int) -> tuple[grpc.aio.Server, ScriptedPrefill]:
     servicer = ScriptedPrefill()
     server = grpc.aio.server()
@@ -72,7 +67,7 @@ async def prefill():
 
 
 async def test_a_prefill_call_refused_as_unregistered_registers_again_and_is_resent(prefill):
-    peers = PrefillPeers("decode-a", COMPAT, Transfer(), refresh_s=3600)  # no background renewal here
+    peers = PrefillPeers("decode-a", COMPAT, b"{}", refresh_s=3600)  # no background renewal here
     client, name = await peers.get(prefill["addr"])
     servicer = prefill["servicer"]
     assert (name, servicer.registrations) == ("decode-a", 1)
@@ -83,7 +78,7 @@ async def test_a_prefill_call_refused_as_unregistered_registers_again_and_is_res
 
 
 async def test_a_restarted_prefill_worker_has_us_registered_again_within_seconds(prefill):
-    peers = PrefillPeers("decode-b", COMPAT, Transfer(), refresh_s=0.2)
+    peers = PrefillPeers("decode-b", COMPAT, b"{}", refresh_s=0.2)
     await peers.register_all([prefill["addr"]], deadline_s=5)
     await prefill["server"].stop(0)
     # Down: using it fails within the reconnect wait, no hang (gRPC's error, or ours once the renewal noticed).
@@ -101,7 +96,7 @@ async def test_a_restarted_prefill_worker_has_us_registered_again_within_seconds
 async def test_a_request_right_after_a_prefill_worker_came_back_registers_without_waiting_for_a_renewal(prefill):
     # The gateway routes to a restarted prefill worker as soon as it answers its health checks, while our channel
     # to it may still sit in gRPC's reconnect backoff: the request's registration must wait that out, not fail.
-    peers = PrefillPeers("decode-c", COMPAT, Transfer(), refresh_s=3600)  # no background renewal here
+    peers = PrefillPeers("decode-c", COMPAT, b"{}", refresh_s=3600)  # no background renewal here
     await peers.get(prefill["addr"])
     await prefill["server"].stop(0)
     with pytest.raises(PeerError, match=prefill["addr"]):

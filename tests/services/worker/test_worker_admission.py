@@ -1,4 +1,4 @@
-"""The worker's Generate admission over real gRPC, with a stand-in engine that holds every request.
+"""The worker's Generate admission over real gRPC, with a stand-in engine process that holds every request.
 
 A worker holds at most max_running_requests + max_queued sequences (a request counts n): beyond that a
 Generate call is refused at once with RESOURCE_EXHAUSTED (the gateway answers 429). Once the worker drains,
@@ -7,7 +7,6 @@ new calls are refused with UNAVAILABLE while those in progress go on.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -25,28 +24,31 @@ COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_k
 
 
 class HoldingEngine:
-    """Takes every request and never produces output, so each Generate call stays in progress."""
+    """The engine process's link (engine_link.EngineLink): takes every request and never produces output, so each
+    Generate call stays in progress."""
 
-    generates = True
+    alive = True
 
     def __init__(self) -> None:
         self.added: list[str] = []
         self.aborted: list[str] = []
 
-    def call(self, fn) -> Future:
-        future: Future = Future()
-        future.set_result(fn())
-        return future
+    def watch(self, rid: str, sink) -> None:
+        pass
 
-    def add_request(self, req, lora=None) -> None:
-        self.added.append(req.rid)
+    def unwatch(self, rid: str) -> None:
+        pass
 
-    def abort(self, rid: str, **_) -> bool:
-        self.aborted.append(rid)
-        return True
+    async def call(self, method: str, timeout: float, /, **kwargs):
+        if method == "generate":
+            self.added.append(kwargs["rid"])
+        elif method == "abort":
+            self.aborted.extend(kwargs["rids"])
+            return kwargs["rids"]
 
-    def is_alive(self) -> bool:
-        return True
+    def cast(self, method: str, /, **kwargs) -> None:
+        if method == "abort":
+            self.aborted.extend(kwargs["rids"])
 
 
 @pytest.fixture

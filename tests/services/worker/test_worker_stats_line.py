@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Future
 
 from pdserve.services.worker.app import StatsLine
 from pdserve.shared.observer import StepStats
 
 
 class Engine:
-    """What StatsLine reads of an Engine: load(), stats and the speculator, through call()."""
+    """What StatsLine reads of the engine process (engine_calls.call_stats_sample: load, token totals and the
+    speculator's figures), through the link's call()."""
 
     def __init__(self) -> None:
         self.stats = StepStats()
@@ -21,10 +21,11 @@ class Engine:
         return {"running": self.running, "waiting": self.waiting, "free_pages": 75, "total_pages": 100,
                 "cached_pages": 0}
 
-    def call(self, fn) -> Future:
-        future: Future = Future()
-        future.set_result(fn())
-        return future
+    async def call(self, method: str, timeout: float, /):
+        assert method == "stats_sample"
+        spec = self.speculator
+        return (self.load(), self.stats.prefill_tokens, self.stats.decode_tokens,
+                spec.figures() if spec is not None else None)
 
 
 async def test_the_stats_line_comes_while_the_worker_works_and_not_when_idle(caplog):
@@ -52,8 +53,9 @@ async def test_the_stats_line_comes_while_the_worker_works_and_not_when_idle(cap
 
 async def test_a_busy_engine_that_does_not_answer_in_time_skips_a_line(caplog):
     class Stuck(Engine):
-        def call(self, fn) -> Future:
-            return Future()  # the step is long: the sample never comes
+        async def call(self, method: str, timeout: float, /):
+            await asyncio.sleep(timeout)  # the step is long: the sample does not come in time
+            raise asyncio.TimeoutError
 
     line = StatsLine(Stuck(), 0.05)
     await line.tick()

@@ -1,0 +1,149 @@
+"""What a worker's front may ask of its engine process for operators: load and pool figures, metrics, LoRA
+adapters, the expert distribution, live weight updates (see `engine_calls.py` for how calls run)."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+
+from prometheus_client import generate_latest
+
+from pdserve.shared.compat import WeightsVersion
+from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir
+from pdserve.shared.lora import AdapterNotFound, LoraError
+
+log = logging.getLogger("pdserve.worker")
+ENGINE_TIMEOUT_S = 30.0  # for the engine thread to take a command from a host thread
+METRICS_REFRESH_S = 0.5  # a scrape never waits longer than this on a step (see metrics.REFRESH_TIMEOUT_S)
+WEIGHTS_BUILD_TIMEOUT_S = 600.0
+
+
+def runs(where: str):
+    """Where a call runs: "engine", "thread" or "here" (engine_calls.py)."""
+    def mark(fn):
+        fn.where = where
+        return fn
+    return mark
+
+
+class AdminCalls:
+    """Over EngineCalls' engine, runner, metrics and expert settings."""
+
+    def on_engine(self, fn, timeout: float = ENGINE_TIMEOUT_S):
+        """From a host thread: `fn()` on the engine thread, waited for."""
+        return self.engine.call(fn).result(timeout)
+
+    # ------------------------------------------------------------ inspection
+    @runs("engine")
+    def call_load(self) -> dict:
+        return self.engine.load()
+
+    @runs("engine")
+    def call_flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    @runs("engine")
+    def call_pool_stats(self) -> dict:
+        report = self.engine.scheduler.check_integrity()
+        return {"total_pages": report.total, "free_pages": report.free, "used_pages": report.held,
+                "cached_pages": report.cached, "radix_nodes": self.engine.cache.num_pages,
+                "integrity_ok": report.ok, "integrity_message": report.message}
+
+    @runs("engine")
+    def call_stats_sample(self) -> tuple:
+        spec = self.engine.speculator
+        return (self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens,
+                spec.figures() if spec is not None else None)
+
+    @runs("thread")
+    def call_metrics(self) -> bytes:
+        try:
+            self.on_engine(lambda: self.metrics.refresh(self.engine), METRICS_REFRESH_S)
+        except TimeoutError:
+            pass  # a long step: the gauges stay as the previous scrape left them
+        return generate_latest(self.metrics.registry)
+
+    # ------------------------------------------------------------ LoRA adapters, experts
+    @runs("engine")
+    def call_adapters(self) -> list[dict]:
+        return [{"name": a.name, "path": str(a.path), "version": a.version, "rank": a.rank,
+                 "target_modules": list(a.target_modules)} for a in self.engine.adapters.list()]
+
+    @runs("engine")
+    def call_load_adapter(self, name: str, path: str) -> list[dict]:
+        try:
+            self.engine.adapters.load(name, path)
+        except AdapterNotFound as exc:  # one answer whatever is at the path: callers learn nothing of the host
+            log.warning("%s", exc)
+            raise LoraError(f"adapter {name!r}: no PEFT LoRA adapter to load at {path!r} (a directory this worker "
+                            "can read, holding adapter_config.json and adapter_model.safetensors)") from None
+        return self.call_adapters()
+
+    @runs("engine")
+    def call_unload_adapter(self, name: str) -> list[dict]:
+        self.engine.adapters.unload(name)
+        return self.call_adapters()
+
+    @runs("thread")
+    def call_experts(self, op: str) -> dict | None:
+        """start, stop or dump the expert distribution record; refused (PermissionError) where nothing records."""
+        recording = self.engine.experts
+        if self.engine.model_config.moe is not None and self.experts.mode is None:
+            raise PermissionError(RECORDING_OFF)
+        try:
+            if op == "start":
+                return self.on_engine(recording.start)
+            if op == "stop":
+                return self.on_engine(recording.stop)
+            writable_dir(self.experts.directory)  # before the counts are cleared: a bad directory loses nothing
+            counts = self.on_engine(recording.dump)  # [L, E]
+        except ValueError as exc:  # no experts in this model
+            raise PermissionError(str(exc)) from None
+        try:
+            path = save_dump(counts, self.experts.directory, self.experts.tag)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"cannot write the expert distribution: {exc}") from None
+        return {"counts": counts.flatten().tolist(), "shape": list(counts.shape), "path": str(path)}
+
+    # ------------------------------------------------------------ live weight updates (see weights_rpc.py)
+    @runs("thread")
+    def call_weights(self, step: str, path: str = "", number: int = 0, tag: str = "",
+                     abort_reason: str | None = None) -> dict | None:
+        """prepare (read and build new weights beside the served ones), commit (swap them in once nothing runs:
+        returns None while requests still run), discard, or served (nothing); returns the served version and the
+        requests aborted."""
+        weights = self.engine.weights
+        if step == "discard":
+            self.on_engine(weights.discard)
+        elif step == "prepare" or (step == "commit" and weights.staged != path):
+            self._prepare(path)
+        if step == "commit":
+            version = WeightsVersion(number, path, tag)
+            aborted = self.on_engine(lambda: weights.commit(version, abort_reason))
+            if aborted is None:
+                return None
+            return {"weights": asdict(weights.version), "aborted": aborted}
+        return {"weights": asdict(weights.version), "aborted": 0}
+
+    def _prepare(self, path: str) -> None:
+        from pdserve.shared.weights import WeightsError
+
+        # On a thread that ends with it: compute there (converting a GGUF file) must not leave a second OpenMP pool
+        # alive beside the engine thread's (see shared/compute_thread.py).
+        box: list = []
+        reader = threading.Thread(target=lambda: box.append(self._read(path)), name="weights-io")
+        reader.start()
+        reader.join()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        try:
+            self.on_engine(lambda: self.engine.weights.stage(box[0]), WEIGHTS_BUILD_TIMEOUT_S)
+        except TimeoutError:
+            raise WeightsError(f"building the new weights took more than {WEIGHTS_BUILD_TIMEOUT_S:g} s") from None
+
+    def _read(self, path: str):
+        try:
+            return self.runner.read_weights(path)
+        except BaseException as exc:
+            return exc
+

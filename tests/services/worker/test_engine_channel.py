@@ -1,0 +1,74 @@
+"""The local channel between a worker's front and its engine process: what crosses it, what is refused, and what
+the front never loads."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.services.worker import channel
+from pdserve.services.worker.engine_link import EngineLink
+from pdserve.shared.outputs import ReqOutput, TokenLogprobs
+
+ROOT = Path(__file__).resolve().parents[3]
+KINDS = frozenset({"step", "reply"})
+
+
+def test_frames_that_are_too_large_malformed_or_of_no_known_kind_are_refused_and_logged(monkeypatch, caplog):
+    caplog.set_level(logging.ERROR)
+    assert channel.unpack(channel.pack(("reply", 1, True, [1, 2])), KINDS, "front") == ["reply", 1, True, [1, 2]]
+    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 64)
+    for frame in (channel.pack(("reply", 1, True, list(range(100)))), b"\xc1\xc1 not msgpack",
+                  channel.pack(("hello", 1)), channel.pack({"reply": 1}), channel.pack([]), b""):
+        assert channel.unpack(frame, KINDS, "front") is None
+    assert len(caplog.records) == 6
+    assert "-byte frame" in caplog.records[0].getMessage() and "limit 64" in caplog.records[0].getMessage()
+
+
+def test_an_output_crosses_the_channel_unchanged():
+    out = ReqOutput("r1", 2, [5, 6], [TokenLogprobs(-0.5, [5, 7], [-0.5, -1.25]), TokenLogprobs(-0.1)], "stop", 6,
+                    prompt_tokens=9, cached_tokens=4, input_logprobs=[TokenLogprobs(-2.0, [3], [-2.0])], queue_s=0.25,
+                    compute_s=0.5, first_token_time=12.5, arrival=11.0)
+    wire = channel.unpack(channel.pack(("step", [channel.output_to_wire(out)], [])), KINDS, "front")
+    assert channel.output_from_wire(wire[1][0]) == out
+
+
+FRONT_MODULES = ("app", "cli", "rpc", "prefill_rpc", "kv_pull", "pooling", "peers", "multiplex", "weights_rpc",
+                 "spans", "engine_link", "channel", "settings")
+
+
+def test_a_workers_front_loads_neither_torch_nor_the_runtime():
+    modules = [f"pdserve.services.worker.{m}" for m in FRONT_MODULES]
+    heavy = ("torch", "pdserve.shared.engine", "pdserve.shared.model_runner", "pdserve.services.worker.engine_calls")
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n" \
+           f"print(' '.join(m for m in {heavy!r} if m in sys.modules) or 'none')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "none", f"the front loaded {out.stdout.split()}"
+
+
+@pytest.mark.slow
+async def test_the_engine_process_refuses_what_it_cannot_read_and_keeps_serving(tiny_models, capfd):
+    from pdserve.cli import build_parser
+
+    argv = ["colocated", "--model-path", str(tiny_models["llama"]), "--dtype", "float32", "--threads", "1",
+            "--max-total-tokens", "4096"]
+    parser, _ = build_parser(argv)
+    link = EngineLink("colocated", {**vars(parser.parse_args(argv)), "worker_name": "channel-test"})
+    info = await link.start()
+    try:
+        assert info["generates"] and link._dir is None  # the socket files went once the engine connected
+        for frame in (b"\xc1 not msgpack", channel.pack(("hello",)),
+                      channel.pack(("batch", [("call", 1, "no_such_call", {}), ("bogus",), 5,
+                                              ("call", 2, "load", "not a dict")]))):
+            await link._to_engine.send(frame)
+        load = await link.call("load", 30)
+        assert load["running"] == 0 and link.alive
+    finally:
+        await link.stop()
+    err = capfd.readouterr().err
+    assert "refused a malformed frame" in err and "refused a frame of unknown kind" in err
+    assert "unknown call 'no_such_call'" in err and err.count("refused an item") == 4
