@@ -51,7 +51,8 @@ class KVPull:
     def reserved(self, rid: str, pages: list[int], lora_version: str) -> None:
         """The engine reserved `pages` for `rid` and opened their window."""
         request = self.requests.pop(rid, None)
-        if request is None:  # the Generate call is gone already: free the pages
+        if request is None:  # the Generate call is gone already: drop the request, free the pages
+            self.link.cast("abort", rids=[rid])
             self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
             return
         self.addrs[rid] = request.prefill_addr

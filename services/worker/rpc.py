@@ -244,7 +244,8 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
             await engine_call(self.link, context, "generate", self.timeouts.engine_call, rid=request.rid,
                               input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
                               lora=request.lora, traced=span is not None)
-        except BaseException:
+        except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
+            self.link.cast("abort", rids=[request.rid])
             self.link.unwatch(request.rid)
             if self.kv_pull is not None:
                 self.kv_pull.forget(request.rid)
