@@ -24,12 +24,11 @@ from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError, PrefillPeers
+from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.pooling import PoolingService, engine_encode
-from pdserve.services.worker.prefill_rpc import PrefillService
-from pdserve.services.worker.rpc import Calls, WorkerService
+from pdserve.services.worker.rpc import Calls, Timeouts, WorkerService
 from pdserve.services.worker.settings import worker_name
-from pdserve.shared.addresses import expand_hostports
+from pdserve.services.worker.wiring import wiring_for
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat, WeightsVersion
 from pdserve.shared.config import Role
@@ -40,7 +39,8 @@ log = logging.getLogger("pdserve.worker")
 
 class WorkerApp:
     def __init__(self, role: Role, args: argparse.Namespace, model_path: str) -> None:
-        self.role = role
+        self.wiring = wiring_for(role)
+        self.timeouts = Timeouts()
         self.args = args
         self.http_port = args.http_port or args.port + 1000
         self.name = worker_name(role.value, args.host, args.port)
@@ -57,7 +57,6 @@ class WorkerApp:
         self.transfer_ok = True
         self.engine_exit: int | None = None
         self._stop: asyncio.Event | None = None
-        self.kv_pull = None
 
     async def _start_engine(self) -> None:
         """Start the engine process; what the worker tells the gateway (Info) and its peers, from its answer."""
@@ -66,7 +65,7 @@ class WorkerApp:
         self.weights = WeightsVersion(**info["weights"])
         self.engine_info = info
         self.info = pb.InfoReply(
-            role=self.role.value, model_path=self.model_path,
+            role=self.wiring.role.value, model_path=self.model_path,
             served_model_name=self.args.served_model_name or self.model_path,
             compat=compat_to_proto(self.compat), max_total_tokens=info["max_total_tokens"],
             context_length=info["context_length"], max_running_requests=info["max_running_requests"],
@@ -80,8 +79,8 @@ class WorkerApp:
 
     def _event(self, event: list) -> None:
         kind = event[0]
-        if kind == "reserved" and self.kv_pull is not None:
-            self.kv_pull.reserved(*event[1:])
+        if kind == "reserved":
+            self.wiring.prompts.reserved(*event[1:])
         elif kind == "transfer_healthy":
             self.transfer_ok = event[1]
             log.log(logging.INFO if self.transfer_ok else logging.ERROR, "KV transfer %s",
@@ -108,26 +107,18 @@ class WorkerApp:
                                  interceptors=[*server_interceptors(self.args.host), RequestIdServerInterceptor()])
         calls = Calls()
         info = self.engine_info
-        prefill = PrefillService(self.link, self.compat, calls=calls, page_bytes=info["page_bytes"],
-                                 transfer_name=info["transfer_name"]) if self.role == Role.PREFILL else None
-        peers = None
-        if self.role == Role.DECODE:
-            metadata = await self.link.call("transfer_metadata")
-            peers = PrefillPeers(self.name, self.compat, metadata)
+        wiring = self.wiring
+        await wiring.serve(self, server, calls)
 
-        def weights_changed(compat: Compat) -> None:  # what registration exchanges names the new weights
+        def weights_changed(compat: Compat) -> None:
             self.compat = compat
-            if prefill is not None:
-                prefill.compat = compat
+            wiring.weights_changed(compat)
 
-        worker = WorkerService(self.link, self.role, self.compat, self.info, peers, is_ready=self.healthy,
+        worker = WorkerService(self.link, wiring, self.compat, self.info, self.timeouts, is_ready=self.healthy,
                                on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval,
                                generates=info["generates"])
-        self.kv_pull = worker.kv_pull
         pb_grpc.add_WorkerServicer_to_server(worker, server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(self.role, engine_encode(self.link)), server)
-        if prefill is not None:
-            pb_grpc.add_PrefillServicer_to_server(prefill, server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(engine_encode(self.link), wiring.refuses_pooling), server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         if bound == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
@@ -141,13 +132,11 @@ class WorkerApp:
             return 1
         code = 0
         try:
-            if self.role == Role.DECODE and self.args.prefill:
-                addrs = [a for spec in self.args.prefill for a in expand_hostports(spec)]
-                await peers.register_all(addrs, deadline_s=120)
+            await wiring.start(self)
             self.ready = self.link.alive
             spec = info["speculative_tokens"]
             weights = self.compat.dtype + (f" ({self.args.quantization})" if self.args.quantization else "")
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s", self.role.value,
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s", wiring.role.value,
                      self.args.host, self.args.port, self.http_port, self.link.pid, weights, info["kernels"],
                      f", speculative ngram (up to {spec} draft tokens)" if spec else "",
                      ", overlapped decode steps" if info["overlap"] else "")

@@ -101,7 +101,7 @@ class EncoderWorkerApp:
         is_ready = lambda: self.ready and self.encoder.is_alive()  # noqa: E731
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(self.args.host))
         pb_grpc.add_WorkerServicer_to_server(EncoderWorkerService(self.encoder, self.info, is_ready), server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(Role.COLOCATED, self._encode), server)
+        pb_grpc.add_PoolingServicer_to_server(PoolingService(self._encode), server)
         if server.add_insecure_port(f"{self.args.host}:{self.args.port}") == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
             self.encoder.stop()

@@ -21,6 +21,7 @@ import torch
 from pdserve.services.worker.engine_admin_calls import AdminCalls, runs
 from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.services.worker.settings import expert_settings
+from pdserve.services.worker.wiring import wiring_for
 from pdserve.shared.compat import Compat
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role
@@ -57,14 +58,15 @@ class EngineCalls(AdminCalls):
             torch.set_num_interop_threads(1)
         except RuntimeError:
             pass
-        self.role = role = Role(command)
+        role = Role(command)
+        self.wiring = wiring = wiring_for(role)
         self.args = args
         self.config = config = runtime_config(args, args.model_path)
         self.compute = ComputeThread()  # loads the model, then runs the engine loop: one OpenMP pool
         runner = self.compute.run(lambda: ModelRunner(config))
         self.pooled = None  # a pooling decoder (embedding or classifier): served by encode, never generate
         if config.is_embedding or runner.model_config.is_classifier or runner.model_config.is_bare:
-            if role != Role.COLOCATED:
+            if not wiring.serves_pooling_models:
                 raise ValueError(f"{runner.model_config.architecture} with --is-embedding serves embeddings or "
                                  "scores, which need no prefill/decode split: run it as `pdserve colocated`")
             self.pooled = DecoderPooling.for_model(config.model_path, runner.model_config.is_classifier)
@@ -73,21 +75,23 @@ class EngineCalls(AdminCalls):
             raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
                              f"{runner.model_config.architecture} has no experts (not a Mixture-of-Experts model)")
         self.transfer, self.backend = None, "none"
-        if role != Role.COLOCATED:
+        if wiring.transfer is not None:
             from pdserve.shared.transfer import available_backends, create_transfer
 
             backend = args.transfer_backend
             if backend == "auto":
                 backend = "nixl" if "nixl" in available_backends() else "tcp"
             kwargs = {}
-            if backend == "tcp" and role == Role.DECODE:
+            if backend == "tcp" and wiring.transfer == "receiver":  # TCP's receiving side listens
                 kwargs = {"host": args.host, "port": args.transfer_port or args.port + 2000}
             self.transfer = create_transfer(backend, args.worker_name, runner.pool.buffer, **kwargs)
             self.backend = backend
         self.metrics = WorkerMetrics(args.served_model_name or config.model_path, role, runner.pool.page_size,
                                      runner.pool.num_pages, runner.lora.pool.num_slots if runner.lora else None)
-        self.engine = Engine(config, role, runner, transfer_fn=self._write_kv if role == Role.PREFILL else None,
-                             poll_fn=self.transfer.poll if role == Role.DECODE else None, observer=self.metrics)
+        self.engine = Engine(config, role, runner,
+                             transfer_fn=self._write_kv if wiring.transfer == "sender" else None,
+                             poll_fn=self.transfer.poll if wiring.transfer == "receiver" else None,
+                             observer=self.metrics)
         self.runner = runner
         self.starting: dict[str, bool] = {}  # rid -> aborted, while its grammar compiles
         self._starting_lock = threading.Lock()
@@ -115,7 +119,7 @@ class EngineCalls(AdminCalls):
                 "weights": asdict(self.engine.weights.version), "generates": self.engine.generates,
                 "pooled": self.pooled is not None, "moe": mc.moe is not None,
                 "overlap": self.engine.overlap.enabled,
-                "speculative_tokens": spec.num_draft_tokens if spec is not None and self.role != Role.PREFILL else 0,
+                "speculative_tokens": spec.num_draft_tokens if self.engine.speculator is not None else 0,
                 "page_bytes": self.transfer.page_bytes if self.transfer is not None else 0,
                 "transfer_name": self.transfer.name if self.transfer is not None else ""}
 
@@ -168,7 +172,7 @@ class EngineCalls(AdminCalls):
     def call_generate(self, rid: str, input_ids: list[int], params: dict, arrival: float, lora: str = "",
                       traced: bool = False) -> Future:
         req = self._request(rid, input_ids, params, arrival, on_output=self.emit)
-        if self.role == Role.DECODE:
+        if self.wiring.transfer == "receiver":  # its prompt's KV is written here by a prefill worker
             req.on_pages_reserved = self._pages_reserved
 
         def add() -> None:

@@ -17,7 +17,6 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker import spans
 from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.shared.config import Role
 
 # (sequences, their segment ids or None, label token ids) -> {"vectors", "prompt_tokens", "cached_tokens"};
 # failures as RemoteError, by kind.
@@ -27,9 +26,10 @@ CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "busy": grpc.StatusCode.RE
 
 
 class PoolingService(pb_grpc.PoolingServicer):
-    def __init__(self, role: Role, encode: Encode) -> None:
-        self.role = role
+    def __init__(self, encode: Encode, refusal: str | None = None) -> None:
+        """`refusal`: why this worker takes no Encode call (a decode worker), if it takes none."""
         self.encode = encode
+        self.refusal = refusal
 
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
         span = spans.start("encode", request.traceparent, {"pdserve.rid": request.rid,
@@ -49,10 +49,8 @@ class PoolingService(pb_grpc.PoolingServicer):
                 span.end()
 
     async def _encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeReply:
-        if self.role == Role.DECODE:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this is a decode worker: send prefill-only requests to a prefill or colocated "
-                                "worker")
+        if self.refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refusal)
         seqs = [list(s.ids) for s in request.inputs]
         types = [list(s.type_ids) for s in request.inputs] if any(s.type_ids for s in request.inputs) else None
         try:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -23,14 +23,14 @@ from pdserve.services import tracing
 from pdserve.services.worker import spans
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.kv_pull import KVPull
 from pdserve.services.worker.multiplex import StepSink, serve_many
-from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
-from pdserve.shared.config import Role
 from pdserve.shared.outputs import ReqOutput, coalesce
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.services.worker.wiring import Wiring
 
 log = logging.getLogger(__name__)
 
@@ -118,30 +118,31 @@ async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_to
 
 
 class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
-    def __init__(self, link: EngineLink, role: Role, compat: Compat, info: pb.InfoReply,
-                 peers: PrefillPeers | None = None, timeouts: Timeouts = Timeouts(),
-                 is_ready: Callable[[], bool] | None = None, on_weights: Callable[[Compat], None] | None = None,
-                 calls: Calls | None = None, max_queued: int = MAX_QUEUED_SEQUENCES, stream_interval: int = 1,
-                 generates: bool = True) -> None:
-        """`on_weights`: told this worker's new compatibility info after its weights changed. `calls`: what is in
-        progress, shared with the Prefill service; at most max_running_requests + `max_queued` sequences."""
+    def __init__(self, link: EngineLink, wiring: Wiring, compat: Compat, info: pb.InfoReply,
+                 timeouts: Timeouts = Timeouts(), is_ready: Callable[[], bool] | None = None,
+                 on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
+                 max_queued: int = MAX_QUEUED_SEQUENCES, stream_interval: int = 1, generates: bool = True) -> None:
+        """`wiring`: what this worker's role does (wiring.py); `on_weights`: told this worker's new compatibility
+        info after its weights changed. `calls`: what is in progress, shared with the Prefill service; at most
+        max_running_requests + `max_queued` sequences."""
         self.link = link
+        self.wiring = wiring
         self.calls = calls or Calls()
         self.max_sequences = info.max_running_requests + max_queued
         self.stream_interval = stream_interval  # tokens per message while a stream keeps up (SGLang's)
         self.is_ready = is_ready or (lambda: link.alive)
-        self.role = role
         self.generates = generates
         self.compat = compat
         self.info = info
-        self.peers = peers
         self.timeouts = timeouts
-        self.kv_pull = KVPull(link, peers, timeouts.engine_call, timeouts.prefill, lambda: self.compat.weights_version) \
-            if role == Role.DECODE else None
         self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
         self.traced: dict[str, spans.Traced] = {}  # rid -> its span, while a traced generation runs
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
+
+    @property
+    def prompts(self):  # where each generation's prompt KV comes from (wiring.Prompts, or decode's KVPull)
+        return self.wiring.prompts
 
     async def _engine(self, method: str, timeout: float | None = None, /, **kwargs):
         return await self.link.call(method, timeout or self.timeouts.engine_call, **kwargs)
@@ -220,26 +221,23 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
     async def _start(self, request: pb.GenerateRequest, context, deliver) -> SamplingParams:
         """Checks the request and hands it to the engine; each step's outputs of it go to `deliver`."""
         arrived = time.monotonic()
-        if self.role == Role.PREFILL:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this is a prefill worker: send Generate to a decode or colocated worker")
+        refusal = self.wiring.refuses_generate(request)
+        if refusal is not None:
+            await context.abort(*refusal)
         if not self.generates:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker serves a pooling model (embeddings or scores): it does not generate")
-        if self.role == Role.DECODE and not request.prefill_addr:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr")
         try:
             params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        span = spans.start(f"{self.role.value} generate", request.traceparent,
-                           {"pdserve.rid": request.rid, "pdserve.role": self.role.value})
+        role = self.wiring.role.value
+        span = spans.start(f"{role} generate", request.traceparent, {"pdserve.rid": request.rid, "pdserve.role": role})
         if span is not None:
             self.traced[request.rid] = spans.Traced(span)
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         self.link.watch(request.rid, deliver)
-        if self.kv_pull is not None:
-            self.kv_pull.expect(request.rid, request)
+        self.prompts.expect(request.rid, request)
         try:
             await engine_call(self.link, context, "generate", self.timeouts.engine_call, rid=request.rid,
                               input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
@@ -247,8 +245,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast("abort", rids=[request.rid])
             self.link.unwatch(request.rid)
-            if self.kv_pull is not None:
-                self.kv_pull.forget(request.rid)
+            self.prompts.forget(request.rid)
             traced = self.traced.pop(request.rid, None)
             if traced is not None:
                 spans.end_failed(traced.span, "refused")
@@ -280,7 +277,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
             msg.handoff_s = now - out.first_token_time
         if rid in self.traced:
             self.traced[rid].first_sent = now
-        taken = self.kv_pull.take_reply(rid) if self.kv_pull is not None else None
+        taken = self.prompts.take_reply(rid)
         if taken is not None:
             timing, pull = taken
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
@@ -294,8 +291,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
                 self.traced[rid].pull = pull
 
     async def _fail(self, context, error: str) -> None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE if self.role == Role.DECODE else grpc.StatusCode.INTERNAL,
-                            error)
+        await context.abort(self.wiring.failure_code, error)
 
     async def _stalled(self, request: pb.GenerateRequest, context) -> None:
         self._abort_soon(request.rid)
@@ -307,8 +303,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         traced = self.traced.pop(request.rid, None)
         if traced is not None:
             asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= params.n, time.monotonic()))
-        if self.kv_pull is not None:
-            self.kv_pull.take_reply(request.rid)
+        self.prompts.take_reply(request.rid)
         if len(finished) < params.n:  # cancelled by the client, failed or timed out
             self._abort_soon(request.rid)
 
@@ -320,17 +315,13 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         spans.end_generate(traced, spans.ReqTrace(**trace) if trace else None, finished, end)
 
     def _wait_limit(self, first: bool) -> float:
-        if first and self.role == Role.DECODE:
-            return self.timeouts.prefill + self.timeouts.stall
+        if first:
+            return self.wiring.first_output_wait(self.timeouts.stall, self.timeouts.prefill)
         return self.timeouts.stall
 
     def _abort_soon(self, rid: str) -> None:
         self.link.cast("abort", rids=[rid])
-        self._stop_prefill(rid)
-
-    def _stop_prefill(self, rid: str) -> None:
-        if self.kv_pull is not None:
-            self.kv_pull.abort(rid)
+        self.prompts.abort(rid)
 
     # ------------------------------------------------------------ small RPCs
     async def Abort(self, request, context):
@@ -343,11 +334,11 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
             targets = {request.rid: ""}
         found = await engine_call(self.link, context, "abort", self.timeouts.engine_call, rids=list(targets))
         for rid in targets:
-            self._stop_prefill(rid)
+            self.prompts.abort(rid)
         return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])
 
     async def Health(self, request, context):
-        return pb.HealthReply(ok=self.is_ready(), role=self.role.value, draining=self.calls.draining)
+        return pb.HealthReply(ok=self.is_ready(), role=self.wiring.role.value, draining=self.calls.draining)
 
     async def Info(self, request, context):
         reply = pb.InfoReply()

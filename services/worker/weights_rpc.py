@@ -2,7 +2,7 @@
 weights beside the running ones, swap them in once nothing runs here, or discard them. The engine process does
 the work (`EngineCalls.call_weights`); this side waits for running requests and tells peers the new version.
 
-A mixin of `rpc.WorkerService`, whose link, compatibility info and peers it changes.
+A mixin of `rpc.WorkerService`, whose link, compatibility info and wiring (what its peers are told) it changes.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ STEPS = {pb.WEIGHTS_PREPARE: "prepare", pb.WEIGHTS_COMMIT: "commit", pb.WEIGHTS_
 
 
 class WeightUpdates:
-    """UpdateWeights, over the WorkerService's `link`, `compat`, `info`, `peers`, `on_weights` and
+    """UpdateWeights, over the WorkerService's `link`, `compat`, `info`, `wiring`, `on_weights` and
     `_weights_lock` (one step at a time)."""
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context) -> pb.UpdateWeightsReply:
@@ -75,8 +75,7 @@ class WeightUpdates:
         self.info.model_path = version.path
         self.info.weights.CopyFrom(weights_to_proto(version))
         self.info.compat.CopyFrom(compat_to_proto(self.compat))
-        if self.peers is not None:
-            self.peers.compat = self.compat
+        self.wiring.weights_changed(self.compat)
         if self.on_weights is not None:
             self.on_weights(self.compat)
 

@@ -16,7 +16,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
 from pdserve.services.worker.rpc import Calls, WorkerService
 from pdserve.shared.compat import Compat
-from pdserve.shared.config import Role
+from pdserve.services.worker.colocated import Colocated
 from pdserve.shared.sampling_params import SamplingParams
 
 COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,
@@ -56,7 +56,7 @@ async def worker():
     engine, calls = HoldingEngine(), Calls()
     info = pb.InfoReply(max_running_requests=2)
     server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(engine, Role.COLOCATED, COMPAT, info, calls=calls,
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(engine, Colocated(), COMPAT, info, calls=calls,
                                                        max_queued=1), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -1,0 +1,41 @@
+"""A decode worker: Generate pulls each prompt's KV from the prefill worker the request names (`kv_pull.KVPull`:
+the engine reserves the pages, the prefill worker writes them) unless its own prefix cache holds nearly all of it;
+registers with the prefill workers it is given (`peers.py`) before it is ready; refuses Pooling; its engine holds
+the receiving side of KV transfers. A generation that fails here ends UNAVAILABLE, which the gateway migrates."""
+from __future__ import annotations
+
+import grpc
+
+from pdserve.services.worker.kv_pull import KVPull
+from pdserve.services.worker.peers import PrefillPeers
+from pdserve.services.worker.wiring import Wiring
+from pdserve.shared.addresses import expand_hostports
+from pdserve.shared.config import Role
+
+
+class Decode(Wiring):
+    role = Role.DECODE
+    transfer = "receiver"
+    serves_pooling_models = False
+    failure_code = grpc.StatusCode.UNAVAILABLE
+    refuses_pooling = "this is a decode worker: send prefill-only requests to a prefill or colocated worker"
+
+    def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
+        return None if request.prefill_addr else (grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs "
+                                                                                     "prefill_addr")
+
+    def first_output_wait(self, stall_s: float, prefill_s: float) -> float:
+        return prefill_s + stall_s  # its prompt is filled elsewhere first
+
+    async def serve(self, app, server, calls) -> None:
+        self.peers = PrefillPeers(app.name, app.compat, await app.link.call("transfer_metadata"))
+        self.prompts = KVPull(app.link, self.peers, app.timeouts.engine_call, app.timeouts.prefill,
+                              lambda: self.peers.compat.weights_version)
+
+    async def start(self, app) -> None:
+        addrs = [a for spec in app.args.prefill for a in expand_hostports(spec)]
+        if addrs:
+            await self.peers.register_all(addrs, deadline_s=120)
+
+    def weights_changed(self, compat) -> None:
+        self.peers.compat = compat

@@ -1,0 +1,29 @@
+"""A prefill worker: serves the Prefill service (decode workers register, then ask for prompts to be filled into
+their pages: `prefill_rpc.py`) and Pooling (scores need only a prompt); refuses Generate; its engine holds the
+sending side of KV transfers. Draining, it still fills the prompts decode workers already took."""
+from __future__ import annotations
+
+import grpc
+
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.services.worker.prefill_rpc import PrefillService
+from pdserve.services.worker.wiring import Wiring
+from pdserve.shared.config import Role
+
+
+class Prefill(Wiring):
+    role = Role.PREFILL
+    transfer = "sender"
+    serves_pooling_models = False
+
+    def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
+        return (grpc.StatusCode.FAILED_PRECONDITION,
+                "this is a prefill worker: send Generate to a decode or colocated worker")
+
+    async def serve(self, app, server, calls) -> None:
+        self.service = PrefillService(app.link, app.compat, calls=calls, page_bytes=app.engine_info["page_bytes"],
+                                      transfer_name=app.engine_info["transfer_name"])
+        pb_grpc.add_PrefillServicer_to_server(self.service, server)
+
+    def weights_changed(self, compat) -> None:  # what registration exchanges names the new weights
+        self.service.compat = compat

@@ -1,0 +1,67 @@
+"""How a worker of one role is wired: the services it serves, where Generate gets a prompt's KV from, which side of
+KV transfers its engine holds, and what it does once serving. Each role says it in one module: `colocated.py`
+(the plain case: these defaults), `prefill.py`, `decode.py`; an embedding model's worker is `encoder_app.py`.
+`app.py` and `rpc.py` ask the wiring and hold no role checks of their own.
+"""
+from __future__ import annotations
+
+import grpc
+
+from pdserve.shared.config import Role
+
+
+class Prompts:
+    """Where a generation's prompt KV comes from: computed by this worker's engine, nothing to do here. A decode
+    worker's prompts are pulled from prefill workers instead (`kv_pull.KVPull`, with the same calls)."""
+
+    def expect(self, rid: str, request) -> None:
+        pass
+
+    def forget(self, rid: str) -> None:
+        pass
+
+    def abort(self, rid: str) -> None:
+        pass
+
+    def take_reply(self, rid: str):
+        return None  # a prefill worker's reply with its timings: none here
+
+    def reserved(self, rid: str, pages: list[int], lora_version: str) -> None:
+        pass
+
+
+class Wiring:
+    role = Role.COLOCATED
+    transfer: str | None = None  # the engine's side of KV transfers: None, "sender" (prefill), "receiver" (decode)
+    serves_pooling_models = True  # embeddings and scores need no prefill/decode split: only colocated serves them
+    # What ends a Generate call that failed here; decode's UNAVAILABLE makes the gateway migrate the stream.
+    failure_code = grpc.StatusCode.INTERNAL
+    refuses_pooling: str | None = None  # why Encode calls are refused here, if they are
+
+    def __init__(self) -> None:
+        self.prompts = Prompts()
+
+    def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
+        """Why this Generate call cannot be served here (the status and the message), or None."""
+        return None
+
+    def first_output_wait(self, stall_s: float, prefill_s: float) -> float:
+        """How long a generation may wait for its first output."""
+        return stall_s
+
+    async def serve(self, app, server, calls) -> None:
+        """Add this role's own services to `server` (before it starts)."""
+
+    async def start(self, app) -> None:
+        """Once serving, before ready."""
+
+    def weights_changed(self, compat) -> None:
+        """This worker now serves other weights: what its peers are told changes."""
+
+
+def wiring_for(role: Role) -> Wiring:
+    from pdserve.services.worker.colocated import Colocated
+    from pdserve.services.worker.decode import Decode
+    from pdserve.services.worker.prefill import Prefill
+
+    return {Role.COLOCATED: Colocated, Role.PREFILL: Prefill, Role.DECODE: Decode}[role]()
