@@ -28,7 +28,7 @@ from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.pooling import PoolingService, engine_encode
 from pdserve.services.worker.rpc import Calls, Timeouts, WorkerService
 from pdserve.services.worker.settings import worker_name
-from pdserve.services.worker.wiring import wiring_for
+from pdserve.services.worker.settings import wiring_for
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat, WeightsVersion
 from pdserve.shared.config import Role

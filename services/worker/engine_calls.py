@@ -21,7 +21,7 @@ import torch
 from pdserve.services.worker.engine_admin_calls import AdminCalls, runs
 from pdserve.services.worker.metrics import WorkerMetrics
 from pdserve.services.worker.settings import expert_settings
-from pdserve.services.worker.wiring import wiring_for
+from pdserve.services.worker.settings import wiring_for
 from pdserve.shared.compat import Compat
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role

@@ -1,5 +1,5 @@
-"""What a worker app derives from its command line besides the runtime config: its name and its expert
-recording. `cli` parses the flags and builds the app; the apps read these without importing `cli` back."""
+"""What a worker app derives from its command line besides the runtime config: its name, its role's wiring and its
+expert recording. `cli` parses the flags and builds the app; the apps read these without importing `cli` back."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,17 @@ import os
 import socket
 import uuid
 
+from pdserve.services.worker.colocated import Colocated
+from pdserve.services.worker.decode import Decode
+from pdserve.services.worker.prefill import Prefill
+from pdserve.services.worker.wiring import Wiring
+from pdserve.shared.config import Role
 from pdserve.shared.expert_recorder import MODES as EXPERT_RECORD_MODES
 from pdserve.shared.expert_recorder import RecordSettings
+
+
+def wiring_for(role: Role) -> Wiring:
+    return {Role.COLOCATED: Colocated, Role.PREFILL: Prefill, Role.DECODE: Decode}[role]()
 
 
 def worker_name(role: str, host: str, port: int) -> str:

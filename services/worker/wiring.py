@@ -58,10 +58,3 @@ class Wiring:
     def weights_changed(self, compat) -> None:
         """This worker now serves other weights: what its peers are told changes."""
 
-
-def wiring_for(role: Role) -> Wiring:
-    from pdserve.services.worker.colocated import Colocated
-    from pdserve.services.worker.decode import Decode
-    from pdserve.services.worker.prefill import Prefill
-
-    return {Role.COLOCATED: Colocated, Role.PREFILL: Prefill, Role.DECODE: Decode}[role]()

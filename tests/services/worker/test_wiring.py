@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.worker.wiring import wiring_for
+from pdserve.services.worker.settings import wiring_for
 from pdserve.shared.config import Role
 
 WORKER = Path(__file__).resolve().parents[3] / "services" / "worker"
