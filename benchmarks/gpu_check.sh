@@ -15,7 +15,8 @@
 # times with graphs on and off, GPU-busy fraction, kernels per step, greedy parity, transformers with a static
 # cache + torch.compile timed in the same run); (c) `pdserve bench` against a colocated worker, then against
 # prefill + decode on the same GPU with TCP transfer, at 1, 64 and 256 streams of 128 tokens after ~200-token
-# prompts (workers and gateway started directly: there is no redis-server there); then the targets table.
+# prompts (workers and gateway started directly: there is no redis-server there), the colocated worker also
+# alone (benchmarks/bench_worker_streams.py: gRPC streams straight to it); then the targets table.
 # Everything lands in $OUT (the device tool brings that folder back) or in a scratch folder it names.
 #
 # GPU_CHECK_DEVICE=cpu runs the script itself on a CPU (tiny model, tiny loads, no kernel tests): a smoke
@@ -135,18 +136,22 @@ pytest_run() {  # NAME ARGS...
   fi
   grep -E "[0-9]+ (passed|failed)" "$LOGS/tests_$name.log" | tail -1 >&2
 }
-if [ "$DEVICE" = cuda ]; then
+# GPU_CHECK_SERVING_ONLY=1 skips (a) and (b): the serving figures alone, in about a minute and a half.
+SERVING_ONLY=${GPU_CHECK_SERVING_ONLY:-0}
+if [ "$DEVICE" = cuda ] && [ "$SERVING_ONLY" = 0 ]; then
   pytest_run kernels "$REPO/tests/kernels" -k "cuda or triton"
   pytest_run overlap "$REPO/tests/shared/test_overlap.py" -k cuda  # no wait for the device in a decode step
   pytest_run transfer "$REPO/tests/shared/transfer/test_transfer_backends.py" -k cuda  # CUDA IPC and staged TCP
 fi
-pytest_run decode_graphs "$REPO/tests/shared/test_decode_graphs.py"
+if [ "$SERVING_ONLY" = 0 ]; then
+  pytest_run decode_graphs "$REPO/tests/shared/test_decode_graphs.py"
 
-# ---------------------------------------------------------------- (b) the runtime
-log "gpu_runtime.py"
-timeout 300 "$PY" "$REPO/benchmarks/gpu_runtime.py" --model-path "$MODEL" --json "$RESULTS/runtime.json" \
-  "${RUNTIME_ARGS[@]}" 2>&1 | tee "$LOGS/runtime.log" | grep -v "Loading weights\|Writing model" >&2
-[ "${PIPESTATUS[0]}" -eq 0 ] || failed runtime
+  # -------------------------------------------------------------- (b) the runtime
+  log "gpu_runtime.py"
+  timeout 300 "$PY" "$REPO/benchmarks/gpu_runtime.py" --model-path "$MODEL" --json "$RESULTS/runtime.json" \
+    "${RUNTIME_ARGS[@]}" 2>&1 | tee "$LOGS/runtime.log" | grep -v "Loading weights\|Writing model" >&2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed runtime
+fi
 
 # ---------------------------------------------------------------- (c) serving
 # Fixed loopback ports below the kernel's ephemeral range; HTTP ports are gRPC + 1000, TCP KV ports + 2000.
@@ -192,7 +197,18 @@ log "serving: colocated"
 start colocated colocated "${WORKER_ARGS[@]}" --port $COLOCATED_PORT --max-running-requests 256
 start gateway_colocated gateway --model-path "$MODEL" --host 127.0.0.1 --port $GATEWAY_PORT \
   --gateway-workers "$GATEWAY_WORKERS" --worker 127.0.0.1:$COLOCATED_PORT
-if wait_ready; then bench colocated; else failed serve_colocated; serve_logs_on_failure colocated gateway_colocated; fi
+if wait_ready; then
+  # The worker alone first (gRPC streams straight to it, no gateway): with the gateway's figures below, this
+  # splits what serving costs between the two.
+  log "the colocated worker alone"
+  timeout 240 "$PY" "$REPO/benchmarks/bench_worker_streams.py" --addr 127.0.0.1:$COLOCATED_PORT \
+    --streams "$(IFS=,; echo "${LEVELS[*]}")" --tokens $((OUTPUT_LEN * 2)) --json "$RESULTS/worker_alone.json" \
+    2>&1 | tee "$LOGS/worker_alone.log" >&2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed worker_alone
+  bench colocated
+else
+  failed serve_colocated; serve_logs_on_failure colocated gateway_colocated
+fi
 stop_all
 
 log "serving: prefill + decode on one device, TCP transfer"
@@ -216,6 +232,7 @@ report=(--runtime "$RESULTS/runtime.json" --json "$RESULTS/gpu_check.json" --ela
 for f in "$RESULTS"/bench_colocated_*.json; do [ -e "$f" ] && report+=(--colocated "$f"); done
 for f in "$RESULTS"/bench_pd_*.json; do [ -e "$f" ] && report+=(--pd "$f"); done
 [ -s "$RESULTS/prefill_metrics.txt" ] && report+=(--kv-metrics "$RESULTS/prefill_metrics.txt")
+[ -s "$RESULTS/worker_alone.json" ] && report+=(--worker-alone "$RESULTS/worker_alone.json")
 [ -s "$RESULTS/gpu.txt" ] && report+=(--gpu "$(head -1 "$RESULTS/gpu.txt")")
 for step in "${FAILED[@]}"; do report+=(--failed "$step"); done
 "$PY" "$REPO/benchmarks/gpu_report.py" "${report[@]}" | tee "$RESULTS/targets.txt" || failed report

@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--pd", action="append", default=[], help="pdserve bench --json of prefill + decode")
     ap.add_argument("--kv-metrics", default=None, help="the prefill worker's /metrics text after the PD run")
     ap.add_argument("--gpu", default=None, help="the device, as nvidia-smi names it")
+    ap.add_argument("--worker-alone", default=None, help="bench_worker_streams.py --json of the colocated worker")
     ap.add_argument("--failed", action="append", default=[], help="a step of the check that failed (repeatable)")
     ap.add_argument("--elapsed", type=float, default=None, help="seconds the whole check took")
     ap.add_argument("--json", default=None, help="write runtime, serving and targets here")
@@ -141,12 +142,20 @@ def main() -> None:
             print(f"  {name:>9} {c:>4} streams: {level['output_tok_s']:>9,.0f} tok/s, TTFT p50 "
                   f"{_fmt(level['ttft_ms_p50'], ' ms', 1)}, ITL p50 {_fmt(level['itl_ms_p50'], ' ms', 2)}, "
                   f"{level['completed']} ok, {level['failed']} failed")
+    alone = []
+    if args.worker_alone and os.path.exists(args.worker_alone):
+        with open(args.worker_alone) as f:
+            alone = json.load(f)["results"]
+    for r in alone:
+        print(f"  worker alone {r['streams']:>4} streams: {r['tok_s']:>9,.0f} tok/s, ITL p50 "
+              f"{_fmt(r['itl_ms_p50'], ' ms', 2)} (steady {_fmt(r['steady_tok_s'], ' tok/s', 0)})")
     if args.failed:
         print(f"  steps that failed: {', '.join(args.failed)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "elapsed_s": args.elapsed, "failed_steps": args.failed, "runtime": rt,
-                       "serving": {"colocated": colo, "pd": pd, "kv_transfer_gbs": kv_gbs},
+                       "serving": {"colocated": colo, "pd": pd, "kv_transfer_gbs": kv_gbs,
+                                   "worker_alone": alone},
                        "targets": [asdict(r) for r in rows]}, f, indent=2)
 
 

@@ -6,7 +6,8 @@
 # That machine (../shared/notes/gpu.md) has Python 3.12, torch, triton, transformers, tokenizers, aiohttp,
 # numpy and safetensors, but not what the gateway and the workers import besides: pydantic (and its three
 # companions), redis, xgrammar (and the tvm-ffi runtime it loads), grpcio/protobuf recent enough for our
-# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35), and pyzmq and msgpack (a worker's engine channel). gguf is left out: it is read only for GGUF models and
+# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35), pyzmq and msgpack (a worker's engine channel), and
+# OpenTelemetry's SDK and exporters (traces). gguf is left out: it is read only for GGUF models and
 # the check serves a safetensors one.
 #
 # Versions are pinned to the ones the project's CPU environment runs with, so the GPU run tests the same
@@ -25,6 +26,13 @@ WHEELS=(
   grpcio==1.85.3 protobuf==7.36.2
   # the local channel between a worker's front process and its engine process
   pyzmq==27.3.0 msgpack==1.2.4
+  # traces (services/tracing.py): the SDK, its OTLP exporters and what they bring
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+  opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+  opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2
+  googleapis-common-protos==1.76.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.3
+  certifi==2026.10.19.post1
 )
 
 mkdir -p "$DIR"
