@@ -263,6 +263,11 @@ class Engine:
             self.scheduler.running.append(req)
 
     def take(self, decoding: list[tuple[Req, int, TokenLogprobs | None]]) -> None:
+        """Each request's sampled token: it joins the running batch, takes the token (finishing by the stop and
+        length rules), and its output leaves. A read step's tokens and decode's first tokens from its prefill
+        worker come here. Two callers append and send themselves: an overlapped step when it settles (a request
+        retracted since its launch must not join again), and a verify step (whether an accepted draft token
+        counts depends on the one before)."""
         for req, tok, lp in decoding:
             self.join(req)
             self.append_token(req, tok, lp)

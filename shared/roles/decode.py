@@ -108,11 +108,7 @@ class DecodeRole(ColocatedRole):
         req.cached_tokens = cached_tokens
         self.scheduler.cache_pages(req, lock=True)
         children = [req] + self.fork(req)
-        for child, first in zip(children, first_tokens):
-            child.status = ReqStatus.RUNNING
-            self.scheduler.running.append(child)
-            self.engine.append_token(child, first.token_id, first.logprob)
-        self.engine.emit_all(children)
+        self.engine.take([(child, first.token_id, first.logprob) for child, first in zip(children, first_tokens)])
 
     def kv_settled(self, rid: str) -> None:
         """No KV write into `rid`'s reserved pages can land any more (the prefill call ended): the pages of an
