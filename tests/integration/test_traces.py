@@ -214,6 +214,10 @@ def test_a_migration_and_an_abort_show_in_their_traces(receiver, default_model_d
         for proc in workers.values():
             proc.wait_healthy(180)
         gw.proc.wait_healthy(60)
+        deadline = time.monotonic() + 30  # the gateway's own checks see both decode workers (it serves with one)
+        while not all(w["healthy"] for w in requests.get(f"{gw.url}/status.json", timeout=10).json()["workers"][
+                "decode"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         # A stream whose worker is killed mid-way moves to the other worker: one trace, two attempts.
         r = stream_chat(gw, 160)
         lines = r.iter_lines()
