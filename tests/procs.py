@@ -98,6 +98,19 @@ class Proc:
                 self.kill()
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (a worker's front has one: its engine process)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 def start_worker(role: str, model: str | None = None, *extra: str, threads: int = 1,
                  env: dict | None = None) -> tuple[Proc, str]:
     """Start a runtime worker; returns (process, gRPC address). Call .wait_healthy() on it."""

@@ -20,7 +20,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
 from pdserve.shared.sampling_params import SamplingParams
-from procs import start_worker
+from procs import children, start_worker
 
 STREAMS = 8
 UNHEALTHY_WITHIN_S = 2.0
@@ -30,18 +30,6 @@ ENDED_WITHIN_S = 10.0
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("engine-process") / "llama"))
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def alive(pid: int) -> bool:

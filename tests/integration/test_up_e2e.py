@@ -20,6 +20,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from procs import children
+
 pytestmark = pytest.mark.slow
 
 READY_TIMEOUT_S = 600  # first use converts the default model; two cores are shared with other tests
@@ -237,6 +239,34 @@ def test_up_colocated_with_api_key(start_up, tmp_path):
     assert [p for p in pids if alive(p)] == []
     for log in logs.iterdir():  # --log-requests at debug level, and the key in no log
         assert "sk-up-test" not in log.read_text(errors="replace"), log.name
+
+
+def test_up_serves_again_after_a_workers_engine_process_dies(start_up):
+    """SIGKILL the engine process of a worker: the worker's front exits, `up` starts the worker again, and the same
+    system serves; nothing of the first worker stays behind."""
+    up = start_up("--colocated")
+    base_url, model = up.wait_ready()
+    client = openai.OpenAI(base_url=base_url, api_key="EMPTY", timeout=60, max_retries=0)
+    assert "Paris" in client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                     max_tokens=16).choices[0].message.content
+    front = next(pid for pid in up.pids() if "colocated" in cmdline(pid))
+    engine, = children(front)
+    os.kill(engine, signal.SIGKILL)
+    deadline, answer = time.monotonic() + 240, None
+    while answer is None and time.monotonic() < deadline:
+        time.sleep(1)
+        try:
+            answer = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+        except openai.APIError:
+            continue
+    assert answer is not None and "Paris" in answer.choices[0].message.content, up.output[-3000:]
+    assert not alive(front) and not alive(engine) and "[up] restarted colocated" in up.output
+    fronts = [pid for pid in up.pids() + [int(m) for m in re.findall(r"^\[up\] restarted colocated \(pid (\d+)\)",
+                                                                       up.output, re.M)] if alive(pid)]
+    engines = [child for pid in fronts if "colocated" in cmdline(pid) for child in children(pid)]
+    assert up.stop(signal.SIGTERM) == 0
+    time.sleep(2)  # an engine process follows its front within a second or two
+    assert [p for p in fronts + engines if alive(p)] == []
 
 
 def test_up_stops_the_real_services_when_one_fails(start_up):
