@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,12 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from procs import Proc, free_port  # noqa: E402
 
+from bench_worker_streams import level, stream  # noqa: E402 (a sibling script: streams straight to a worker)
 from pdserve.proto import worker_pb2 as pb  # noqa: E402
 from pdserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
-from pdserve.proto.codec import params_to_proto  # noqa: E402
-from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
-
-PROMPT = list(range(100, 164))  # 64 tokens
 
 
 def layout(rev: str, into: Path) -> Path:
@@ -76,34 +72,14 @@ def start(label: str, pythonpath: str | None, extra: list[str]) -> tuple[Proc, s
     raise RuntimeError(f"{label} not ready:\n{proc.tail()}")
 
 
-def stream(stub, rid: str, tokens: int) -> list[float]:
-    """Arrival times of each token of one greedy stream."""
-    params = params_to_proto(SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True))
-    times: list[float] = []
-    for msg in stub.Generate(pb.GenerateRequest(rid=rid, input_ids=PROMPT, sampling=params), timeout=600):
-        now = time.perf_counter()
-        times += [now] * sum(len(c.token_ids) for c in msg.choices)
-    return times
-
-
 def measure(addr: str, tokens: int, streams: int, tag: str) -> tuple[float, float]:
     """(1-stream ITL p50 in ms, `streams`-stream output tok/s)."""
     with grpc.insecure_channel(addr) as ch:
         stub = pb_grpc.WorkerStub(ch)
         stream(stub, f"{tag}-warm", 16)
         times = stream(stub, f"{tag}-one", tokens)
-        itl = statistics.median(b - a for a, b in zip(times[1:], times[2:])) * 1000  # after the first token
-        counts = [0] * streams
-
-        def run(i: int) -> None:
-            counts[i] = len(stream(stub, f"{tag}-{i}", tokens))
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return itl, sum(counts) / (time.perf_counter() - t0)
+    itl = statistics.median(b - a for a, b in zip(times[1:], times[2:])) * 1000  # after the first token
+    return itl, level(addr, streams, tokens, tag)["tok_s"]
 
 
 IN_PROCESS = """

@@ -219,8 +219,8 @@ def main(args: argparse.Namespace, command: str) -> int:
         shutdown_tracing()
 
 
-def _serve_encoder(config: RuntimeConfig, args: argparse.Namespace) -> int:
-    """An encoder model (BERT family): one process, the Encoder batching in a thread of its own."""
+def set_torch_threads(args: argparse.Namespace) -> None:
+    """--threads compute threads (default: all cores), and one inter-op thread: in the process that computes."""
     import torch
 
     if args.threads:
@@ -229,6 +229,13 @@ def _serve_encoder(config: RuntimeConfig, args: argparse.Namespace) -> int:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
+
+
+def _serve_encoder(config: RuntimeConfig, args: argparse.Namespace) -> int:
+    """An encoder model (BERT family): one process, the Encoder batching in a thread of its own."""
+    import torch
+
+    set_torch_threads(args)
     from pdserve.services.worker.encoder_app import EncoderWorkerApp
 
     try:

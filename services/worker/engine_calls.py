@@ -50,14 +50,9 @@ def wire_lps(lp: TokenLogprobs | None):
 
 class EngineCalls(AdminCalls):
     def __init__(self, command: str, args: argparse.Namespace) -> None:
-        from pdserve.services.worker.cli import runtime_config
+        from pdserve.services.worker.cli import runtime_config, set_torch_threads
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:
-            pass
+        set_torch_threads(args)
         role = Role(command)
         self.wiring = wiring = wiring_for(role)
         self.args = args
