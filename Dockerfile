@@ -42,6 +42,7 @@ COPY shared ./shared
 COPY kernels ./kernels
 COPY proto ./proto
 COPY services ./services
+COPY benchclient ./benchclient
 RUN pip install --no-deps . && python -c "import pdserve.cli, pdserve.services.up, torch, nixl"
 # Best effort: a build machine without the run machine's CPU flags leaves the build to the first start.
 RUN python -m pdserve.kernels.native || echo "native kernels not built in the image"

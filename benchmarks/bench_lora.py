@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from bench_serving import default_model_dir, pdserve_server, signals_deferred  # noqa: E402
 
-from pdserve.services.bench import ErrorReporter, Load, Target, format_table, run_sweep  # noqa: E402
+from pdserve.benchclient import ErrorReporter, Load, Target, format_table, run_sweep  # noqa: E402
 
 ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 

@@ -42,8 +42,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdserve.services.bench import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
-                                    parse_concurrencies, report, run_sweep)
+from pdserve.benchclient import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
+                                 parse_concurrencies, report, run_sweep)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = ("pd", "colocated", "vllm", "colocated-int8", "pd-int8")  # -int8: `up --quantization w8a8_int8`

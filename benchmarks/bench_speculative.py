@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import bench_serving as serving
-from pdserve.services.bench import ErrorReporter, Load, Target, parse_concurrencies, run_sweep
+from pdserve.benchclient import ErrorReporter, Load, Target, parse_concurrencies, run_sweep
 
 SERVERS = ("plain", "spec", "pd", "pd-spec", "vllm")
 WORKLOADS = ("copy", "chat")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench_serving import default_model_dir, pdserve_server, signals_deferred
 
-from pdserve.services.bench import ErrorReporter, Load, Target, run_sweep
+from pdserve.benchclient import ErrorReporter, Load, Target, run_sweep
 
 SCHEMA = {"type": "array", "minItems": 500, "items": {
     "type": "object", "required": ["name", "age", "city"], "additionalProperties": False,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench_serving import default_model_dir, measure, pdserve_server
 from otlp_receiver import serve
-from pdserve.services.bench import Load
+from pdserve.benchclient import Load
 
 TARGET = 0.97
 

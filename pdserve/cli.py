@@ -23,8 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "jobs": ("pdserve.services.jobs.cli", "run the Files/Batches service"),
     "batch-worker": ("pdserve.services.jobs.cli", "run a batch worker that executes batch items"),
     "prepare-model": ("pdserve.shared.model_files", "convert/locate a model and print its HF directory"),
-    "bench": ("pdserve.services.bench", "streaming chat load against any OpenAI-compatible server: throughput, "
-                                        "TTFT, ITL"),
+    "bench": ("pdserve.benchclient.cli", "streaming chat load against any OpenAI-compatible server: throughput, "
+                                       "TTFT, ITL"),
     "debug": ("pdserve.services.debug", "debugging tools: ping, info, stats, generate, transfer benchmark"),
 }
 SERVICES = ("up", "prefill", "decode", "colocated", "gateway", "jobs", "batch-worker")  # these take --config

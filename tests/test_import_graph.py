@@ -243,3 +243,16 @@ def test_lower_layers_never_import_upper_ones(edges, lower, upper):
     wrong = [f"{e.source} -> {e.target}  [{e.where}]" for e in edges
              if layer(e.source) == lower and layer(e.target) == upper]
     assert not wrong, f"{lower} imports {upper}:\n" + "\n".join(wrong)
+
+
+SERVER = ("shared", "services", "kernels", "proto")
+
+
+def test_the_bench_client_and_the_server_stand_apart(edges):
+    """`pdserve bench` measures any OpenAI-compatible server: it speaks HTTP only, so none of the runtime, the
+    services or the wire format loads with it, and the server never needs the client."""
+    client = [e for e in edges if layer(e.source) == "benchclient"]
+    assert client, "the scan saw no import in the bench client"
+    wrong = [f"{e.source} -> {e.target}  [{e.where}]" for e in edges
+             if {layer(e.source), layer(e.target)} in ({"benchclient", s} for s in SERVER)]
+    assert not wrong, "the bench client and the server import each other:\n" + "\n".join(wrong)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pdserve", "shared", "services", "kernels", "proto", "benchmarks")
+SOURCES = ("pdserve", "shared", "services", "kernels", "proto", "benchclient", "benchmarks")
 LIMIT = 450
 
 

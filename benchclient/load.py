@@ -2,7 +2,7 @@
 
 A sweep: warm-up requests (not measured) -> for each concurrency level, `requests_for` streamed chat
 completions with at most `concurrency` in flight (closed loop; with a request rate, requests also arrive as a
-Poisson process) -> one `RequestResult` per request -> one `LevelSummary` per level (`bench_report`).
+Poisson process) -> one `RequestResult` per request -> one `LevelSummary` per level (`report.py`).
 
 Each request asks for exactly `output_len` tokens (`max_tokens` with `ignore_eos`), greedy unless a
 temperature is set. Prompts are distinct (seeded words), so a prefix cache cannot serve one from another.
@@ -17,7 +17,7 @@ summary's `itl_tokens_from` says which ("usage" or "chunks").
 A request never raises: a failure (HTTP error, error event, timeout, broken stream) is its result.
 
 `Load.api` picks what the requests speak, a key of `APIS`: chat completions (the default) or Anthropic's
-messages (bench_messages.py), whose stream events are read as the chat chunks above.
+messages (messages.py), whose stream events are read as the chat chunks above.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from pdserve.services.bench_messages import messages_body, messages_chunk
-from pdserve.services.bench_responses import responses_body, responses_chunk
-from pdserve.services.bench_report import LevelSummary, RequestResult, redact, summarize
+from pdserve.benchclient.messages import messages_body, messages_chunk
+from pdserve.benchclient.responses import responses_body, responses_chunk
+from pdserve.benchclient.report import LevelSummary, RequestResult, redact, summarize
 
 # Short common words: each is about one token in the usual BPE vocabularies, so N words ~ N prompt tokens.
 WORDS = (

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.services import bench
-from pdserve.services.bench_load import APIS, Load, StreamTally, Target
-from pdserve.services.bench_messages import messages_chunk
+from pdserve.benchclient import cli as bench
+from pdserve.benchclient.load import APIS, Load, StreamTally, Target
+from pdserve.benchclient.messages import messages_chunk
 
 EVENTS = [
     {"type": "message_start", "message": {"usage": {"input_tokens": 9, "output_tokens": 0}}},

@@ -7,9 +7,9 @@ import json
 
 from aiohttp import web
 
-from pdserve.services.bench_chain import format_chain, run_chain
-from pdserve.services.bench_load import Load, StreamTally, Target
-from pdserve.services.bench_responses import responses_body, responses_chunk
+from pdserve.benchclient.chain import format_chain, run_chain
+from pdserve.benchclient.load import Load, StreamTally, Target
+from pdserve.benchclient.responses import responses_body, responses_chunk
 
 
 def test_events_become_chat_chunks_the_tally_counts():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.services.bench_report import LevelSummary
+from pdserve.benchclient.report import LevelSummary
 
 
 def plot(summaries: Sequence[LevelSummary], path: str | Path, title: str) -> Path:

@@ -1,7 +1,7 @@
 """`pdserve bench --api messages`: Anthropic's Messages API as the load, read back as chat chunks.
 
 A request is a streamed /v1/messages call asking for exactly `output_len` tokens (`max_tokens` with the
-`ignore_eos` extension, as chat's load does). Its events are turned into the chat chunks `bench_load.StreamTally`
+`ignore_eos` extension, as chat's load does). Its events are turned into the chat chunks `load.StreamTally`
 times: a text, thinking or tool-input delta is content; `message_delta` carries the finish and the output
 tokens; an `error` event is the request's error. Anthropic's stream has no per-chunk usage, so inter-token
 latencies count one token per content event (`itl_tokens_from` says "chunks").

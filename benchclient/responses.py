@@ -1,7 +1,7 @@
 """`pdserve bench --api responses`: OpenAI's Responses API as the load, read back as chat chunks.
 
 A request is a streamed /v1/responses call asking for exactly `output_len` tokens (`max_output_tokens` with the
-`ignore_eos` extension, as chat's load does). Its typed events become the chat chunks `bench_load.StreamTally`
+`ignore_eos` extension, as chat's load does). Its typed events become the chat chunks `load.StreamTally`
 times: an output_text, reasoning or function-argument delta is content; `response.completed` (or `.incomplete`)
 carries the finish and the output tokens; `response.failed` and `error` events are the request's error. The
 Responses stream has no per-chunk usage, so inter-token latencies count one token per delta ("chunks").

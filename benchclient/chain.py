@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from pdserve.services.bench_load import ERROR_TEXT_LIMIT, Load, Target, make_prompts
-from pdserve.services.bench_report import percentile, redact
-from pdserve.services.bench_responses import CONTENT_EVENTS, FINISH_EVENTS, responses_body
+from pdserve.benchclient.load import ERROR_TEXT_LIMIT, Load, Target, make_prompts
+from pdserve.benchclient.report import percentile, redact
+from pdserve.benchclient.responses import CONTENT_EVENTS, FINISH_EVENTS, responses_body
 
 
 @dataclass

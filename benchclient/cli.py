@@ -8,11 +8,10 @@ A run: resolve the model (`GET /models`, its first id, unless `--model`) -> warm
 (closed loop; with `--request-rate`, requests also arrive as a Poisson process) -> one `RequestResult` per
 request -> one `LevelSummary` per level -> a table, and JSON if asked. `--api` picks what the requests speak
 (chat completions, Anthropic's messages, OpenAI's responses); `--api responses --chain TURNS` runs chained
-conversations instead of the sweep and reports each turn's TTFT against the first's (bench_chain.py).
+conversations instead of the sweep and reports each turn's TTFT against the first's (chain.py).
 
-The load and its timing live in `bench_load` (how tokens and inter-token latencies are counted), the
-statistics and the table in `bench_report`, the plot in `bench_plot`; this module is the command and the
-names the benchmark scripts import.
+The load and its timing live in `load.py` (how tokens and inter-token latencies are counted), the statistics
+and the table in `report.py`, the plot in `plot.py`; this module is the command: its flags and its run.
 
 Failures never stop a run: a request that fails (HTTP error, error event, timeout, broken stream) is counted,
 and each distinct error is printed once. The API key is sent, never printed.
@@ -30,18 +29,10 @@ from dataclasses import asdict
 
 import aiohttp
 
-from pdserve.services.bench_load import (APIS, ErrorReporter, Load, StreamTally, Target, arrival_offsets, chat_body,
-                                         fetch_model, make_prompts, requests_for, run_level, run_sweep, stream_chat)
-from pdserve.services.bench_chain import format_chain, run_chain
-from pdserve.services.bench_plot import plot
-from pdserve.services.bench_report import (LevelSummary, RequestResult, format_errors, format_table, percentile,
-                                           redact, summarize)
-
-__all__ = [  # the bench API the benchmarks/ scripts and tests use, in one place
-    "ErrorReporter", "LevelSummary", "Load", "RequestResult", "StreamTally", "Target", "arrival_offsets",
-    "chat_body", "fetch_model", "format_errors", "format_table", "make_prompts", "parse_concurrencies",
-    "percentile", "redact", "report", "requests_for", "run_level", "run_sweep", "stream_chat", "summarize",
-]
+from pdserve.benchclient.chain import format_chain, run_chain
+from pdserve.benchclient.load import APIS, ErrorReporter, Load, Target, fetch_model, run_sweep
+from pdserve.benchclient.plot import plot
+from pdserve.benchclient.report import LevelSummary, RequestResult, format_errors, format_table, redact
 
 
 def parse_concurrencies(values: Sequence[str]) -> list[int]:

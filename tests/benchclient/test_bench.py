@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from pdserve import cli
-from pdserve.services.bench import Load, StreamTally, Target, make_prompts, percentile, run_sweep
+from pdserve.benchclient import Load, StreamTally, Target, make_prompts, percentile, run_sweep
 
 TTFT_S = 0.05
 TOKEN_S = 0.01
