@@ -95,7 +95,7 @@ def smollm_shaped(out_dir: str, tiny: bool = False, tokenizer_files: str | None 
 # ---------------------------------------------------------------- the runtime
 def engine_for(model_dir: str, dtype: str, setup: Setup, graphs: str, overlap: str = "off") -> Engine:
     return Engine(RuntimeConfig(model_path=model_dir, dtype=dtype, device=setup.device,
-                                attention_backend="triton" if setup.device == "cuda" else "auto",
+                                kernels="triton" if setup.device == "cuda" else "auto",
                                 cache=CacheConfig(page_size=16, max_total_tokens=setup.max_total_tokens),
                                 scheduler=SchedulerConfig(max_running_requests=256, max_prefill_tokens=16384),
                                 decode_graphs=graphs, cuda_graph_max_bs=max(setup.batches), overlap_schedule=overlap))

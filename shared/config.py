@@ -276,7 +276,7 @@ class RuntimeConfig:
     device: str = "cpu"
     # The kernel set every layer runs on (`--kernels`, alias `--attention-backend`): auto | native | torch | triton
     # (auto: triton on CUDA, native on CPU).
-    attention_backend: str = "auto"
+    kernels: str = "auto"
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -309,9 +309,9 @@ class RuntimeConfig:
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.decode_graphs not in ("auto", "static", "off"):
             raise ValueError(f"decode_graphs must be auto, static or off, got {self.decode_graphs!r}")
-        if self.attention_backend not in ("auto", "native", "torch", "triton"):
+        if self.kernels not in ("auto", "native", "torch", "triton"):
             raise ValueError("--kernels (--attention-backend) must be auto, native, torch or triton, "
-                             f"got {self.attention_backend!r}")
-        if self.deterministic and (self.device.startswith("cuda") or self.attention_backend in ("torch", "triton")):
+                             f"got {self.kernels!r}")
+        if self.deterministic and (self.device.startswith("cuda") or self.kernels in ("torch", "triton")):
             raise ValueError("--enable-deterministic-inference needs the CPU's native kernels "
                              "(--device cpu, --kernels auto or native)")

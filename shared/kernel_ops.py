@@ -69,7 +69,7 @@ def get_kernel_ops(kernel_set: str, deterministic: bool = False) -> KernelOps:
     chunking or prefix hits around it (native set only: its extend attention then never hands long prompts
     to the tiled torch kernel, whose rows depend on how the prompt was split)."""
     if kernel_set not in KERNEL_SETS:
-        raise ValueError(f"unknown attention backend {kernel_set!r} (choose {', '.join(KERNEL_SETS)})")
+        raise ValueError(f"unknown kernel set {kernel_set!r} (choose {', '.join(KERNEL_SETS)})")
     if deterministic and kernel_set != "native":
         raise ValueError("deterministic inference needs the native CPU kernels")
     from pdserve.kernels import decode_attention, extend_attention, fused_moe, lora, rmsnorm, rotary_kv, silu_mul

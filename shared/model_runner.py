@@ -69,7 +69,7 @@ class ModelRunner:
         if self.context_length > mc.max_position_embeddings and not mc.rope_scaling:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
-        kernel_set = resolve_kernel_set("native" if config.deterministic else config.attention_backend,
+        kernel_set = resolve_kernel_set("native" if config.deterministic else config.kernels,
                                         self.device, self.dtype)
         self.ops = get_kernel_ops(kernel_set, deterministic=config.deterministic)
         self.hidden_output = config.is_embedding or mc.is_bare  # an embedding model: no LM head

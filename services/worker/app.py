@@ -69,7 +69,7 @@ class WorkerApp:
             served_model_name=self.args.served_model_name or self.model_path,
             compat=compat_to_proto(self.compat), max_total_tokens=info["max_total_tokens"],
             context_length=info["context_length"], max_running_requests=info["max_running_requests"],
-            architecture=info["architecture"], model_type=info["model_type"], attention_backend=info["kernels"],
+            architecture=info["architecture"], model_type=info["model_type"], kernels=info["kernels"],
             lora_enabled=info["lora_enabled"], max_lora_rank=info["max_lora_rank"],
             max_loras_per_batch=info["max_loras_per_batch"], weights=weights_to_proto(self.weights))
 

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     # One flag picks the whole kernel set (attention, norm, rotary, activation, MoE, LoRA), not only attention:
     # --kernels says so; --attention-backend is SGLang's name for it, kept as an alias.
-    parser.add_argument("--kernels", "--attention-backend", dest="attention_backend", default="auto",
+    parser.add_argument("--kernels", "--attention-backend", dest="kernels", default="auto",
                         choices=["auto", "native", "torch", "triton"],
                         help="the kernel set every layer runs on: triton (default on CUDA), native C++ (default on "
                              "CPU) or the plain-torch twins; --attention-backend is an alias (SGLang's name)")
@@ -175,7 +175,7 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
 
 def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
     return RuntimeConfig(
-        model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        model_path=model_path, dtype=args.dtype, device=args.device, kernels=args.kernels,
         decode_graphs="off" if args.disable_cuda_graph else "auto", cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_bs=tuple(args.cuda_graph_bs or ()),
         overlap_schedule=("off" if args.disable_overlap_schedule else "on" if args.enable_overlap_schedule

@@ -79,7 +79,7 @@ class EncoderWorkerApp:
             compat=pb.Compat(model=cfg.architecture, dtype=str(self.encoder.dtype).replace("torch.", "")),
             context_length=self.encoder.context_length,
             max_running_requests=config.scheduler.max_running_requests, architecture=cfg.architecture,
-            model_type=cfg.model_type, attention_backend="torch")
+            model_type=cfg.model_type, kernels="torch")
         self.ready = False
 
     async def _encode(self, seqs: list[list[int]], types: list[list[int]] | None, labels: list[int],

@@ -42,7 +42,7 @@ def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
 
 
 def make_runner(model_dir, backend: str, device: str = "cpu", page_size: int = 4) -> ModelRunner:
-    return ModelRunner(RuntimeConfig(model_path=str(model_dir), dtype="float32", attention_backend=backend,
+    return ModelRunner(RuntimeConfig(model_path=str(model_dir), dtype="float32", kernels=backend,
                                      device=device,
                                      cache=CacheConfig(page_size=page_size, max_total_tokens=page_size * 64)))
 

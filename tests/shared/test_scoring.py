@@ -27,7 +27,7 @@ def hf_label_logprobs(model_dir, seqs: list[list[int]], labels: list[int]) -> to
 
 
 def make_engine(model_dir, page_size: int, pages: int = 64) -> Engine:
-    return Engine(RuntimeConfig(model_path=str(model_dir), dtype="float32", attention_backend="torch",
+    return Engine(RuntimeConfig(model_path=str(model_dir), dtype="float32", kernels="torch",
                                 cache=CacheConfig(page_size=page_size, max_total_tokens=page_size * pages),
                                 scheduler=SchedulerConfig(max_prefill_tokens=64)))
 

@@ -1,7 +1,7 @@
 """`--kernels` picks the kernel set a worker runs; `--attention-backend` (SGLang's name) is the same flag.
 
 Either spelling, on the command line, in a `--config` file or given to `pdserve up`, reaches the runtime
-config as the one setting `RuntimeConfig.attention_backend`."""
+config as the one setting `RuntimeConfig.kernels`; the worker's Info reports the set it runs as `kernels`."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import argparse
 import pytest
 
 from pdserve import cli
+from pdserve.proto import worker_pb2 as pb
 from pdserve.services import up
 from pdserve.services.worker import cli as worker_cli
 
@@ -22,9 +23,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize("spelling", ["--kernels", "--attention-backend"])
 def test_both_spellings_pick_the_kernel_set(command, spelling):
     args = parse([command, spelling, "torch"])
-    assert args.attention_backend == "torch"
-    assert worker_cli.runtime_config(args, "/models/m").attention_backend == "torch"
-    assert parse([command]).attention_backend == "auto"
+    assert args.kernels == "torch"
+    assert worker_cli.runtime_config(args, "/models/m").kernels == "torch"
+    assert parse([command]).kernels == "auto"
 
 
 def test_the_help_names_what_the_flag_picks(capsys):
@@ -50,7 +51,7 @@ def test_a_config_file_takes_either_name(tmp_path, key):
     argv = ["colocated", "--config", str(config)]
     parser, command, command_parser = cli._build(argv)
     args = parser.parse_args(cli.with_config_file(argv, command, command_parser))
-    assert args.attention_backend == "torch"
+    assert args.kernels == "torch"
 
 
 @pytest.mark.parametrize("spelling", ["--kernels", "--attention-backend"])
@@ -62,6 +63,13 @@ def test_up_passes_either_spelling_to_every_worker(tmp_path, spelling):
     workers = [s for s in plan.services if s.args[0] in ("prefill", "decode", "colocated")]
     assert workers
     for service in workers:
-        assert parse(service.args).attention_backend == "torch"
+        assert parse(service.args).kernels == "torch"
     gateway = next(s for s in plan.services if s.args[0] == "gateway")
     assert "--kernels" not in gateway.args and "--attention-backend" not in gateway.args
+
+
+def test_info_reports_the_kernel_set_in_the_field_it_always_had():
+    """Info's `kernels` is field 10, where older workers and gateways put `attention_backend`: they still agree."""
+    wire = pb.InfoReply(kernels="native").SerializeToString()
+    assert wire == bytes([10 << 3 | 2, len("native")]) + b"native"  # field 10, length-delimited
+    assert pb.InfoReply.FromString(wire).kernels == "native"
