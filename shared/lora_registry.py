@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from pdserve.shared.config import LoraConfig, ModelConfig
-from pdserve.shared.lora import LoraAdapter, LoraError, LoraPool, load_adapter
+from pdserve.shared.lora import LoraAdapter, LoraError, LoraPool
+from pdserve.shared.lora_checkpoint import load_adapter
 
 DEFAULT_MAX_RANK = 16  # --max-lora-rank when no start-up adapter says otherwise
 

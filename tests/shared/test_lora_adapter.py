@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from lora_adapters import load_peft_model, make_peft_adapter, make_tiny_llama
 from pdserve.shared.config import ModelConfig, MoeConfig
 from pdserve.shared.lora import (FUSED_LINEARS, SUPPORTED_TARGETS, LoraAdapter, LoraError, LoraPool, LoraWeights,
-                                 linear_shapes, load_adapter)
+                                 linear_shapes)
+from pdserve.shared.lora_checkpoint import load_adapter
 from pdserve.shared.lora_registry import LoraRegistry
 
 PARTIAL = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")  # leaves k_proj and up_proj alone
