@@ -6,17 +6,13 @@ each incoming connection gets a receiver thread that writes arriving pages strai
 into the pool and acknowledges each message. The sending side keeps one persistent
 connection per peer (reconnected lazily after a failure), used under a per-peer lock.
 
-Each connection opens with a handshake: the receiver sends CHALLENGE (magic, random nonce), the
-sender answers with HMAC-SHA256(cluster token, nonce), and the receiver ACKs it or refuses and closes
-(cluster_auth.py: the token itself never crosses the wire). Anyone who can reach the port can open a
-connection, so what a connection may cost before it proves anything is bounded: at most
-MAX_UNPROVEN connections wait in their handshake at a time (more are closed at once) and each gets
+Each connection opens with a handshake in which the sender proves it holds the cluster token, then
+carries messages (a run list and the pages' bytes), each acknowledged: tcp_wire.py. Anyone who can reach
+the port can open a connection, so what a connection may cost before it proves anything is bounded: at
+most MAX_UNPROVEN connections wait in their handshake at a time (more are closed at once) and each gets
 HANDSHAKE_TIMEOUT seconds. The accept loop outlives any error (out of file descriptors or threads: it
 waits and goes on); should it end anyway, `healthy()` turns false and the worker reports unhealthy.
 
-Wire format, per message: HEADER (magic, page_bytes, number of runs), the runs as
-(dst_start, pages) pairs, then the runs' bytes back to back; the receiver answers ACK
-(status 0 = stored; else an error message follows and it closes the connection).
 An empty message (no runs) is the liveness check `add_peer` uses. A message is refused unless
 every destination page is in an open window (`open_window`: pages reserved for a request whose
 KV is on its way); `close_window` waits for a write into those pages that already started.
@@ -31,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,14 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.shared import cluster_auth
-from pdserve.shared.transfer import cuda_ipc
+from pdserve.shared.transfer import cuda_ipc, tcp_wire
 from pdserve.shared.transfer.base import KVTransfer, Run, TransferError
 
-MAGIC = b"PDKV"
-CHALLENGE = struct.Struct(f"!4s{cluster_auth.CHALLENGE_BYTES}s")  # magic, nonce
-HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
-RUN = struct.Struct("!QQ")  # dst_start page, number of pages
-ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
 RECV_TIMEOUT = 60.0  # a sender that stalls mid-message this long is dropped
 HANDSHAKE_TIMEOUT = 5.0  # for a new connection to prove it holds the cluster token
 MAX_UNPROVEN = 16  # connections in their handshake at once; a real cluster opens one per prefill worker
@@ -66,24 +56,6 @@ class _Peer:
     sock: socket.socket | None = None
     staging: torch.Tensor | None = None  # CUDA pools only
     device_pool: torch.Tensor | None = None  # the peer's GPU pool as flat bytes, where CUDA IPC opened it
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("connection closed by the peer")
-        view = view[n:]
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _refuse(conn: socket.socket, error: str) -> None:
-    conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
 
 
 def _advertised(host: str) -> str:
@@ -192,19 +164,16 @@ class TcpTransfer(KVTransfer):
             if peer.sock is None:
                 peer.sock = socket.create_connection((peer.host, peer.port), timeout=left())
                 peer.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._prove(peer.sock, what)
+                tcp_wire.prove(peer.sock, self._token, what)
             sock = peer.sock
             sock.settimeout(left())
-            sock.sendall(HEADER.pack(MAGIC, self.page_bytes, len(runs))
-                         + b"".join(RUN.pack(r.dst_start, r.length) for r in runs))
+            sock.sendall(tcp_wire.message_head(self.page_bytes, runs))
             for r in runs:
                 for chunk in self._chunks(r.src_start, r.length, peer):
                     sock.settimeout(left())
                     sock.sendall(chunk)
             sock.settimeout(left())
-            status, length = ACK.unpack(_recv_exact(sock, ACK.size))
-            if status != 0:
-                raise TransferError(f"{what}: the peer refused: {_recv_exact(sock, length).decode()}")
+            tcp_wire.expect_ack(sock, what)
         except TransferError:
             self._drop(peer)
             raise
@@ -216,16 +185,6 @@ class TcpTransfer(KVTransfer):
             raise TransferError(f"{what}: {exc}") from None
         finally:
             peer.lock.release()
-
-    def _prove(self, sock: socket.socket, what: str) -> None:
-        """Answer the receiver's challenge on a new connection."""
-        magic, nonce = CHALLENGE.unpack(_recv_exact(sock, CHALLENGE.size))
-        if magic != MAGIC:
-            raise TransferError(f"{what}: the peer does not speak the KV transfer protocol")
-        sock.sendall(cluster_auth.proof(self._token, nonce))
-        status, length = ACK.unpack(_recv_exact(sock, ACK.size))
-        if status != 0:
-            raise TransferError(f"{what}: the peer refused: {_recv_exact(sock, length).decode()}")
 
     def _chunks(self, first: int, pages: int, peer: _Peer):
         """The bytes of pages [first, first + pages): one view of the pool, or staged host chunks."""
@@ -290,24 +249,24 @@ class TcpTransfer(KVTransfer):
         staging = None
         try:
             try:
-                admitted = self._admit(conn)
+                admitted = tcp_wire.admit(conn, self._token, self._handshake_timeout)
             finally:
                 self._unproven.release()
             if not admitted:
                 return
             while True:
                 conn.settimeout(None)  # idle between messages is normal
-                head = conn.recv(HEADER.size, socket.MSG_WAITALL)
-                if len(head) < HEADER.size:
+                head = conn.recv(tcp_wire.HEADER.size, socket.MSG_WAITALL)
+                if len(head) < tcp_wire.HEADER.size:
                     return  # the sender closed the connection
                 conn.settimeout(RECV_TIMEOUT)
-                magic, page_bytes, count = HEADER.unpack(head)
-                if magic != MAGIC or count > self.num_pages:
+                magic, page_bytes, count = tcp_wire.HEADER.unpack(head)
+                if magic != tcp_wire.MAGIC or count > self.num_pages:
                     return  # not our protocol: drop it
-                runs = list(RUN.iter_unpack(_recv_exact(conn, count * RUN.size)))
+                runs = tcp_wire.read_runs(conn, count)
                 error = self._check(page_bytes, runs) or self._claim(runs)
                 if error:
-                    _refuse(conn, error)
+                    tcp_wire.refuse(conn, error)
                     return
                 try:
                     if self._host_view is None and staging is None:
@@ -316,23 +275,12 @@ class TcpTransfer(KVTransfer):
                         self._receive(conn, dst, pages, staging)
                 finally:
                     self._unclaim(runs)
-                conn.sendall(ACK.pack(0, 0))
+                tcp_wire.acknowledge(conn)
         except OSError:
             return  # sender died or stalled; it reports its own error
         finally:
             self._conns.discard(conn)
             conn.close()
-
-    def _admit(self, conn: socket.socket) -> bool:
-        """The handshake: whether the sender proved it holds the cluster token."""
-        nonce = cluster_auth.challenge()
-        conn.settimeout(self._handshake_timeout)
-        conn.sendall(CHALLENGE.pack(MAGIC, nonce))
-        if not cluster_auth.proves(self._token, nonce, _recv_exact(conn, cluster_auth.PROOF_BYTES)):
-            _refuse(conn, f"the sender does not hold this cluster's token ({cluster_auth.TOKEN_ENV})")
-            return False
-        conn.sendall(ACK.pack(0, 0))
-        return True
 
     # The windows: pages peers may write now (see KVTransfer.open_window).
     def open_window(self, pages: list[int]) -> None:
@@ -377,11 +325,11 @@ class TcpTransfer(KVTransfer):
     def _receive(self, conn: socket.socket, dst: int, pages: int, staging: torch.Tensor | None) -> None:
         a, b = dst * self.page_bytes, (dst + pages) * self.page_bytes
         if staging is None:
-            _recv_into(conn, self._host_view[a:b])
+            tcp_wire.recv_into(conn, self._host_view[a:b])
             return
         for lo in range(a, b, STAGING_BYTES):
             n = min(STAGING_BYTES, b - lo)
-            _recv_into(conn, memoryview(staging.numpy())[:n])
+            tcp_wire.recv_into(conn, memoryview(staging.numpy())[:n])
             self._bytes[lo:lo + n].copy_(staging[:n])
 
     def close(self) -> None:

@@ -1,0 +1,84 @@
+"""The TCP transfer's wire: the handshake each connection opens with, and the framing of a message.
+
+Handshake: the receiver sends CHALLENGE (magic, random nonce), the sender answers with HMAC-SHA256(cluster
+token, nonce), and the receiver ACKs it or refuses and closes (cluster_auth.py: the token itself never crosses
+the wire).
+
+Message: HEADER (magic, page_bytes, number of runs), the runs as (dst_start, pages) pairs, then the runs' bytes
+back to back; the receiver answers ACK (status 0 = stored; else an error message follows and it closes the
+connection). An empty message (no runs) is the liveness check `TcpTransfer.add_peer` uses.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+
+from pdserve.shared import cluster_auth
+from pdserve.shared.transfer.base import Run, TransferError
+
+MAGIC = b"PDKV"
+CHALLENGE = struct.Struct(f"!4s{cluster_auth.CHALLENGE_BYTES}s")  # magic, nonce
+HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
+RUN = struct.Struct("!QQ")  # dst_start page, number of pages
+ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def message_head(page_bytes: int, runs: list[Run]) -> bytes:
+    """What precedes a message's page bytes: its header and where each run goes."""
+    return HEADER.pack(MAGIC, page_bytes, len(runs)) + b"".join(RUN.pack(r.dst_start, r.length) for r in runs)
+
+
+def read_runs(conn: socket.socket, count: int) -> list[tuple[int, int]]:
+    """A message's runs as (dst_start, pages), once its header said how many."""
+    return list(RUN.iter_unpack(recv_exact(conn, count * RUN.size)))
+
+
+def acknowledge(conn: socket.socket) -> None:
+    conn.sendall(ACK.pack(0, 0))
+
+
+def refuse(conn: socket.socket, error: str) -> None:
+    conn.sendall(ACK.pack(1, len(error.encode())) + error.encode())
+
+
+def expect_ack(sock: socket.socket, what: str) -> None:
+    """The receiver's answer: TransferError with its message when it refused."""
+    status, length = ACK.unpack(recv_exact(sock, ACK.size))
+    if status != 0:
+        raise TransferError(f"{what}: the peer refused: {recv_exact(sock, length).decode()}")
+
+
+# ------------------------------------------------------------ handshake
+def prove(sock: socket.socket, token: str | None, what: str) -> None:
+    """The sender's side: answer the receiver's challenge on a new connection."""
+    magic, nonce = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
+    if magic != MAGIC:
+        raise TransferError(f"{what}: the peer does not speak the KV transfer protocol")
+    sock.sendall(cluster_auth.proof(token, nonce))
+    expect_ack(sock, what)
+
+
+def admit(conn: socket.socket, token: str | None, timeout: float) -> bool:
+    """The receiver's side: whether the sender proved within `timeout` that it holds the cluster token."""
+    nonce = cluster_auth.challenge()
+    conn.settimeout(timeout)
+    conn.sendall(CHALLENGE.pack(MAGIC, nonce))
+    if not cluster_auth.proves(token, nonce, recv_exact(conn, cluster_auth.PROOF_BYTES)):
+        refuse(conn, f"the sender does not hold this cluster's token ({cluster_auth.TOKEN_ENV})")
+        return False
+    acknowledge(conn)
+    return True
