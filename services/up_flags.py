@@ -1,10 +1,17 @@
-"""The flags `pdserve up` passes through: every flag of the workers, the gateway and the jobs service, built from
-their own parsers (a new flag needs nothing here), each passed, when given, to the services that take it.
+"""The flags of `pdserve up`: its own, their checks, and those it passes through: every flag of the workers,
+the gateway and the jobs service, built from their own parsers (a new flag needs nothing here), each passed,
+when given, to the services that take it.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
+import os
+from pathlib import Path
+
+from pdserve.services.supervisor import UpError
+from pdserve.services.up_preflight import DEFAULT_WORKER_PORT
 
 CHILDREN = ("colocated", "prefill", "decode", "gateway", "jobs")  # the commands whose flags `up` passes through
 # The children's flags that `up` sets for each child itself (its addresses and peers), never taken from the user.
@@ -12,6 +19,97 @@ PLANNED = frozenset({"--http-port", "--transfer-port", "--worker", "--jobs-url",
                      "--gateway-url"})
 # Of the workers' flags, those the --embedding-model worker (an encoder) takes too; the rest are about generation.
 EMBEDDING_FLAGS = frozenset({"--device", "--dtype", "--log-level", "--log-format"})
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+
+
+# ---------------------------------------------------------------- up's own flags
+
+
+def default_state_dir() -> Path:
+    root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(root) / "pdserve"
+
+
+def own_parser() -> argparse.ArgumentParser:
+    """A parser of `up`'s own flags alone."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_own_arguments(parser)
+    return parser
+
+
+def add_own_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--colocated", action="store_true",
+                        help="run one colocated worker instead of separate prefill and decode workers")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers (default 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (the OpenAI API)")
+    parser.add_argument("--model-path", default=None,
+                        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, converted on first use)")
+    parser.add_argument("--served-model-name", default=None, help="model name for clients (default: the model dir's)")
+    parser.add_argument("--embedding-model", default=None, metavar="PATH",
+                        help="also start a dedicated embedding worker on this model (e.g. all-MiniLM-L6-v2); "
+                             "requests pick it by their 'model'")
+    parser.add_argument("--embedding-quantization", default=None, choices=["w8a8_int8"],
+                        help="run the --embedding-model worker's matmuls in int8 (its --quantization)")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="require this key on the gateway and jobs service (default: $PDSERVE_API_KEY; prefer "
+                             "the variable: a flag shows in `ps`). Services get it through their environment")
+    parser.add_argument("--allow-insecure", action="store_true",
+                        help="let the gateway listen beyond loopback (--host) with no API key: anyone who can "
+                             "reach the port may use it")
+    parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,
+                        help="use this Redis instead of starting redis-server (default: $PDSERVE_REDIS_URL; give a "
+                             "URL with a password in the variable: a flag shows in `ps`)")
+    parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
+    parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")
+    parser.add_argument("--worker-port", type=int, default=None,
+                        help="gRPC port of the first worker; the next workers count up from it; each worker's "
+                             "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000 "
+                             f"(default: from {DEFAULT_WORKER_PORT}, the first free block outside the kernel's "
+                             "ephemeral port range)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per worker (default: decode and colocated workers share all cores, "
+                             "prefill workers get an equal share of them)")
+    parser.add_argument("--state-dir", default=str(default_state_dir()),
+                        help="Redis data and service logs (default: %(default)s)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds each stage may take to become healthy")
+    parser.add_argument("--stop-timeout", type=float, default=45.0,
+                        help="seconds a service may take to stop after SIGTERM before it is killed (longer than "
+                             "the services' --drain-timeout, 30 s by default, for requests in progress to finish)")
+    # Runs another executable in place of one service (same flags, ports and health check); for testing.
+    parser.add_argument("--substitute", action="append", default=[], metavar="NAME=COMMAND", help=argparse.SUPPRESS)
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.colocated and (args.prefill is not None or args.decode is not None):
+        raise UpError("--colocated runs one worker: drop --prefill/--decode")
+    for flag, value in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if value is not None and not 1 <= value <= 64:
+            raise UpError(f"{flag} must be between 1 and 64, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UpError(f"--threads must be at least 1, got {args.threads}")
+    if not args.api_key and not args.allow_insecure and not is_loopback(args.host):
+        raise UpError(f"--host {args.host} serves the API beyond this machine with no API key: set one "
+                      "(PDSERVE_API_KEY, or --api-key) or pass --allow-insecure to serve it to anyone who can "
+                      "reach the port")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposed_without_key(args: argparse.Namespace) -> bool:
+    return not args.api_key and not is_loopback(args.host)
+
+
+# ---------------------------------------------------------------- the children's flags
 
 
 def child_parsers() -> dict[str, argparse.ArgumentParser]:

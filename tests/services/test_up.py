@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services import up, up_preflight
+from pdserve.services import up, up_plan, up_preflight
 from up_plans import by_name, parse, parsed_args
 
 STAND_IN = r'''
@@ -198,7 +198,7 @@ def test_port_in_use_is_named_with_the_flag_that_moves_it(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = holder.getsockname()[1]
-        gateway = by_name(up.build_plan(parse("--port", str(taken)), tmp_path, cpus=2))["gateway"]
+        gateway = by_name(up_plan.build_plan(parse("--port", str(taken)), tmp_path, cpus=2))["gateway"]
         with pytest.raises(up.UpError, match=rf"port {taken} is in use \(gateway port\).*--port"):
             up_preflight.check_ports([gateway])
     up_preflight.check_ports([gateway])  # released: accepted
@@ -209,30 +209,30 @@ def test_worker_port_in_use_names_worker_port_flag(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", base + 1 + 1000))  # the decode worker's HTTP port
         holder.listen()
-        plan = up.build_plan(parse("--worker-port", str(base), "--port", "0", "--jobs-port", "0",
-                                   "--redis-port", "0"), tmp_path, cpus=2)
+        plan = up_plan.build_plan(parse("--worker-port", str(base), "--port", "0", "--jobs-port", "0",
+                                        "--redis-port", "0"), tmp_path, cpus=2)
         plan.services = [s for s in plan.services if s.name in ("prefill", "decode")]
         with pytest.raises(up.UpError, match=rf"port {base + 1001} is in use \(decode HTTP port.*--worker-port"):
             up_preflight.check_ports(plan.services)
 
 
 def test_the_same_port_planned_twice_is_refused(tmp_path):
-    plan = up.build_plan(parse("--port", "30500", "--jobs-port", "30500"), tmp_path, cpus=2)
+    plan = up_plan.build_plan(parse("--port", "30500", "--jobs-port", "30500"), tmp_path, cpus=2)
     with pytest.raises(up.UpError, match=r"port 30500 is planned twice: jobs port \(--jobs-port\) and gateway port \(--port\)"):
         up_preflight.check_ports(plan.services)
 
 
 def test_missing_redis_server_gives_the_install_hint(tmp_path, monkeypatch):
-    plan = up.build_plan(parse(), tmp_path, cpus=2)
+    plan = up_plan.build_plan(parse(), tmp_path, cpus=2)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(up.UpError, match=r"redis-server is not installed.*apt-get install redis-server.*--redis-url"):
         up_preflight.check_executables(plan.services)
 
 
 def test_substitute_of_an_unknown_service_is_refused(tmp_path):
-    plan = up.build_plan(parse(), tmp_path, cpus=2)
+    plan = up_plan.build_plan(parse(), tmp_path, cpus=2)
     with pytest.raises(up.UpError, match="NAME one of redis, prefill, decode, jobs, gateway"):
-        up.substitute(plan, ["router=true"])
+        up_plan.substitute(plan, ["router=true"])
 
 
 def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
@@ -344,8 +344,8 @@ def test_lora_flags_reach_every_generating_worker(tmp_path):
     from pdserve.services.worker.cli import lora_config
 
     adapter = tmp_path / "sql"
-    plan = up.build_plan(parse("--lora-paths", f"sql={adapter}", "--max-lora-rank", "32", "--max-loras-per-batch", "4",
-                               "--lora-target-modules", "all"), tmp_path, cpus=2)
+    plan = up_plan.build_plan(parse("--lora-paths", f"sql={adapter}", "--max-lora-rank", "32",
+                                    "--max-loras-per-batch", "4", "--lora-target-modules", "all"), tmp_path, cpus=2)
     workers = [s for s in plan.services if s.args[0] in ("prefill", "decode")]
     assert len(workers) == 2
     for service in workers:
@@ -354,7 +354,7 @@ def test_lora_flags_reach_every_generating_worker(tmp_path):
         lora = lora_config(parsed)  # what the worker serves
         assert lora.paths == (("sql", str(adapter)),)
         assert (lora.max_rank, lora.max_loras_per_batch, parsed.lora_target_modules) == (32, 4, ["all"])
-    plain = up.build_plan(parse("--colocated"), tmp_path, cpus=2)
+    plain = up_plan.build_plan(parse("--colocated"), tmp_path, cpus=2)
     assert not any("--lora" in " ".join(s.args) for s in plain.services)
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from pdserve import cli
-from pdserve.services import up
+from pdserve.services import up, up_plan
 
 
 def plan(tmp_path, *argv: str) -> dict:
     parser = argparse.ArgumentParser()
     up.add_arguments(parser, "up")
     args = parser.parse_args([*argv, "--state-dir", str(tmp_path / "state")])
-    return {s.name: s for s in up.build_plan(args, tmp_path, cpus=4).services}
+    return {s.name: s for s in up_plan.build_plan(args, tmp_path, cpus=4).services}
 
 
 def test_embedding_worker_is_planned_and_routed_to(tmp_path):

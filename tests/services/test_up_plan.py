@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdserve.services import up, up_flags
+from pdserve.services import up, up_flags, up_plan
 from up_plans import by_name, flag_values, parse, parsed_args
 
 
@@ -16,7 +16,7 @@ from up_plans import by_name, flag_values, parse, parsed_args
 
 
 def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
-    plan = up.build_plan(parse(state_dir=str(tmp_path)), tmp_path / "SmolLM2", cpus=2)
+    plan = up_plan.build_plan(parse(state_dir=str(tmp_path)), tmp_path / "SmolLM2", cpus=2)
     s = by_name(plan)
     assert [x.name for x in sorted(plan.services, key=lambda x: x.stage)][:1] == ["redis"]
     assert s["redis"].stage < s["prefill"].stage < s["decode"].stage < s["gateway"].stage
@@ -68,7 +68,7 @@ def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
     (("--threads", "1",), 2, {"prefill": "1", "decode": "1"}),
 ])
 def test_plan_gives_decode_the_cores_and_prefill_a_share(tmp_path, argv, cpus, expected):
-    s = by_name(up.build_plan(parse(*argv), tmp_path, cpus=cpus))
+    s = by_name(up_plan.build_plan(parse(*argv), tmp_path, cpus=cpus))
     for name, threads in expected.items():
         assert flag_values(s[name].args, "--threads") == [threads]
         assert s[name].env["OMP_NUM_THREADS"] == threads
@@ -76,7 +76,7 @@ def test_plan_gives_decode_the_cores_and_prefill_a_share(tmp_path, argv, cpus, e
 
 
 def test_plan_colocated_runs_one_worker_that_the_gateway_uses(tmp_path):
-    s = by_name(up.build_plan(parse("--colocated"), tmp_path, cpus=2))
+    s = by_name(up_plan.build_plan(parse("--colocated"), tmp_path, cpus=2))
     assert [x for x in s if x not in ("redis", "jobs", "gateway")] == ["colocated"]
     assert s["colocated"].args[0] == "colocated"
     assert "--transfer-port" not in s["colocated"].args and "--transfer-backend" not in s["colocated"].args
@@ -85,7 +85,7 @@ def test_plan_colocated_runs_one_worker_that_the_gateway_uses(tmp_path):
 
 
 def test_plan_three_prefill_two_decode(tmp_path):
-    plan = up.build_plan(parse("--prefill", "3", "--decode", "2", "--worker-port", "40000"), tmp_path, cpus=2)
+    plan = up_plan.build_plan(parse("--prefill", "3", "--decode", "2", "--worker-port", "40000"), tmp_path, cpus=2)
     s = by_name(plan)
     prefills = ["127.0.0.1:40000", "127.0.0.1:40001", "127.0.0.1:40002"]
     assert [flag_values(s[f"prefill-{i}"].args, "--port") for i in range(3)] == [["40000"], ["40001"], ["40002"]]
@@ -100,8 +100,8 @@ def test_plan_three_prefill_two_decode(tmp_path):
 
 
 def test_plan_with_external_redis_and_api_key(tmp_path):
-    plan = up.build_plan(parse("--redis-url", "redis://cache:6380/2", "--api-key", "sk-secret-1",
-                               "--transfer-backend", "tcp"), tmp_path / "m", cpus=2)
+    plan = up_plan.build_plan(parse("--redis-url", "redis://cache:6380/2", "--api-key", "sk-secret-1",
+                                    "--transfer-backend", "tcp"), tmp_path / "m", cpus=2)
     s = by_name(plan)
     assert "redis" not in s
     assert flag_values(s["jobs"].args, "--redis-url") == ["redis://cache:6380/2"]
@@ -115,7 +115,7 @@ def test_plan_with_external_redis_and_api_key(tmp_path):
 
 
 def test_gateway_on_all_interfaces_is_reached_over_loopback(tmp_path):
-    plan = up.build_plan(parse("--host", "0.0.0.0", "--port", "8080", "--api-key", "k"), tmp_path / "m", cpus=2)
+    plan = up_plan.build_plan(parse("--host", "0.0.0.0", "--port", "8080", "--api-key", "k"), tmp_path / "m", cpus=2)
     s = by_name(plan)
     assert flag_values(s["gateway"].args, "--host") == ["0.0.0.0"]
     assert plan.base_url == "http://127.0.0.1:8080/v1"
@@ -123,7 +123,7 @@ def test_gateway_on_all_interfaces_is_reached_over_loopback(tmp_path):
 
 
 def test_banner_has_base_url_and_a_runnable_curl(tmp_path):
-    plan = up.build_plan(parse(), tmp_path / "SmolLM2-135M-Instruct", cpus=2)
+    plan = up_plan.build_plan(parse(), tmp_path / "SmolLM2-135M-Instruct", cpus=2)
     text = up.banner(plan, tmp_path / "logs")
     assert "OpenAI base URL: http://127.0.0.1:30000/v1" in text
     assert "curl http://127.0.0.1:30000/v1/chat/completions" in text
@@ -139,7 +139,7 @@ def test_banner_has_base_url_and_a_runnable_curl(tmp_path):
 ])
 def test_bad_flags_are_refused(argv, message):
     with pytest.raises(up.UpError, match=message):
-        up.validate(parse(*argv))
+        up_flags.validate(parse(*argv))
 
 
 def test_worker_command_lines_parse_with_the_worker_cli(tmp_path):
@@ -147,7 +147,7 @@ def test_worker_command_lines_parse_with_the_worker_cli(tmp_path):
     from pdserve import cli
 
     for argv in ((), ("--colocated",), ("--prefill", "2", "--decode", "2", "--transfer-backend", "tcp")):
-        for service in up.build_plan(parse(*argv), tmp_path, cpus=2).services:
+        for service in up_plan.build_plan(parse(*argv), tmp_path, cpus=2).services:
             if service.args[0] in ("prefill", "decode", "colocated"):
                 parser, command = cli.build_parser(service.args)
                 parsed = parser.parse_args(service.args)
@@ -163,7 +163,7 @@ def test_gateway_and_jobs_command_lines_parse_with_their_cli(tmp_path, role):
     from pdserve import cli
 
     for argv in ((), ("--colocated", "--api-key", "k"), ("--prefill", "2", "--decode", "2")):
-        service = by_name(up.build_plan(parse(*argv), tmp_path, cpus=2))[role]
+        service = by_name(up_plan.build_plan(parse(*argv), tmp_path, cpus=2))[role]
         parser, command = cli.build_parser(service.args)
         parsed = parser.parse_args(service.args)
         assert command == role and parsed.port in (30000, 30010)
@@ -176,7 +176,7 @@ def test_gateway_flags_pass_through_up(tmp_path):
     template.write_text("{{ messages[0]['content'] }}")
     argv = ("--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25", "--chat-template", str(template),
             "--enable-cache-report", "--gateway-workers", "3")
-    gateway = by_name(up.build_plan(parse(*argv), tmp_path, cpus=2))["gateway"]
+    gateway = by_name(up_plan.build_plan(parse(*argv), tmp_path, cpus=2))["gateway"]
     parsed = cli.build_parser(gateway.args)[0].parse_args(gateway.args)
     assert (parsed.reasoning_parser, parsed.tool_call_parser, parsed.chat_template, parsed.enable_cache_report,
             parsed.gateway_workers) == ("qwen3", "qwen25", str(template), True, 3)
@@ -197,7 +197,7 @@ def test_every_flag_of_the_workers_gateway_and_jobs_is_taken_by_up():
 
 
 def test_flags_reach_the_services_that_take_them_under_sglang_names(tmp_path):
-    plan = up.build_plan(parse(
+    plan = up_plan.build_plan(parse(
         "--mem-fraction-static", "0.6", "--context-length", "1024", "--max-running-requests", "7",
         "--chunked-prefill-size", "256", "--page-size", "32", "--schedule-policy", "lpm", "--dtype", "float32",
         "--log-level", "DEBUG", "--random-seed", "11", "--transfer-backend", "tcp", "--log-format", "json",
@@ -215,13 +215,13 @@ def test_flags_reach_the_services_that_take_them_under_sglang_names(tmp_path):
     assert (j.retries, j.log_level, j.log_format) == (1, "debug", "json")
     # Each goes only where it is a flag, and a flag not given is not passed: the service keeps its default.
     assert "--page-size" not in s["gateway"].args and "--max-queued-requests" not in s["prefill"].args
-    default = by_name(up.build_plan(parse(), tmp_path / "m", cpus=2))
+    default = by_name(up_plan.build_plan(parse(), tmp_path / "m", cpus=2))
     assert "--page-size" not in default["prefill"].args and "--log-level" not in default["gateway"].args
 
 
 def test_the_embedding_worker_takes_only_the_flags_that_concern_it(tmp_path):
-    s = by_name(up.build_plan(parse("--colocated", "--embedding-model", "minilm", "--device", "cpu", "--page-size",
-                                    "32", "--log-format", "json"), tmp_path, cpus=2))
+    s = by_name(up_plan.build_plan(parse("--colocated", "--embedding-model", "minilm", "--device", "cpu", "--page-size",
+                                         "32", "--log-format", "json"), tmp_path, cpus=2))
     embedding, colocated = parsed_args(s["embedding"].args), parsed_args(s["colocated"].args)
     assert (embedding.device, embedding.log_format, embedding.page_size) == ("cpu", "json", 16)
     assert (colocated.device, colocated.log_format, colocated.page_size) == ("cpu", "json", 32)

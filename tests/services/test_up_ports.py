@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pdserve.services import up, up_preflight
+from pdserve.services import up, up_plan, up_preflight
 from test_up import ALL_STAND_INS, get, port_is_free, run_up  # noqa: F401 (a fixture)
 from up_plans import by_name, flag_values, parse
 
@@ -63,13 +63,13 @@ def test_up_counts_every_worker_when_it_chooses(tmp_path, monkeypatch):
     args = parse("--prefill", "3", "--decode", "2", "--embedding-model", str(tmp_path))
     up.choose_ports(args)
     assert args.worker_port == 20151
-    s = by_name(up.build_plan(args, tmp_path, cpus=2))
+    s = by_name(up_plan.build_plan(args, tmp_path, cpus=2))
     assert flag_values(s["embedding"].args, "--port") == ["20156"]
     assert flag_values(s["decode-1"].args, "--transfer-port") == ["22155"]
 
 
 def test_a_given_worker_port_is_kept_even_in_the_ephemeral_range(tmp_path):
-    s = by_name(up.build_plan(parse("--worker-port", "50051"), tmp_path, cpus=2))
+    s = by_name(up_plan.build_plan(parse("--worker-port", "50051"), tmp_path, cpus=2))
     assert flag_values(s["prefill"].args, "--port") == ["50051"]
     assert flag_values(s["decode"].args, "--transfer-port") == ["52052"]
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdserve.services import up
+from pdserve.services import up, up_flags, up_plan
 from pdserve.services.supervisor import Console, Service, Supervisor
 from test_up import ALL_STAND_INS, UpRun, free_ports, get
 from up_plans import by_name, flag_values, parse
@@ -81,18 +81,18 @@ def test_a_redis_health_url_is_shown_without_its_password(tmp_path):
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "my-host.example"])
 def test_serving_beyond_loopback_needs_a_key_or_allow_insecure(host):
     with pytest.raises(up.UpError) as info:
-        up.validate(parse("--host", host, "--api-key", ""))
+        up_flags.validate(parse("--host", host, "--api-key", ""))
     message = str(info.value)
     assert f"--host {host}" in message and "PDSERVE_API_KEY" in message and "--api-key" in message
     assert "--allow-insecure" in message
-    up.validate(parse("--host", host, "--api-key", KEY))
-    up.validate(parse("--host", host, "--api-key", "", "--allow-insecure"))
+    up_flags.validate(parse("--host", host, "--api-key", KEY))
+    up_flags.validate(parse("--host", host, "--api-key", "", "--allow-insecure"))
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
 def test_the_keyless_quick_start_on_loopback_stays(host):
-    up.validate(parse("--host", host, "--api-key", ""))
-    assert not up.exposed_without_key(parse("--host", host, "--api-key", ""))
+    up_flags.validate(parse("--host", host, "--api-key", ""))
+    assert not up_flags.exposed_without_key(parse("--host", host, "--api-key", ""))
 
 
 def test_up_on_all_interfaces_without_a_key_refuses_before_starting_anything(tmp_path, monkeypatch):
@@ -120,10 +120,10 @@ def test_up_with_allow_insecure_serves_on_all_interfaces_and_says_so(tmp_path, m
 
 def test_a_redis_url_with_a_password_reaches_jobs_and_the_gateway_only_in_their_environment(tmp_path):
     url = f"redis://:{PASSWORD}@cache:6380/2"
-    jobs = by_name(up.build_plan(parse("--redis-url", url), tmp_path, 2))["jobs"]
+    jobs = by_name(up_plan.build_plan(parse("--redis-url", url), tmp_path, 2))["jobs"]
     assert jobs.env["PDSERVE_REDIS_URL"] == url
     assert not any(PASSWORD in a for a in jobs.argv) and flag_values(jobs.args, "--redis-url") == []
-    gateway = by_name(up.build_plan(parse("--redis-url", url), tmp_path, 2))["gateway"]  # its stored responses
+    gateway = by_name(up_plan.build_plan(parse("--redis-url", url), tmp_path, 2))["gateway"]  # its stored responses
     assert gateway.env["PDSERVE_REDIS_URL"] == url
     assert not any(PASSWORD in a for a in gateway.argv) and flag_values(gateway.args, "--redis-url") == []
 
@@ -140,7 +140,7 @@ def test_an_unreachable_redis_is_reported_without_its_password(tmp_path):
 
 def test_every_worker_and_the_gateway_share_one_new_cluster_token_per_run(tmp_path, monkeypatch):
     monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
-    plans = [by_name(up.build_plan(parse("--prefill", "1", "--decode", "2"), tmp_path, 2)) for _ in range(2)]
+    plans = [by_name(up_plan.build_plan(parse("--prefill", "1", "--decode", "2"), tmp_path, 2)) for _ in range(2)]
     tokens = []
     for services in plans:
         holders = {name: s.env.get("PDSERVE_CLUSTER_TOKEN") for name, s in services.items()}
@@ -152,5 +152,5 @@ def test_every_worker_and_the_gateway_share_one_new_cluster_token_per_run(tmp_pa
         assert not any(tokens[-1] in a for s in services.values() for a in s.argv)
     assert tokens[0] != tokens[1]
     monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "given-token-for-a-fleet")
-    gateway = by_name(up.build_plan(parse(), tmp_path, 2))["gateway"]
+    gateway = by_name(up_plan.build_plan(parse(), tmp_path, 2))["gateway"]
     assert gateway.env["PDSERVE_CLUSTER_TOKEN"] == "given-token-for-a-fleet"

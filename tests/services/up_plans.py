@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.services import up
+from pdserve.services import up, up_plan
 
 
 def parse(*argv: str, state_dir: str = "/tmp/pdserve-state") -> argparse.Namespace:
@@ -16,7 +16,7 @@ def flag_values(args: list[str], flag: str) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
 
 
-def by_name(plan: up.Plan) -> dict[str, up.Service]:
+def by_name(plan: up_plan.Plan) -> dict[str, up.Service]:
     return {s.name: s for s in plan.services}
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import cli
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services import up
+from pdserve.services import up, up_plan
 from pdserve.services.worker import cli as worker_cli
 
 
@@ -58,8 +58,8 @@ def test_a_config_file_takes_either_name(tmp_path, key):
 def test_up_passes_either_spelling_to_every_worker(tmp_path, spelling):
     parser = argparse.ArgumentParser()
     up.add_arguments(parser, "up")
-    plan = up.build_plan(parser.parse_args([spelling, "torch", "--state-dir", str(tmp_path)]), tmp_path / "m",
-                         cpus=2)
+    plan = up_plan.build_plan(parser.parse_args([spelling, "torch", "--state-dir", str(tmp_path)]), tmp_path / "m",
+                              cpus=2)
     workers = [s for s in plan.services if s.args[0] in ("prefill", "decode", "colocated")]
     assert workers
     for service in workers:
