@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench_serving import default_model_dir, pdserve_server, signals_deferred  # noqa: E402
+from servers import default_model_dir, pdserve_server, signals_deferred  # noqa: E402
 
 from pdserve.benchclient import ErrorReporter, Load, Target, format_table, run_sweep  # noqa: E402
 

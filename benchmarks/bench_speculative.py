@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import bench_serving as serving
+import servers
 from pdserve.benchclient import ErrorReporter, Load, Target, parse_concurrencies, run_sweep
 
 SERVERS = ("plain", "spec", "pd", "pd-spec", "vllm")
@@ -39,21 +40,21 @@ WORKLOADS = ("copy", "chat")
 SPEC_FLAGS = ["--speculative-algorithm", "ngram"]
 
 
-def build(name: str, args: argparse.Namespace, model_dir: Path, model_name: str, work: Path) -> serving.Server | None:
+def build(name: str, args: argparse.Namespace, model_dir: Path, model_name: str, work: Path) -> servers.Server | None:
     if name == "vllm":
         venv = Path(args.vllm_venv)
         if not (venv / "bin" / "vllm").exists():
-            print(serving.VLLM_SETUP_HINT.format(venv=venv), flush=True)
+            print(servers.VLLM_SETUP_HINT.format(venv=venv), flush=True)
             return None
-        return serving.vllm_server(venv, model_dir, model_name, work, shlex.split(args.vllm_args))
+        return servers.vllm_server(venv, model_dir, model_name, work, shlex.split(args.vllm_args))
     extra = shlex.split(args.up_args) + (SPEC_FLAGS + shlex.split(args.spec_args) if name.endswith("spec") else [])
     mode = "pd" if name.startswith("pd") else "colocated"
-    server = serving.pdserve_server(mode, model_dir, model_name, work / name, extra)
+    server = servers.pdserve_server(mode, model_dir, model_name, work / name, extra)
     server.name = name
     return server
 
 
-def spec_totals(server: serving.Server) -> tuple[int, int, int] | None:
+def spec_totals(server: servers.Server) -> tuple[int, int, int] | None:
     """(drafting requests, draft tokens, accepted) summed over the server's decoding workers; None for vLLM."""
     if server.name == "vllm":
         return None
@@ -64,7 +65,7 @@ def spec_totals(server: serving.Server) -> tuple[int, int, int] | None:
     return tuple(sum(t[k] for t in totals) for k in ("drafting_reqs", "draft_tokens", "accepted_tokens"))
 
 
-def measure(server: serving.Server, args: argparse.Namespace, model_name: str, concurrencies: list[int]
+def measure(server: servers.Server, args: argparse.Namespace, model_name: str, concurrencies: list[int]
             ) -> dict[str, list[dict]]:
     print(f"[spec] starting {server.name}: {shlex.join(server.argv)}", flush=True)
     server.start()
@@ -97,7 +98,7 @@ def measure(server: serving.Server, args: argparse.Namespace, model_name: str, c
             out[workload] = rows
         return out
     finally:
-        with serving.signals_deferred():
+        with servers.signals_deferred():
             server.stop()
 
 
@@ -169,7 +170,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-spec-"))
     results: dict[str, dict[str, list[dict]]] = {}
     try:
-        model_dir = serving.default_model_dir(args.model_path)
+        model_dir = servers.default_model_dir(args.model_path)
         model_name = model_dir.name
         for name in names:
             server = build(name, args, model_dir, model_name, work)

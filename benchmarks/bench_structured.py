@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_serving import default_model_dir, pdserve_server, signals_deferred
+from servers import default_model_dir, pdserve_server, signals_deferred
 
 from pdserve.benchclient import ErrorReporter, Load, Target, run_sweep
 

@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_serving import default_model_dir, measure, pdserve_server
+from bench_serving import measure
 from otlp_receiver import serve
+from servers import default_model_dir, pdserve_server
 from pdserve.benchclient import Load
 
 TARGET = 0.97
