@@ -7,7 +7,7 @@ with the same message wherever it enters. Ranges follow SGLang's sampling parame
 
 Adding a parameter: a field here with its line in `validate`, the same name in proto/worker.proto's SamplingParams
 (the codec converts by name), and the sampler's code. The gateway's API fields are generated from these, under each
-API's names (services/gateway/dialects.py); tests/shared/test_param_definitions.py fails until the proto agrees,
+API's names (services/gateway/intake/dialects.py); tests/shared/test_param_definitions.py fails until the proto agrees,
 and shows a new field reaching every API.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ becomes an OpenAI-shaped error), body size limit, API key check, the body read (
 The worker pool starts with the app and stops with it. Handlers are cancelled when their client
 disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
 After observation, the drain check answers 503 once the gateway is stopping (see `Drain`). Between the two, the
-Messages routes have their errors rewritten in Anthropic's shape (`messages_api.anthropic_errors`).
+Messages routes have their errors rewritten in Anthropic's shape (`messages_routes.anthropic_errors`).
 """
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
 from pdserve.services import tracing
-from pdserve.services.gateway import messages_api
-from pdserve.services.gateway import (classify_api, expert_api, jobs_proxy, lora_api, native_api, openai_api, openapi,
-                                      pooling_api, status_page, weights_api)
-from pdserve.services.gateway.context import GATEWAY, Gateway
+from pdserve.services.gateway.apis import (classify, jobs_proxy, native, openai_routes, openapi, pooling,
+                                           status_page)
+from pdserve.services.gateway.apis.admin import experts, lora, weights
+from pdserve.services.gateway.apis.messages import routes as messages_routes
+from pdserve.services.gateway.apis.responses import routes as responses_routes
+from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
-from pdserve.services.gateway import responses_api
-from pdserve.services.gateway.responses_store import ResponseStore
+from pdserve.services.gateway.apis.responses.store import ResponseStore
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
@@ -244,7 +245,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     """`extra_models`: pooling models served beside `gateway`'s own (--embedding-model); `responses`: where
     /v1/responses keeps stored responses (default: this process's memory); `siblings`: the other processes of
     this gateway (--gateway-workers), which the admin routes that act everywhere reach."""
-    middlewares = [observe, messages_api.anthropic_errors, drain_requests, error_middleware, limit_body,
+    middlewares = [observe, messages_routes.anthropic_errors, drain_requests, error_middleware, limit_body,
                    check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
@@ -255,15 +256,15 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     app[DRAIN] = Drain()
     if siblings is not None:
         app[SIBLINGS] = siblings  # before the routes: they register what the siblings may ask
-    openai_api.add_routes(app)
-    responses_api.add_routes(app, responses)
-    messages_api.add_routes(app)
-    native_api.add_routes(app)
-    lora_api.add_routes(app)
-    expert_api.add_routes(app)
-    weights_api.add_routes(app)
-    pooling_api.add_routes(app, list(extra_models))
-    classify_api.add_routes(app)
+    openai_routes.add_routes(app)
+    responses_routes.add_routes(app, responses)
+    messages_routes.add_routes(app)
+    native.add_routes(app)
+    lora.add_routes(app)
+    experts.add_routes(app)
+    weights.add_routes(app)
+    pooling.add_routes(app, list(extra_models))
+    classify.add_routes(app)
     jobs_proxy.add_routes(app)
     status_page.add_routes(app)
     openapi.add_routes(app, OPEN_PATHS)

@@ -10,9 +10,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from pdserve.services.gateway import limits as request_limits
-from pdserve.services.gateway.reasoning import PARSERS
-from pdserve.services.gateway.router import POLICIES
-from pdserve.services.gateway.tool_parsers import PARSERS as TOOL_PARSERS
+from pdserve.services.gateway.intake.reasoning import PARSERS
+from pdserve.services.gateway.workers.router import POLICIES
+from pdserve.services.gateway.intake.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.shared.logs import add_log_arguments, setup_logging
 from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | No
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if setup_tracing(args, "pdserve-gateway"):
-        from pdserve.services.gateway.context import GATEWAY
+        from pdserve.services.gateway.apis.context import GATEWAY
 
         on_dropped(app[GATEWAY].backend.metrics.trace_spans_dropped.inc)
     try:
@@ -181,12 +181,12 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
     """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts), one of
     several processes of the gateway with `siblings`."""
     from pdserve.services.gateway.app import create_app
-    from pdserve.services.gateway.backend import Backend, BackendSettings
-    from pdserve.services.gateway.context import Gateway
+    from pdserve.services.gateway.workers.backend import Backend, BackendSettings
+    from pdserve.services.gateway.apis.context import Gateway
     from pdserve.services.gateway.metrics import GatewayMetrics
-    from pdserve.services.gateway.router import Router
+    from pdserve.services.gateway.workers.router import Router
     from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
-    from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
+    from pdserve.services.gateway.workers.pool import HealthSettings, WorkerPool
     from pdserve.shared.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
     limits = request_limits.from_args(args)
@@ -217,10 +217,10 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
                       api_key=args.api_key or None, admin_api_key=admin_key or None,
                       open_admin_routes=args.open_admin_routes, jobs_url=args.jobs_url, server_args=public_args,
                       accepted_model_names=frozenset(names), is_embedding=args.is_embedding, limits=limits)
-    from pdserve.services.gateway.served_models import build_embedding_gateway
+    from pdserve.services.gateway.apis.served_models import build_embedding_gateway
 
     extra = build_embedding_gateway(args, gateway)
-    from pdserve.services.gateway.responses_store import open_store
+    from pdserve.services.gateway.apis.responses.store import open_store
 
     if args.responses_ttl <= 0:
         raise ValueError("--responses-ttl must be > 0")

@@ -13,9 +13,9 @@ from pydantic import create_model
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.dialects import (GATEWAY_DERIVED, NATIVE, OPENAI_CHAT, OPENAI_COMPLETION, Dialect,
+from pdserve.services.gateway.intake.dialects import (GATEWAY_DERIVED, NATIVE, OPENAI_CHAT, OPENAI_COMPLETION, Dialect,
                                                sampling_fields)
-from pdserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, NativeSampling
+from pdserve.services.gateway.intake.protocol import ChatCompletionRequest, CompletionRequest, NativeSampling
 from pdserve.shared import sampling_params
 from pdserve.shared.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 

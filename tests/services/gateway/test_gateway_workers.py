@@ -32,11 +32,11 @@ from procs import free_port, start_worker  # noqa: E402
 
 from pdserve.proto import worker_pb2 as pb  # noqa: E402
 from pdserve.services.gateway import cli  # noqa: E402
-from pdserve.services.gateway.backend import Backend, BackendSettings  # noqa: E402
+from pdserve.services.gateway.workers.backend import Backend, BackendSettings  # noqa: E402
 from pdserve.services.gateway.errors import Busy  # noqa: E402
 from pdserve.services.gateway.metrics import GatewayMetrics  # noqa: E402
-from pdserve.services.gateway.router import Router  # noqa: E402
-from pdserve.services.gateway.worker_pool import Worker, WorkerPool  # noqa: E402
+from pdserve.services.gateway.workers.router import Router  # noqa: E402
+from pdserve.services.gateway.workers.pool import Worker, WorkerPool  # noqa: E402
 
 MAX_RUNNING = 4  # the worker's --max-running-requests
 MAX_QUEUED = 2  # the gateway's --max-queued-requests: each of the two processes admits (4 + 2) / 2

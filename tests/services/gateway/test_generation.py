@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.gateway.backend import Backend, BackendSettings
+from pdserve.services.gateway.workers.backend import Backend, BackendSettings
 from pdserve.services.gateway.errors import ApiError, Busy
-from pdserve.services.gateway.generation import Job
+from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.router import Router
+from pdserve.services.gateway.workers.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.worker_pool import HealthSettings, WorkerPool
+from pdserve.services.gateway.workers.pool import HealthSettings, WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
 from harness import ScriptedWorker
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.services.gateway import jobs_proxy
-from pdserve.services.gateway.context import GATEWAY
+from pdserve.services.gateway.apis import jobs_proxy
+from pdserve.services.gateway.apis.context import GATEWAY
 from pdserve.services.gateway.errors import error_middleware
 from pdserve.services.gateway.limits import Limits
 

@@ -18,9 +18,9 @@ import requests
 from harness import API_KEY
 from test_worker_metrics import pd  # noqa: F401  (a prefill/decode pair behind a gateway with an API key)
 
-from pdserve.services.gateway.messages_api import _with_pings
-from pdserve.services.gateway.messages_format import MessageWriter, stop_reason
-from pdserve.services.gateway.tool_calls import ToolPlan
+from pdserve.services.gateway.apis.messages.routes import _with_pings
+from pdserve.services.gateway.apis.messages.format import MessageWriter, stop_reason
+from pdserve.services.gateway.intake.tool_calls import ToolPlan
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city", "input_schema": {

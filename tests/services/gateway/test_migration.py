@@ -15,14 +15,15 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_from_proto
-from pdserve.services.gateway.backend import Backend, BackendSettings
+from pdserve.services.gateway.workers.backend import Backend, BackendSettings
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.generation import Job, Restart
+from pdserve.services.gateway.workers.generation import Restart
+from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.migration import continuation, why_not_movable
-from pdserve.services.gateway.router import Router
+from pdserve.services.gateway.workers.migration import continuation, why_not_movable
+from pdserve.services.gateway.workers.router import Router
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.worker_pool import WorkerPool
+from pdserve.services.gateway.workers.pool import WorkerPool
 from pdserve.shared.sampling_params import SamplingParams
 from harness import Multiplexed
 

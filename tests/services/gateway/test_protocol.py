@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.protocol import (UNSUPPORTED_NATIVE_SAMPLING, ChatCompletionRequest, CompletionRequest,
+from pdserve.services.gateway.intake.protocol import (UNSUPPORTED_NATIVE_SAMPLING, ChatCompletionRequest, CompletionRequest,
                                                GenerateRequest, NativeSampling, parse, refuse_unsupported)
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.services.gateway.responses_items import chat_messages, input_items
-from pdserve.services.gateway.responses_output import OutputBuilder
-from pdserve.services.gateway.responses_store import MemoryResponses, Stored, new_item_id
-from pdserve.services.gateway.tool_calls import ToolPlan, plan_tools
+from pdserve.services.gateway.apis.responses.items import chat_messages, input_items
+from pdserve.services.gateway.apis.responses.output import OutputBuilder
+from pdserve.services.gateway.apis.responses.store import MemoryResponses, Stored, new_item_id
+from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.gateway.router import NoWorker, Router
-from pdserve.services.gateway.worker_pool import Worker, WorkerPool
+from pdserve.services.gateway.workers.router import NoWorker, Router
+from pdserve.services.gateway.workers.pool import Worker, WorkerPool
 
 PAGE = 16
 
@@ -151,7 +151,7 @@ def test_pool_refuses_incomplete_or_mixed_worker_lists():
 
 async def test_dns_names_expand_to_every_address_and_follow_changes(monkeypatch):
     answers = {"decode.svc:50052": ["10.1.0.1:50052", "10.1.0.2:50052"], "prefill.svc:50051": ["10.2.0.1:50051"]}
-    monkeypatch.setattr("pdserve.services.gateway.worker_pool.expand_hostports", lambda spec: answers[spec])
+    monkeypatch.setattr("pdserve.services.gateway.workers.pool.expand_hostports", lambda spec: answers[spec])
     pool = WorkerPool({"prefill": ["prefill.svc:50051"], "decode": ["decode.svc:50052"]})
     try:
         await pool._resolve()

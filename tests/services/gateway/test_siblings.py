@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 from test_router import make_pool, prompt
 
-from pdserve.services.gateway import native_api
-from pdserve.services.gateway.context import GATEWAY
-from pdserve.services.gateway.router import Router
+from pdserve.services.gateway.apis import native as native_api
+from pdserve.services.gateway.apis.context import GATEWAY
+from pdserve.services.gateway.workers.router import Router
 from pdserve.services.gateway.siblings import SIBLINGS, LockTimeout, Siblings
 
 

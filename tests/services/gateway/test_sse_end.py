@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.services.gateway.context import GATEWAY, SSE
-from pdserve.services.gateway.messages_api import EventStream
+from pdserve.services.gateway.apis.context import GATEWAY, SSE
+from pdserve.services.gateway.apis.messages.routes import EventStream
 
 
 class Transport:

@@ -13,9 +13,9 @@ import requests
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.services.gateway import jobs_proxy
-from pdserve.services.gateway.context import GATEWAY
-from pdserve.services.gateway.status_page import Snapshot, batches_in_flight, median_between
+from pdserve.services.gateway.apis import jobs_proxy
+from pdserve.services.gateway.apis.context import GATEWAY
+from pdserve.services.gateway.apis.status_page import Snapshot, batches_in_flight, median_between
 
 TIMEOUT = 60
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -125,7 +125,7 @@ def test_bad_constraints_are_400_naming_the_field(colocated, extra, param):
 
 
 def test_with_a_reasoning_parser_the_grammar_waits_for_the_end_of_thinking(default_model_dir):
-    from pdserve.services.gateway.constraints import after_reasoning
+    from pdserve.services.gateway.intake.constraints import after_reasoning
     from pdserve.services.gateway.tokenization import ModelTokenizer
 
     tok = ModelTokenizer(default_model_dir)
@@ -152,7 +152,7 @@ def test_the_gateway_process_never_loads_torch_even_after_compiling_a_grammar(co
 def test_a_grammar_past_its_compile_budget_is_cut_off_and_the_next_one_compiles(default_model_dir):
     import asyncio
 
-    from pdserve.services.gateway.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
+    from pdserve.services.gateway.intake.grammar_check import CompileTimeout, GrammarChecker, GrammarSource
     from pdserve.services.gateway.tokenization import ModelTokenizer
     from pdserve.shared.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pdserve.services.gateway.reasoning import ReasoningSplitter, split_text
-from pdserve.services.gateway.stops import StopMatcher
+from pdserve.services.gateway.intake.reasoning import ReasoningSplitter, split_text
+from pdserve.services.gateway.workers.stops import StopMatcher
 from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer, ReservedTemplateKwarg
 
 TEXTS = [

@@ -20,10 +20,10 @@ from aiohttp.test_utils import TestServer
 from harness import ScriptedWorker
 
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.protocol import ChatCompletionRequest, parse
+from pdserve.services.gateway.intake.protocol import ChatCompletionRequest, parse
 from pdserve.services.gateway.tokenization import ModelTokenizer
-from pdserve.services.gateway.tool_calls import plan_tools, template_messages
-from pdserve.services.gateway.tool_parsers import get_parser
+from pdserve.services.gateway.intake.tool_calls import plan_tools, template_messages
+from pdserve.services.gateway.intake.tool_parsers import get_parser
 
 USER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 WEATHER_PARAMS = {"type": "object", "properties": {
@@ -160,7 +160,7 @@ def test_tools_and_tool_results_render_through_the_template(default_model_dir, t
 
 # ---------------------------------------------------------------- flags
 def test_gateway_and_up_accept_the_parser_and_refuse_unknown_names(tmp_path, capsys):
-    from pdserve.services import up
+    from pdserve.services import up, up_plan
     from pdserve.services.gateway import cli
 
     parser = argparse.ArgumentParser()
@@ -172,9 +172,9 @@ def test_gateway_and_up_accept_the_parser_and_refuse_unknown_names(tmp_path, cap
     up_parser = argparse.ArgumentParser()
     up.add_arguments(up_parser, "up")
     args = up_parser.parse_args(["--tool-call-parser", "pythonic", "--state-dir", str(tmp_path)])
-    gateway = next(s for s in up.build_plan(args, tmp_path, cpus=2).services if s.name == "gateway")
+    gateway = next(s for s in up_plan.build_plan(args, tmp_path, cpus=2).services if s.name == "gateway")
     assert gateway.args[gateway.args.index("--tool-call-parser") + 1] == "pythonic"
-    plain = up.build_plan(up_parser.parse_args(["--state-dir", str(tmp_path)]), tmp_path, cpus=2)
+    plain = up_plan.build_plan(up_parser.parse_args(["--state-dir", str(tmp_path)]), tmp_path, cpus=2)
     assert "--tool-call-parser" not in next(s for s in plain.services if s.name == "gateway").args
 
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pdserve.services.gateway.tool_calls import CallStream
-from pdserve.services.gateway.tool_parsers import (PARSERS, NamedCallOutput, PythonicParser, RequiredCallsOutput,
+from pdserve.services.gateway.intake.tool_calls import CallStream
+from pdserve.services.gateway.intake.tool_parsers import (PARSERS, NamedCallOutput, PythonicParser, RequiredCallsOutput,
                                                    get_parser)
 
 

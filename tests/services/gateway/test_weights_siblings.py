@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.services.gateway.backend import Door
-from pdserve.services.gateway.weights_api import SiblingSilent, UpdateGate, _held_everywhere, _running_after
+from pdserve.services.gateway.workers.backend import Door
+from pdserve.services.gateway.apis.admin.weights import SiblingSilent, UpdateGate, _held_everywhere, _running_after
 
 
 class Silent:

@@ -1,0 +1,147 @@
+"""The gateway's read-only state that every handler shares: the door to the workers (`backend`), the intake's
+checks of a request's inputs (`inputs`), what it serves and how it is set up; and the SSE response.
+
+Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, refresh_adapters
+from pdserve.services.gateway.workers.backend import Backend
+from pdserve.services.gateway.cpu_pool import CpuPool
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.intake.inputs import GRAMMAR_COMPILE_TIMEOUT_S, Inputs
+from pdserve.services.gateway.limits import Limits
+from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
+from pdserve.services.gateway.workers.pool import Worker
+# JSON bodies beyond it are a 413. 32 MiB holds a full context of token ids many times over; file uploads
+# stream through to the jobs service, which has its own limit (--max-file-size).
+MAX_BODY_BYTES = 32 << 20
+
+
+@dataclass
+class Gateway:
+    backend: Backend
+    tokenizer: ModelTokenizer
+    served_model_name: str
+    model_path: str  # as given (reported by /get_model_info)
+    tokenizer_path: str
+    model_config: ModelConfigInfo
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # a tool_parsers.PARSERS name
+    enable_cache_report: bool = False
+    api_key: str | None = None
+    # Admin routes (app.ADMIN_PATHS) need this key; without one they are refused, unless `open_admin_routes`
+    # lets them take the API key (or none) as before.
+    admin_api_key: str | None = None
+    open_admin_routes: bool = False
+    jobs_url: str | None = None
+    server_args: dict = field(default_factory=dict)  # for /get_server_info (never a key)
+    accepted_model_names: frozenset[str] = frozenset()
+    is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
+    limits: Limits = field(default_factory=Limits)  # what one request may ask (limits.py)
+    cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing and rendering of large inputs, off the event loop
+    grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
+    inputs: Inputs = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inputs = Inputs(self.tokenizer, self.model_config, self.tokenizer_path, self.backend.context_length,
+                             self.limits, self.cpu, self.grammar_timeout_s)
+
+    async def check_model(self, name: str | None) -> None:
+        """404 for a model this gateway does not serve (no name means the served model; a loaded LoRA adapter,
+        which shares the base model's tokenizer, is served too)."""
+        await self.adapter_of(name)
+
+    async def adapter_of(self, model: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py.
+        One this process does not know is looked for again on the workers before it is refused."""
+        if model in self.accepted_model_names and lora_path is None:
+            return None
+        workers = self.backend.serving_workers()
+        try:
+            return self._adapter_of(model, lora_path, workers)
+        except ApiError:
+            if not lora_enabled(workers):
+                raise
+        # Another process of this gateway, or another replica, may have loaded it since this one last asked.
+        await refresh_adapters(workers, self.backend.settings.rpc_timeout_s)
+        return self._adapter_of(model, lora_path, workers)
+
+    def _adapter_of(self, model: str | None, lora_path: str | None, workers: list[Worker]) -> str | None:
+        return adapter_of(model, lora_path, served=self.served_model_name, accepted=self.accepted_model_names,
+                          workers=workers)
+
+    def close(self) -> None:
+        self.inputs.close()
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class SSE:
+    """A Server-Sent Events response: `data: <json>` events, then `data: [DONE]`.
+
+    Headers go out with the first event, so a request that fails before producing anything (no worker,
+    worker refused it) still gets a plain HTTP error status. A client that stops reading is cut off once a
+    write has waited --stream-write-timeout for it: the handler ends as if the client had left (its generation
+    is aborted and its admission places freed), where before it held them as long as the connection lived.
+    """
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @property
+    def started(self) -> bool:
+        return self.response.prepared
+
+    async def send(self, obj: dict) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def _write(self, data: bytes) -> None:
+        await self._bounded(self.response.write(data))
+
+    async def _end(self) -> None:
+        """The end of the stream, which waits until the client has taken what is left: bounded the same way."""
+        await self._bounded(self.response.write_eof())
+
+    async def _bounded(self, write) -> None:
+        timeout_s = self.request.app[GATEWAY].limits.stream_write_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await write
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # what it has not read is dropped; the connection closes now
+            raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
+
+    async def fail(self, exc: ApiError) -> web.StreamResponse:
+        """End the stream with an error event; before anything was sent, answer with the error status instead."""
+        if not self.started:
+            raise exc
+        await self.send({"error": exc.body()})
+        return await self.done()
+
+    async def done(self) -> web.StreamResponse:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self._write(b"data: [DONE]\n\n")
+        await self._end()
+        return self.response

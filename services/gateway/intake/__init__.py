@@ -1,0 +1,94 @@
+"""Intake: the one step from an API request to the runtime's request, a `Job` (prompt ids, SamplingParams, how
+to shape the text), whatever the API's dialect.
+
+Every dialect's handler parses its body (its schema's sampling fields are generated from the dialect's table,
+dialects.py), renders and tokenizes its prompt through `Inputs` (inputs.py), then makes one call: `job`, which
+reads the sampling fields back through the same table into SamplingParams values (each with the API's name for
+it), caps the length at what the context leaves, adds a tool choice's grammar and the reasoning span, builds and
+validates the SamplingParams (a bad value is a 400 naming the field as the API spells it) and compiles its
+grammar, once each. The worker validates again at its own edge; nothing in between does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from pdserve.services.gateway.intake.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
+                                                          logit_bias_values)
+from pdserve.services.gateway.intake.dialects import Dialect
+from pdserve.services.gateway.errors import ApiError
+from pdserve.services.gateway.workers.job import Job
+from pdserve.services.gateway.intake.inputs import Inputs
+from pdserve.services.gateway.intake.protocol import ResponseFormat
+from pdserve.services.gateway.intake.tool_calls import ToolPlan
+from pdserve.shared.sampling_params import InvalidParam, SamplingParams
+
+
+@dataclass
+class Draft:
+    """The SamplingParams values of one prompt, not yet checked."""
+
+    values: dict[str, Any]  # SamplingParams field -> value (None: the runtime's default)
+    names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> the API's name, where they differ
+    prefix: str = ""  # where the sampling fields sit in the body ("sampling_params.", "sampling_params.2.")
+
+    def api_name(self, name: str) -> str:
+        return self.prefix + self.names.get(name, name)
+
+
+def read(dialect: Dialect, sampling: BaseModel, *, prefix: str = "", response_format: ResponseFormat | None = None,
+         params: type = SamplingParams, **elsewhere: Any) -> Draft:
+    """The values of `sampling` (a model with the dialect's generated fields) under their runtime names, with
+    `elsewhere`: the fields the dialect carries outside its sampling fields (max tokens, logprobs)."""
+    values = {f.name: getattr(sampling, dialect.api_name(f.name)) for f in dialect.carried(params)}
+    bias = logit_bias_values(values.pop("logit_bias"), prefix + dialect.api_name("logit_bias"))
+    constraint, names = constraint_values(response_format, {k: values.pop(k) for k in SGLANG_CONSTRAINTS}, prefix)
+    for f in dialect.carried(params):
+        if f.name in values and isinstance(f.default, tuple):  # token lists: null or absent is the empty list
+            values[f.name] = tuple(values[f.name] or ())
+    values.update(constraint, **bias, logprob_start_len=-1)  # no prompt logprobs unless the API asks for them
+    values.update(elsewhere)
+    if not values.get("return_logprob"):  # logprob details mean nothing without logprobs
+        values.update(top_logprobs_num=0, logprob_start_len=-1)
+    return Draft(values, {**dialect.renamed, **names}, prefix)
+
+
+def build_params(draft: Draft, vocab_size: int | None, params: type = SamplingParams) -> SamplingParams:
+    """The checked SamplingParams; a bad value is a 400 naming the field as the API calls it."""
+    try:
+        built = params(**{k: v for k, v in draft.values.items() if v is not None})
+        built.validate(vocab_size)
+    except InvalidParam as exc:
+        message = str(exc)
+        for internal, external in draft.names.items():  # speak the API's field names, not the runtime's
+            message = message.replace(internal, external)
+        name = draft.api_name(exc.field)
+        raise ApiError(400, f"Invalid value for {name!r}: {message}", name) from None
+    return built
+
+
+async def job(inputs: Inputs, dialect: Dialect, fields: BaseModel, ids: list[int], *, rid: str,
+              lora: str | None, max_tokens: int | None, public_id: str = "", prefix: str = "",
+              response_format: ResponseFormat | None = None, tools: ToolPlan | None = None,
+              reasoning_parser: str | None = None, renamed: dict[str, str] | None = None, **elsewhere: Any) -> Job:
+    """The runtime's request for one prompt of `ids`. `fields`: the model that holds the dialect's sampling
+    fields and the text options (stop strings, special tokens, trimming): the request, or native's
+    `sampling_params` (at `prefix` in the body). `max_tokens`: what the client asked (None: as many as the
+    context leaves; more than it leaves is capped there). `tools`: the request's tool plan (its grammar, and
+    whether its output needs special tokens); `reasoning_parser`: the parser whose reasoning span the grammar
+    starts after; `renamed`: runtime field -> the API's name, where this request spelt it otherwise;
+    `elsewhere`: the fields the dialect carries outside its sampling fields (logprobs)."""
+    draft = read(dialect, fields, prefix=prefix, response_format=response_format, **elsewhere)
+    draft.values["max_new_tokens"] = inputs.limits.new_tokens(max_tokens, len(ids), inputs.context_length())
+    draft.names.update(renamed or {})
+    if tools is not None:
+        draft.values, draft.names = tools.constrain(draft.values, draft.names)
+    draft.values = after_reasoning(draft.values, reasoning_parser, inputs.tokenizer)
+    params = build_params(draft, inputs.tokenizer.vocab_size)
+    await inputs.check_constraint(params, draft.names, draft.prefix)
+    skip = fields.skip_special_tokens and not (tools is not None and tools.needs_special_tokens)
+    spaces = getattr(fields, "spaces_between_special_tokens", True)  # native only; OpenAI's text always has them
+    return Job(rid, ids, params, fields.stop_list(), skip, fields.no_stop_trim, spaces, lora=lora,
+               public_id=public_id)

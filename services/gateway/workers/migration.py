@@ -1,0 +1,51 @@
+"""Request migration: a generation whose worker pair failed mid-stream continues on another pair.
+
+The new pair is sent the prompt followed by every token the choice has produced so far, as one longer prompt,
+and asked for what is left of the budget. The gateway keeps its own per-choice state (detokenizer, stop
+strings, the tokens counted for usage), so the client's stream goes on as if nothing happened: no token is
+repeated or missing. With greedy decoding on workers in deterministic mode the tokens are those of an
+uninterrupted run; a seeded sampled request continues with the same seed (its generator starts afresh, so the
+rest of its output is a different sample, as valid as the first).
+
+What cannot be continued this way, and so ends with the failure as before (or starts over, when nothing
+has reached the client yet):
+- n > 1: the choices share one worker request and each has its own tokens;
+- grammar constraints: the worker's grammar state would have to be rebuilt from the tokens already out;
+- frequency and presence penalties: they count output tokens only, and those tokens would now be prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pdserve.shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The worker request that picks a generation up where it stopped."""
+
+    input_ids: list[int]
+    params: SamplingParams
+
+
+def why_not_movable(params: SamplingParams) -> str | None:
+    """Why a generation with `params` cannot move to another pair mid-stream; None when it can."""
+    if params.n > 1:
+        return "requests with n > 1 are not moved to another worker mid-stream"
+    if params.constraint is not None:
+        return "constrained (grammar) requests are not moved to another worker mid-stream"
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        return "requests with frequency or presence penalties are not moved to another worker mid-stream"
+    return None
+
+
+def continuation(input_ids: list[int], output_ids: list[int], params: SamplingParams) -> Continuation:
+    """Prompt + `output_ids` as the new prompt; the budgets reduced by what was produced.
+
+    Prompt logprobs were reported with the first output already, so they are not asked for again (the
+    output's own logprobs still are)."""
+    produced = len(output_ids)
+    rest = dataclasses.replace(params, max_new_tokens=max(0, params.max_new_tokens - produced),
+                               min_new_tokens=max(0, params.min_new_tokens - produced), logprob_start_len=-1)
+    return Continuation(input_ids + output_ids, rest)

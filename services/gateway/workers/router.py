@@ -1,0 +1,162 @@
+"""Routing policies: which worker(s) serve a request.
+
+A request goes to a `Pair`: the worker it streams from (colocated, or decode in PD mode) and, in PD mode,
+the prefill worker that computes its prompt. `cache_aware` sends a prompt to the worker that last saw its
+longest known prefix (its radix cache probably still holds those pages) unless that worker is clearly
+busier than the least loaded one. Decode workers the same way, from a table of their own, among those with
+room for the prompt: a decode worker holds the KV of the conversations it decoded (prompt and output), and
+computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwise by load and free KV
+pages. `round_robin` ignores both, for comparison. The prefix tables are the router's only state: bounded
+LRU maps from hashes of leading pages of token ids to the worker address that last served them.
+
+Each gateway process (--gateway-workers) and replica keeps its own tables, so a conversation's next turn may
+reach one that has not seen it. A prompt whose prefix a router does not know goes to the least loaded worker,
+and among equally loaded ones to the one that rendezvous hashing of the prompt's first page picks: every router
+picks the same for the same first page, so while the workers' loads look alike to them (at light load, or
+evenly loaded) the turns of one conversation meet on one worker and its cache. Under uneven load their views
+differ and a turn may land elsewhere: its prompt is then computed again, never wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable
+
+from pdserve.services.gateway.workers.pool import Worker, WorkerPool
+
+POLICIES = ("cache_aware", "round_robin")
+
+
+class NoWorker(Exception):
+    """No healthy worker (pair) can take the request."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    generate: Worker  # serves Generate: colocated or decode
+    prefill: Worker | None = None  # PD mode only
+    why: str = field(default="", compare=False)  # how the router chose (a trace shows it)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [self.generate] if self.prefill is None else [self.prefill, self.generate]
+
+
+def load_of(worker: Worker) -> int:
+    """Requests on `worker` now: what this gateway sent, or what it reports if that is more (other clients)."""
+    reported = (worker.load.running + worker.load.waiting) if worker.load is not None else 0
+    return max(worker.in_flight, reported)
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, policy: str = "cache_aware", balance_abs: int = 4,
+                 balance_rel: float = 1.5, max_prefix_pages: int = 64, table_size: int = 100_000) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.pool = pool
+        self.policy = policy
+        # Affinity wins unless its worker has more than `balance_abs` requests over the least loaded one
+        # and more than `balance_rel` times as many.
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.max_prefix_pages = max_prefix_pages
+        self.table_size = table_size
+        self.prefixes: OrderedDict[int, str] = OrderedDict()  # colocated or prefill workers
+        self.decode_prefixes: OrderedDict[int, str] = OrderedDict()
+        pool.on_rejoin.append(self.forget)  # a worker back after a failure may have restarted with an empty cache
+        self._turn = count()
+
+    def choose(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair:
+        cache_workers = [w for w in self.pool.healthy(self.pool.cache_role) if w.address not in exclude]
+        if not cache_workers:
+            raise NoWorker(f"no healthy {self.pool.cache_role} worker")
+        if self.pool.mode == "colocated":
+            worker, why = self._pick_cache_worker(cache_workers, input_ids)
+            return Pair(worker, why=why)
+        decodes = [w for w in self.pool.healthy("decode") if w.address not in exclude]
+        if not decodes:
+            raise NoWorker("no healthy decode worker")
+        prefill, why_prefill = self._pick_cache_worker(cache_workers, input_ids)
+        decode, why_decode = self._pick_decode(decodes, input_ids)
+        return Pair(decode, prefill, why=f"prefill: {why_prefill}; decode: {why_decode}")
+
+    # ------------------------------------------------------------ policies
+    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)], "round robin"
+        hashes = self._prefix_hashes(input_ids, workers[0].page_size)
+        least = least_loaded(workers, hashes, load_of)
+        return self._by_prefix(workers, hashes, least, self.prefixes)
+
+    def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)], "round robin"
+        roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)] or workers
+        hashes = self._prefix_hashes(input_ids, roomy[0].page_size)
+        least = least_loaded(roomy, hashes, lambda w: (load_of(w), -w.free_pages))
+        return self._by_prefix(roomy, hashes, least, self.decode_prefixes)
+
+    def _by_prefix(self, workers: list[Worker], hashes: list[int], least: Worker,
+                   table: OrderedDict[int, str]) -> tuple[Worker, str]:
+        """The worker of `table` that last served the prompt's longest known prefix (`hashes`), unless it is
+        clearly busier than `least` (then `least`); the choice becomes the owner of the prompt's prefixes. And
+        why, in words."""
+        by_address = {w.address: w for w in workers}
+        chosen, why = least, "least loaded, no known prefix"
+        for pages in range(len(hashes), 0, -1):  # longest known prefix first
+            owner = by_address.get(table.get(hashes[pages - 1], ""))
+            if owner is not None:
+                if self._balanced(owner, least):
+                    chosen, why = owner, f"holds the prompt's first {pages} pages"
+                else:
+                    why = f"least loaded: the holder of the first {pages} pages is busier"
+                break
+        self._remember(hashes, chosen.address, table)
+        return chosen, why
+
+    def _balanced(self, owner: Worker, least: Worker) -> bool:
+        a, b = load_of(owner), load_of(least)
+        return a - b <= self.balance_abs or a <= b * self.balance_rel
+
+    # ------------------------------------------------------------ prefix table
+    def _prefix_hashes(self, input_ids: list[int], page_size: int) -> list[int]:
+        """Hash of the first 1, 2, ... full pages of the prompt (at most max_prefix_pages); the same in every
+        process, as Python hashes ints and tuples of them without a per-process seed."""
+        hashes: list[int] = []
+        h = 0
+        pages = min(len(input_ids) // page_size, self.max_prefix_pages)
+        for i in range(pages):
+            h = hash((h, tuple(input_ids[i * page_size:(i + 1) * page_size])))
+            hashes.append(h)
+        return hashes
+
+    def _remember(self, hashes: list[int], address: str, table: OrderedDict[int, str]) -> None:
+        for h in hashes:
+            table[h] = address
+            table.move_to_end(h)
+        while len(table) > self.table_size:
+            table.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        """Drop every prefix owned by `address` (its cache was flushed or it restarted)."""
+        for table in (self.prefixes, self.decode_prefixes):
+            for h in [h for h, a in table.items() if a == address]:
+                del table[h]
+
+
+def least_loaded(workers: list[Worker], hashes: list[int], load: Callable[[Worker], object]) -> Worker:
+    """The worker of least `load`; among equals, the rendezvous choice for the prompt's first page (`hashes[0]`),
+    which every router makes alike (by address for a prompt shorter than a page)."""
+    lowest = min(load(w) for w in workers)
+    tied = [w for w in workers if load(w) == lowest]
+    if not hashes:
+        return min(tied, key=lambda w: w.address)
+    return max(tied, key=lambda w: rendezvous(hashes[0], w.address))
+
+
+def rendezvous(first_page: int, address: str) -> int:
+    """The weight of `address` for a prompt: a hash of both that is the same in every process (Python's own
+    hash of a string changes from one process to the next)."""
+    return int.from_bytes(hashlib.blake2b(f"{first_page}:{address}".encode(), digest_size=8).digest(), "big")
