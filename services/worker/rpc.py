@@ -3,7 +3,8 @@
 
 Thin by design: parse the message, make the engine call (`engine_link.EngineLink`), map results and errors back
 to gRPC. A request's outputs come from the link a step at a time, into an asyncio.Queue (Generate) or a StepSink
-(GenerateMany).
+(GenerateMany). Here: generations (Generate, GenerateMany, Abort) and Health; the operator RPCs are in
+admin_rpc.py, the live weight update in weights_rpc.py.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import output_to_proto, params_from_proto, prompt_logprobs_to_proto
 from pdserve.services import tracing
 from pdserve.services.worker import spans
+from pdserve.services.worker.admin_rpc import AdminRpcs
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.multiplex import StepSink, serve_many
@@ -84,16 +86,6 @@ class Calls:
             return False
 
 
-async def engine_call(link: EngineLink, context, method: str, timeout: float, /, **kwargs):
-    """`link.call`, its failure ending the gRPC call with the matching status and the engine's message."""
-    try:
-        return await link.call(method, timeout, **kwargs)
-    except RemoteError as exc:
-        await context.abort(CODES.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
-    except EngineGone as exc:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-
-
 def params_to_wire(params: SamplingParams) -> dict:
     """The fields that differ from their defaults: what the engine process rebuilds the params from."""
     return {name: value for name, value in vars(params).items() if value != DEFAULT_PARAMS[name]}
@@ -117,7 +109,7 @@ async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_to
             return ready
 
 
-class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
+class WorkerService(WeightUpdates, AdminRpcs, pb_grpc.WorkerServicer):
     def __init__(self, link: EngineLink, wiring: Wiring, compat: Compat, info: pb.InfoReply,
                  timeouts: Timeouts = Timeouts(), is_ready: Callable[[], bool] | None = None,
                  on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
@@ -146,6 +138,15 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
 
     async def _engine(self, method: str, timeout: float | None = None, /, **kwargs):
         return await self.link.call(method, timeout or self.timeouts.engine_call, **kwargs)
+
+    async def _call_or_abort(self, context, method: str, /, **kwargs):
+        """An engine call whose failure ends the gRPC call with the matching status and the engine's message."""
+        try:
+            return await self.link.call(method, self.timeouts.engine_call, **kwargs)
+        except RemoteError as exc:
+            await context.abort(CODES.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
+        except EngineGone as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     # ------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -239,9 +240,9 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         self.link.watch(request.rid, deliver)
         self.prompts.expect(request.rid, request)
         try:
-            await engine_call(self.link, context, "generate", self.timeouts.engine_call, rid=request.rid,
-                              input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
-                              lora=request.lora, traced=span is not None)
+            await self._call_or_abort(context, "generate", rid=request.rid, input_ids=list(request.input_ids),
+                                      params=params_to_wire(params), arrival=arrived, lora=request.lora,
+                                      traced=span is not None)
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast("abort", rids=[request.rid])
             self.link.unwatch(request.rid)
@@ -323,7 +324,7 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
         self.link.cast("abort", rids=[rid])
         self.prompts.abort(rid)
 
-    # ------------------------------------------------------------ small RPCs
+    # ------------------------------------------------------------ Abort, Health
     async def Abort(self, request, context):
         """One request by its rid; or every generation sent under a client's id, or all of them (what a gateway's
         /abort_request asks of every worker, so that it reaches requests sent by any gateway)."""
@@ -332,71 +333,10 @@ class WorkerService(WeightUpdates, pb_grpc.WorkerServicer):
                        if request.all or public == request.public_id}
         else:
             targets = {request.rid: ""}
-        found = await engine_call(self.link, context, "abort", self.timeouts.engine_call, rids=list(targets))
+        found = await self._call_or_abort(context, "abort", rids=list(targets))
         for rid in targets:
             self.prompts.abort(rid)
         return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])
 
     async def Health(self, request, context):
         return pb.HealthReply(ok=self.is_ready(), role=self.wiring.role.value, draining=self.calls.draining)
-
-    async def Info(self, request, context):
-        reply = pb.InfoReply()
-        reply.CopyFrom(self.info)
-        reply.lora_adapters.extend(adapter_info(a) for a in await engine_call(
-            self.link, context, "adapters", self.timeouts.engine_call))
-        return reply
-
-    # ------------------------------------------------------------ LoRA adapters
-    async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
-        # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
-        return await self._change_adapters(context, "load_adapter", name=request.name, path=request.path)
-
-    async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
-        return await self._change_adapters(context, "unload_adapter", name=request.name)
-
-    async def _change_adapters(self, context, method: str, /, **kwargs) -> pb.LoraReply:
-        try:
-            return pb.LoraReply(ok=True, adapters=[adapter_info(a) for a in await self._engine(method, **kwargs)])
-        except RemoteError as exc:  # the message names the adapter and the problem
-            if exc.kind not in ("invalid", "weights"):
-                raise
-            error = str(exc)
-        adapters = await engine_call(self.link, context, "adapters", self.timeouts.engine_call)
-        return pb.LoraReply(ok=False, error=error, adapters=[adapter_info(a) for a in adapters])
-
-    # ------------------------------------------------------------ expert distribution
-    async def StartExpertRecord(self, request, context):
-        await self._expert_call(context, "start")
-        return pb.ExpertRecordReply(recording=True)
-
-    async def StopExpertRecord(self, request, context):
-        await self._expert_call(context, "stop")
-        return pb.ExpertRecordReply(recording=False)
-
-    async def DumpExpertRecord(self, request, context):
-        dump = await self._expert_call(context, "dump")  # counts [L, E], flattened
-        return pb.ExpertDumpReply(counts=dump["counts"], shape=dump["shape"], path=dump["path"])
-
-    async def _expert_call(self, context, op: str):
-        """The reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION; a dump that cannot be
-        written as INTERNAL."""
-        try:
-            return await self._engine("experts", op=op)
-        except RemoteError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION if exc.kind == "precondition"
-                                else grpc.StatusCode.INTERNAL, str(exc))
-
-    async def Load(self, request, context):
-        return pb.LoadReply(**await engine_call(self.link, context, "load", self.timeouts.engine_call))
-
-    async def FlushCache(self, request, context):
-        ok = await engine_call(self.link, context, "flush_cache", self.timeouts.engine_call)
-        return pb.FlushReply(ok=ok, message="cache flushed" if ok else "requests are running; cache not flushed")
-
-    async def Stats(self, request, context):
-        return pb.PoolStats(**await engine_call(self.link, context, "pool_stats", self.timeouts.engine_call))
-
-
-def adapter_info(adapter: dict) -> pb.LoraAdapterInfo:
-    return pb.LoraAdapterInfo(**adapter)

@@ -36,8 +36,8 @@ def test_an_output_crosses_the_channel_unchanged():
     assert channel.output_from_wire(wire[1][0]) == out
 
 
-FRONT_MODULES = ("app", "cli", "rpc", "prefill_rpc", "kv_pull", "pooling", "peers", "multiplex", "weights_rpc",
-                 "spans", "engine_link", "channel", "settings")
+FRONT_MODULES = ("app", "cli", "rpc", "admin_rpc", "prefill_rpc", "kv_pull", "pooling", "peers", "multiplex",
+                 "weights_rpc", "spans", "engine_link", "channel", "settings")
 
 
 def test_a_workers_front_loads_neither_torch_nor_the_runtime():

@@ -13,8 +13,8 @@ from pdserve.services.worker.settings import wiring_for
 from pdserve.shared.config import Role
 
 WORKER = Path(__file__).resolve().parents[3] / "services" / "worker"
-ROLE_FREE = ("app.py", "rpc.py", "weights_rpc.py", "pooling.py", "engine_calls.py", "engine_admin_calls.py",
-             "engine_process.py", "engine_link.py", "multiplex.py")
+ROLE_FREE = ("app.py", "rpc.py", "admin_rpc.py", "weights_rpc.py", "pooling.py", "engine_calls.py",
+             "engine_admin_calls.py", "engine_process.py", "engine_link.py", "multiplex.py")
 
 
 def test_each_role_says_what_it_serves_and_which_transfer_side_it_holds():

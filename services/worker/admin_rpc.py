@@ -1,0 +1,75 @@
+"""The Worker service's operator RPCs: what the worker serves (Info, with its LoRA adapters), loading and
+unloading adapters, the expert distribution record, load and pool figures, flushing the prefix cache.
+
+Each is one engine call (`engine_admin_calls.AdminCalls` on the engine's side) whose answer becomes the reply;
+none touches a generation in progress. A mixin of `rpc.WorkerService`, over its `info` and two ways to call
+the engine: `_engine` (failures raised) and `_call_or_abort` (a failure ends the gRPC call with its status).
+"""
+from __future__ import annotations
+
+import grpc
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.worker.channel import RemoteError
+
+
+class AdminRpcs:
+    async def Info(self, request, context):
+        reply = pb.InfoReply()
+        reply.CopyFrom(self.info)
+        reply.lora_adapters.extend(adapter_info(a) for a in await self._call_or_abort(context, "adapters"))
+        return reply
+
+    async def Load(self, request, context):
+        return pb.LoadReply(**await self._call_or_abort(context, "load"))
+
+    async def FlushCache(self, request, context):
+        ok = await self._call_or_abort(context, "flush_cache")
+        return pb.FlushReply(ok=ok, message="cache flushed" if ok else "requests are running; cache not flushed")
+
+    async def Stats(self, request, context):
+        return pb.PoolStats(**await self._call_or_abort(context, "pool_stats"))
+
+    # ------------------------------------------------------------ LoRA adapters
+    async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
+        # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
+        return await self._change_adapters(context, "load_adapter", name=request.name, path=request.path)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
+        return await self._change_adapters(context, "unload_adapter", name=request.name)
+
+    async def _change_adapters(self, context, method: str, /, **kwargs) -> pb.LoraReply:
+        try:
+            return pb.LoraReply(ok=True, adapters=[adapter_info(a) for a in await self._engine(method, **kwargs)])
+        except RemoteError as exc:  # the message names the adapter and the problem
+            if exc.kind not in ("invalid", "weights"):
+                raise
+            error = str(exc)
+        adapters = await self._call_or_abort(context, "adapters")
+        return pb.LoraReply(ok=False, error=error, adapters=[adapter_info(a) for a in adapters])
+
+    # ------------------------------------------------------------ expert distribution
+    async def StartExpertRecord(self, request, context):
+        await self._expert_call(context, "start")
+        return pb.ExpertRecordReply(recording=True)
+
+    async def StopExpertRecord(self, request, context):
+        await self._expert_call(context, "stop")
+        return pb.ExpertRecordReply(recording=False)
+
+    async def DumpExpertRecord(self, request, context):
+        dump = await self._expert_call(context, "dump")  # counts [L, E], flattened
+        return pb.ExpertDumpReply(counts=dump["counts"], shape=dump["shape"], path=dump["path"])
+
+    async def _expert_call(self, context, op: str):
+        """The reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION; a dump that cannot be
+        written as INTERNAL."""
+        try:
+            return await self._engine("experts", op=op)
+        except RemoteError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION if exc.kind == "precondition"
+                                else grpc.StatusCode.INTERNAL, str(exc))
+
+
+def adapter_info(adapter: dict) -> pb.LoraAdapterInfo:
+    return pb.LoraAdapterInfo(**adapter)
