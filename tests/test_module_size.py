@@ -1,4 +1,4 @@
-"""No module of the package grows past 450 lines: past that a module is asking to be split by the resource or
+"""No module of the package grows past 400 lines: past that a module is asking to be split by the resource or
 the lifecycle stage it owns (docs/architecture.md). Generated gRPC stubs are not written by hand and do not count.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pdserve", "shared", "services", "kernels", "proto", "benchclient", "benchmarks")
-LIMIT = 450
+LIMIT = 400
 
 
 def test_no_module_is_over_the_limit():
@@ -15,5 +15,5 @@ def test_no_module_is_over_the_limit():
              for folder in SOURCES for path in (ROOT / folder).rglob("*.py") if not path.stem.endswith("_pb2_grpc")
              and not path.stem.endswith("_pb2")}
     assert sizes, "no sources found"
-    over = {str(path): n for path, n in sizes.items() if n > LIMIT}
-    assert not over, f"modules over {LIMIT} lines: {over}"
+    over = sorted((str(path), n) for path, n in sizes.items() if n > LIMIT)
+    assert not over, f"modules over {LIMIT} lines:\n" + "\n".join(f"  {path}: {n}" for path, n in over)
