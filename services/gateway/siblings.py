@@ -3,7 +3,7 @@
 Each process answers its siblings on a Unix socket, `{index}.sock` in the gateway's private directory (made by
 the parent, mode 0700: only this user reaches it), with a small internal app: a feature registers a call there
 (`handle`) and makes it in every other process at once (`tell`). A weight update uses it to hold every
-process's requests at the door (weights_api.py), /flush_cache to make every process forget the flushed
+process's requests at the door (apis/admin/weights.py), /flush_cache to make every process forget the flushed
 prefixes. One
 update at a time over all the processes: `exclusive` takes an flock on a file of the same directory, which the
 kernel releases if its holder dies.

@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
-Each handler validates (protocol.py), tokenizes, turns the request into one Job per prompt (intake.py), admits,
+Each handler validates (protocol.py), tokenizes, turns the request into one Job per prompt (intake), admits,
 runs one generation per prompt (the worker does n > 1) and answers in OpenAI's shape, streamed as SSE or whole.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ an id runs once at a time) and the worker-wide operations (abort, which the work
 flush; one-token health probe).
 
 Every request that runs on the workers passes its `door` and is counted there until it ends, whichever API it
-came through (or a background task): a weight update (weights_api.py) closes the door, waits until none runs,
+came through (or a background task): a weight update (apis/admin/weights.py) closes the door, waits until none runs,
 swaps the weights and opens it again, so no request runs across a swap.
 
 Admission counts sequences: a generation holds `n` places from the moment it is registered until it ends, a

@@ -1,9 +1,9 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
-A request takes chat's path (architecture.md): the body parsed (messages_protocol.py), the content blocks
+A request takes chat's path (architecture.md): the body parsed (protocol.py), the content blocks
 mapped onto the chat template and its tools onto a `ToolPlan` (`any` and `tool` enforced with the grammar that
 enforces chat's `required` and named tool choices), the sampling fields read through the dialect's table
-(dialects.ANTHROPIC_MESSAGES) by `intake`, one generation, and its output shaped by `messages_format`.
+(dialects.ANTHROPIC_MESSAGES) by `intake`, one generation, and its output shaped by `format.py`.
 
 Streaming: `message_start` goes out with the first output, so a request the workers refuse still gets a plain
 HTTP status; a request that waits longer than PING_INTERVAL_S for it (queued, a long prefill) starts the

@@ -3,13 +3,13 @@
 A request takes the chat path: its items (with the conversation of `previous_response_id` before them, read
 from the response store) become chat messages and the chat template's prompt; its sampling fields go through
 the dialect table (dialects.OPENAI_RESPONSES) into `intake.job`; one generation runs on the workers, and the
-output is read by the chat path's reasoning splitter and tool-call stream (responses_output.py). A chained
+output is read by the chat path's reasoning splitter and tool-call stream (output.py). A chained
 request's prompt starts with the tokens of the earlier turns, so the router's prefix affinity sends it to the
 worker whose cache holds them.
 
 Lifecycle of a response: `store` true (the default) writes it when it ends; `background` writes it `queued`
 at once and runs it in a task of this gateway (`Background`), which moves it to in_progress, then to its end
-unless a cancel got there first (responses_store.py: each transition is atomic).
+unless a cancel got there first (store.py: each transition is atomic).
 """
 from __future__ import annotations
 
