@@ -19,8 +19,8 @@ from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_COMPLET
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.job import Job, Update
-from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse, per_prompt,
-                                               refuse_unsupported)
+from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling,
+                                                      parse, per_prompt, refuse_unsupported)
 from pdserve.services.gateway.intake.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.apis.served_models import MODELS
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg

@@ -1,16 +1,15 @@
 """Which LoRA adapter a request names, from what the workers report.
 
-The workers own the adapters; the gateway knows them from each worker's Info (refreshed whenever a worker
-joins) and from the replies of its load and unload calls (admin.py, for apis/admin/lora.py). Another process of
-the gateway (--gateway-workers) or another replica may load or unload adapters meanwhile, so the lists are read again from
-the workers (`refresh_adapters`) when a request names an adapter this process does not know, before an admin
-call changes them, and for /v1/models; a request naming an adapter unloaded elsewhere is refused by the worker
-itself (400, it is not loaded). An adapter is servable when every
-healthy worker of the serving roles has it at one version, so a request never reaches a worker without it,
-and a prefill and a decode worker never disagree on its weights. A request names its adapter by `model`
-("base:adapter" or "adapter") or by `lora_path` (a name, or the directory an adapter was loaded from): a
-server path that was never loaded is refused, so client input never makes a worker read a file.
-"""
+The workers own the adapters; the gateway knows them from each worker's Info (refreshed whenever a worker joins) and
+from the replies of its load and unload calls (admin.py, for apis/admin/lora.py). Another process of the gateway
+(--gateway-workers) or another replica may load or unload adapters meanwhile, so the lists are read again from the
+workers (`refresh_adapters`) when a request names an adapter this process does not know, before an admin call
+changes them, and for /v1/models; a request naming an adapter unloaded elsewhere is refused by the worker itself
+(400, it is not loaded). An adapter is servable when every healthy worker of the serving roles has it at one
+version, so a request never reaches a worker without it, and a prefill and a decode worker never disagree on its
+weights. A request names its adapter by `model` ("base:adapter" or "adapter") or by `lora_path` (a name, or the
+directory an adapter was loaded from): a server path that was never loaded is refused, so client input never makes a
+worker read a file."""
 from __future__ import annotations
 
 import asyncio

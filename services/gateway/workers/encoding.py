@@ -3,7 +3,8 @@
 
 One call holds one admission place of the backend meanwhile (429 when the workers are full). It goes to the
 least loaded worker; a worker that fails as if down is probed and left out of the next try (as a generation's
-first attempt is, generation.py); a worker that refuses the input (400) or is full (429) ends the call.
+first attempt is, generation.py); a worker's refusal (a bad input: 400; full: 429) ends the call, as it
+ends a generation (`generation.refusal`).
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services import tracing
-from pdserve.services.gateway.errors import ApiError, Busy
+from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.workers.backend import Backend
+from pdserve.services.gateway.workers.generation import refusal
 from pdserve.services.gateway.workers.pool import Worker
 from pdserve.services.gateway.workers.router import load_of
 
 ENCODE_TIMEOUT_S = 300.0
-RETRY_AFTER_S = 2  # what a client refused because the encoder workers are full is told to wait
 
 
 @dataclass
@@ -54,13 +55,12 @@ async def _encode(backend: Backend, rid: str, seqs: list[list[int]], label_token
                 reply = await stub.Encode(message, timeout=ENCODE_TIMEOUT_S)
             return Encoded([list(v.values) for v in reply.outputs], reply.prompt_tokens)
         except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details() or exc.code().name
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ApiError(400, f"The worker refused the input: {details}.") from None
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Busy(429, f"The server is busy: {details}.", RETRY_AFTER_S) from None
-            if code != grpc.StatusCode.UNAVAILABLE:
-                raise ApiError(503, f"{worker.role} worker {worker.address} failed: {details}.") from None
+            refused = refusal(exc, backend.settings.retry_after_s)
+            if refused is not None:
+                raise refused from None
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:  # alive but failing: another try would fail the same way
+                raise ApiError(503, f"{worker.role} worker {worker.address} failed: "
+                                    f"{exc.details() or exc.code().name}.") from None
             await backend.probe(worker)
         finally:
             worker.in_flight -= 1

@@ -56,6 +56,17 @@ class Pairs(Protocol):
     async def probe_pair(self, pair: Pair) -> set[str]: ...
 
 
+def refusal(exc: grpc.aio.AioRpcError, retry_after_s: float) -> ApiError | None:
+    """The client's error when a worker refused the request itself (a bad input: 400; full: 429), which another
+    worker would refuse too; None for a failure of the worker, which another attempt may get past."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Busy(429, f"The server is busy: {details}", retry_after_s)
+    return None
+
+
 class WorkerFailure(Exception):
     """The pair failed this attempt (worker down, stream broken, no progress)."""
 
@@ -306,14 +317,12 @@ class Generation:
             self._call.cancel()
 
     def _map_rpc_error(self, exc: grpc.aio.AioRpcError) -> Exception:
-        code, details = exc.code(), exc.details() or exc.code().name
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ApiError(400, details)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return Busy(429, f"The server is busy: {details}", self.settings.retry_after_s)
-        if code == grpc.StatusCode.CANCELLED and self._failure is not None:
+        refused = refusal(exc, self.settings.retry_after_s)
+        if refused is not None:
+            return refused
+        if exc.code() == grpc.StatusCode.CANCELLED and self._failure is not None:
             return WorkerFailure(self._failure)
-        return WorkerFailure(details)
+        return WorkerFailure(exc.details() or exc.code().name)
 
     # ------------------------------------------------------------ output of one choice
     def _on_delta(self, delta: pb.ChoiceDelta) -> Update | None:

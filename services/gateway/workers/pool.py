@@ -109,7 +109,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._checking: asyncio.Task | None = None  # the check `served` runs now, shared by whoever waits for it
         # Asked each time a worker (re)joins, before it gets a request: None admits it, a reason keeps it out
-        # for now (pdserve.services.gateway.apis.admin.weights brings a worker back on old weights up to date meanwhile).
+        # for now (apis/admin/weights.py brings a worker back on old weights up to date meanwhile).
         self.admission: Callable[[Worker], str | None] | None = None
         self.on_rejoin: list[Callable[[str], None]] = []  # called with the address of a worker that is back
 

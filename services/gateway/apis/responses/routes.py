@@ -30,8 +30,8 @@ from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.limits import text_chars
 from pdserve.services.gateway.intake.protocol import UNSUPPORTED_OPENAI, parse, refuse_unsupported
-from pdserve.services.gateway.apis.responses.items import (ResponsesRequest, chat_messages, input_items, tool_choice_out,
-                                                      tool_plan)
+from pdserve.services.gateway.apis.responses.items import (ResponsesRequest, chat_messages, input_items,
+                                                           tool_choice_out, tool_plan)
 from pdserve.services.gateway.apis.responses.store import (IN_FLIGHT, MemoryResponses, ResponseStore, Stored,
                                                       is_response_id, new_item_id)
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
