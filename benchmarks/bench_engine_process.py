@@ -15,11 +15,9 @@ median over the rounds, and the issue's two CPU targets beside them:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -31,24 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from procs import Proc, free_port  # noqa: E402
 
 from bench_worker_streams import level, stream  # noqa: E402 (a sibling script: streams straight to a worker)
+from servers import layout  # noqa: E402
 from pdserve.proto import worker_pb2 as pb  # noqa: E402
 from pdserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
-
-
-def layout(rev: str, into: Path) -> Path:
-    """The package at `rev` laid out as pyproject.toml maps it (pdserve/ with shared, kernels, proto, services)."""
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), rev], check=True)
-    src = into / "src"
-    with tarfile.open(archive) as tar:
-        tar.extractall(src, filter="data")
-    pkg = into / "pd" / "pdserve"
-    pkg.mkdir(parents=True)
-    for f in (src / "pdserve").glob("*.py"):
-        (pkg / f.name).write_bytes(f.read_bytes())
-    for sub in ("shared", "kernels", "proto", "services"):
-        os.rename(src / sub, pkg / sub)
-    return into / "pd"
 
 
 def start(label: str, pythonpath: str | None, extra: list[str]) -> tuple[Proc, str]:

@@ -36,7 +36,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from servers import VLLM_SETUP_HINT, Server, default_model_dir, pdserve_server, signals_deferred, vllm_server
+from servers import (VLLM_SETUP_HINT, Server, default_model_dir, layout, pdserve_server, signals_deferred,
+                     vllm_server)
 
 from pdserve.benchclient import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
                                  parse_concurrencies, report, run_sweep)
@@ -125,6 +126,11 @@ def build_servers(args: argparse.Namespace, model_dir: Path, model_name: str, wo
                 continue
             servers.append(vllm_server(venv, model_dir, model_name, work, shlex.split(args.vllm_args)))
         else:
+            if args.before:  # the same server from the older tree first, then this one
+                before = work / "before"
+                tree = before / "pd" if before.exists() else layout(args.before, before.mkdir() or before)
+                servers.append(pdserve_server(f"{name}@{args.before}", model_dir, model_name, work,
+                                              shlex.split(args.up_args), tree))
             servers.append(pdserve_server(name, model_dir, model_name, work, shlex.split(args.up_args)))
     return servers
 
@@ -167,6 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-args", default="", help="extra flags for `vllm serve`, one string")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds a server may take to serve (vLLM compiles its model at start)")
+    parser.add_argument("--before", default="", metavar="REV",
+                        help="also run each pdserve server from commit REV's tree, just before this one's")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every result as JSON")
 
@@ -186,6 +194,12 @@ def print_results(results: dict[str, list[LevelSummary]], concurrencies: list[in
         print("\n".join(r.line() for r in found))
     if "vllm" not in results:
         print("(no vLLM results: no ratios against vLLM)")
+    for name, before in results.items():  # --before: this tree against the older one, level by level
+        base, _, rev = name.partition("@")
+        for b, a in ((b, level(results.get(base, []), b.concurrency)) for b in before if rev):
+            if a is not None and b.output_tok_s:
+                print(f"{base} at {a.concurrency} streams: {a.output_tok_s:.1f} tok/s against {b.output_tok_s:.1f} "
+                      f"at {rev}: {a.output_tok_s / b.output_tok_s:.2f}x")
 
 
 def main() -> int:

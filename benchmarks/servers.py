@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import subprocess
+import tarfile
 import sys
 import time
 import urllib.request
@@ -82,6 +83,7 @@ class Server:
     health_url: str
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Path = REPO  # another tree's server runs elsewhere: `python -m` puts its directory first on the path
     stop_grace_s: float = 60.0
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
@@ -92,7 +94,7 @@ class Server:
         with open(self.log_path, "wb") as log:
             # Own session: Ctrl-C reaches only this script, which stops the server in order.
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **self.env}, start_new_session=True, cwd=REPO)
+                                          env={**os.environ, **self.env}, start_new_session=True, cwd=self.cwd)
         self.started_at = time.monotonic()
         return self
 
@@ -157,9 +159,13 @@ def http_ok(url: str) -> bool:
 # ---------------------------------------------------------------- the servers
 
 
-def pdserve_server(name: str, model_dir: Path, model_name: str, work: Path, extra: list[str]) -> Server:
-    colocated = name.startswith("colocated")
-    if name.endswith("-int8"):
+def pdserve_server(name: str, model_dir: Path, model_name: str, work: Path, extra: list[str],
+                   tree: Path | None = None) -> Server:
+    """`name`: pd, colocated or colocated-int8, and for a server of another commit's tree (`layout`) a suffix
+    (`pd@rev`)."""
+    kind = name.split("@")[0]
+    colocated = kind.startswith("colocated")
+    if kind.endswith("-int8"):
         extra = ["--quantization", "w8a8_int8", *extra]
     # One block, so no two services draw the same port: gateway, jobs, redis, then up to two workers' gRPC,
     # HTTP (+1000) and KV (+2000) ports.
@@ -169,8 +175,26 @@ def pdserve_server(name: str, model_dir: Path, model_name: str, work: Path, extr
             "--redis-port", str(redis), "--worker-port", str(workers), "--state-dir", str(work / name),
             "--model-path", str(model_dir), "--served-model-name", model_name,
             *(["--colocated"] if colocated else []), *extra]
+    env, cwd = ({"PYTHONPATH": str(tree)}, work) if tree is not None else ({}, REPO)
     return Server(name, argv, f"http://127.0.0.1:{gateway}/v1", f"http://127.0.0.1:{gateway}/health",
-                  work / f"{name}.log")
+                  work / f"{name}.log", env, cwd)
+
+
+def layout(rev: str, into: Path) -> Path:
+    """The package at `rev` laid out as pyproject.toml maps it (pdserve/ with shared, kernels, proto, services)."""
+    archive = into / "src.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), rev], check=True)
+    src = into / "src"
+    with tarfile.open(archive) as tar:
+        tar.extractall(src, filter="data")
+    pkg = into / "pd" / "pdserve"
+    pkg.mkdir(parents=True)
+    for f in (src / "pdserve").glob("*.py"):
+        (pkg / f.name).write_bytes(f.read_bytes())
+    for sub in ("shared", "kernels", "proto", "services"):
+        os.rename(src / sub, pkg / sub)
+    return into / "pd"
+
 
 
 def cpu_list() -> str:
