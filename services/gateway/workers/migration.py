@@ -8,17 +8,18 @@ uninterrupted run; a seeded sampled request continues with the same seed (its ge
 rest of its output is a different sample, as valid as the first).
 
 What cannot be continued this way, and so ends with the failure as before (or starts over, when nothing
-has reached the client yet):
+has reached the client yet), is marked `unmovable` in the parameter's definition (shared/sampling_params.py):
 - n > 1: the choices share one worker request and each has its own tokens;
 - grammar constraints: the worker's grammar state would have to be rebuilt from the tokens already out;
 - frequency and presence penalties: they count output tokens only, and those tokens would now be prompt.
+The repetition penalty moves: it treats prompt and output alike.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.sampling_params import SamplingParams, spec_of
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,12 @@ class Continuation:
 
 
 def why_not_movable(params: SamplingParams) -> str | None:
-    """Why a generation with `params` cannot move to another pair mid-stream; None when it can."""
-    if params.n > 1:
-        return "requests with n > 1 are not moved to another worker mid-stream"
-    if params.constraint is not None:
-        return "constrained (grammar) requests are not moved to another worker mid-stream"
-    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-        return "requests with frequency or presence penalties are not moved to another worker mid-stream"
+    """Why a generation with `params` cannot move to another pair mid-stream (the first field, in the definition's
+    order, marked unmovable and not at its default); None when it can."""
+    for f in dataclasses.fields(params):
+        who = spec_of(f).unmovable
+        if who is not None and getattr(params, f.name) != f.default:
+            return f"{who} are not moved to another worker mid-stream"
     return None
 
 
