@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -87,11 +88,13 @@ class Calls:
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """The fields that differ from their defaults: what the engine process rebuilds the params from."""
-    return {name: value for name, value in vars(params).items() if value != DEFAULT_PARAMS[name]}
+    """The fields that differ from their defaults: what the engine process rebuilds the params from. Fields
+    only: an instance also caches what it derives (`has_penalty`), which is not the caller's to send."""
+    return {f.name: value for f in dataclasses.fields(params)
+            if (value := getattr(params, f.name)) != DEFAULT_PARAMS[f.name]}
 
 
-DEFAULT_PARAMS = vars(SamplingParams())
+DEFAULT_PARAMS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_tokens: int) -> list[ReqOutput]:
