@@ -121,6 +121,8 @@ class ServedWeights:
         if engine.scheduler.live_reqs() or not engine.flush_cache():  # old KV must never meet new weights
             return None
         engine.runner.swap_weights(self._staged[1])
+        if engine.tiers is not None:  # stored KV of the old weights must never be found either
+            engine.tiers.weights_changed(self._staged[0])
         self._staged = None
         self.version = version
         log.info("serving weights version %s", version.label)

@@ -226,6 +226,34 @@ class SchedulerConfig:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """KV tiers under the radix cache (--enable-hierarchical-cache): a storage tier in a directory."""
+
+    storage_dir: str
+    # write_through: a page goes to storage once cached; write_through_selective: once a second request reads it
+    # from the pool; write_back: when the pool evicts it.
+    write_policy: str = "write_through"
+    # How long a request whose prefix is stored waits for its pages: best_effort (what has been read by the
+    # deadline, the rest computed), timeout (all of it by the deadline, or none), wait_complete (all of it).
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
+                             f"got {self.write_policy!r}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"--hicache-storage-prefetch-policy must be one of {', '.join(PREFETCH_POLICIES)}, "
+                             f"got {self.prefetch_policy!r}")
+        if not self.prefetch_timeout_s > 0:
+            raise ValueError(f"--hicache-storage-prefetch-timeout must be > 0, got {self.prefetch_timeout_s}")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """Multi-LoRA serving (--enable-lora): adapters over the base model, mixed in one batch."""
@@ -299,6 +327,7 @@ class RuntimeConfig:
     # tested in); "off" is --disable-overlap-schedule. Speculative decoding reads its tokens at once: off there.
     overlap_schedule: str = "auto"
     quantization: str | None = None  # None | "w8a8_int8": the dense layers' matmuls in int8 (shared/int8_linear.py)
+    tiers: TierConfig | None = None  # None: the KV cache lives in the pool only
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -312,6 +341,9 @@ class RuntimeConfig:
         if self.kernels not in ("auto", "native", "torch", "triton"):
             raise ValueError("--kernels (--attention-backend) must be auto, native, torch or triton, "
                              f"got {self.kernels!r}")
+        if self.tiers is not None and self.is_embedding:
+            raise ValueError("--enable-hierarchical-cache does not apply to an embedding worker: it keeps no KV "
+                             "cache between requests")
         if self.deterministic and (self.device.startswith("cuda") or self.kernels in ("torch", "triton")):
             raise ValueError("--enable-deterministic-inference needs the CPU's native kernels "
                              "(--device cpu, --kernels auto or native)")

@@ -24,6 +24,7 @@ from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
+from pdserve.shared.kv_tiers import StorageTier, kv_identity
 from pdserve.shared.host_memory import upload
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.observer import RequestObserver, StepStats
@@ -77,6 +78,8 @@ class Engine:
         self.adapters = Adapters(self)
         self.experts = ExpertRecording(self)
         self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
+        self.tiers = StorageTier(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner.pool),
+                                 wake=lambda: self.call(lambda: None)) if config.tiers is not None else None
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -122,6 +125,8 @@ class Engine:
         while not self._stopping:
             idle = not self.has_work()
             self._drain_inbox(block=idle)
+            if self.tiers is not None:
+                self.tiers.poll()
             self.role.poll()
             if self.has_work():
                 try:
@@ -358,8 +363,12 @@ class Engine:
         req.on_output(out)
 
     # ------------------------------------------------------------ inspection (engine thread)
-    def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+    def flush_cache(self, storage: bool = True) -> bool:
+        """Empty the prefix cache and, with `storage`, make the storage tier's pages unreachable too."""
+        flushed = self.scheduler.flush_cache()
+        if flushed and storage and self.tiers is not None:
+            self.tiers.flush()
+        return flushed
 
     def load(self) -> dict[str, int]:
         s = self.scheduler

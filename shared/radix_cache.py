@@ -22,6 +22,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(eq=False)
@@ -32,6 +33,9 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = 0.0
+    # The storage tier's (kv_tiers.py): the page's key there, once asked for, and whether it is stored.
+    store_key: str | None = None
+    stored: bool = False
 
 
 @dataclass
@@ -64,7 +68,8 @@ class RadixCache:
     def num_pages(self) -> int:
         return self._num_pages
 
-    def _keys(self, tokens: list[int], num_pages: int, namespace: str | None) -> list[tuple]:
+    def page_keys(self, tokens: list[int], num_pages: int, namespace: str | None) -> list[tuple]:
+        """The key of each of the first `num_pages` full pages of `tokens`."""
         s = self.page_size
         keys: list[tuple] = [tuple(tokens[i * s:(i + 1) * s]) for i in range(num_pages)]
         if namespace is not None and keys:
@@ -82,7 +87,7 @@ class RadixCache:
         if max_tokens is not None:
             n = min(n, max_tokens // s)
         node, pages, now = self.root, [], time.monotonic()
-        for key in self._keys(tokens, n, namespace):
+        for key in self.page_keys(tokens, n, namespace):
             child = node.children.get(key)
             if child is None:
                 break
@@ -105,7 +110,7 @@ class RadixCache:
         """Add the full pages of `tokens` (backed by `pages`), and with `tail` the partly filled page after them
         as a tail; see InsertResult. Only a sequence that writes no more into that page may leave it as a tail."""
         n = min(len(tokens) // self.page_size, len(pages))
-        keys = self._keys(tokens, n, namespace)
+        keys = self.page_keys(tokens, n, namespace)
         rest = tokens[n * self.page_size:]
         if tail and 0 < len(rest) < self.page_size and len(pages) > n:
             keys.append((namespace, *rest) if namespace is not None and n == 0 else tuple(rest))
@@ -135,19 +140,24 @@ class RadixCache:
             node.lock_ref -= 1
             node = node.parent
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Remove up to `num_pages` unlocked pages, least recently used leaves first."""
+    def evict(self, num_pages: int, on_evict: Callable[[list[Node]], None] | None = None) -> list[int]:
+        """Remove up to `num_pages` unlocked pages, least recently used leaves first; `on_evict` sees the nodes
+        before their pages go (a lower tier keeps them)."""
         heap = [(n.last_access, next(self._clock), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        gone: list[Node] = []
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
+            gone.append(node)
             parent = node.parent
             del parent.children[node.key]
             self._num_pages -= 1
             freed.append(node.page)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._clock), parent))
+        if on_evict is not None and gone:
+            on_evict(gone)
         return freed
 
     def evictable_pages(self) -> int:
@@ -164,6 +174,18 @@ class RadixCache:
 
     def pages(self) -> list[int]:
         return [n.page for n in self._nodes()]
+
+    def nodes(self):
+        """Every node but the root."""
+        return self._nodes()
+
+    def path(self, node: Node) -> list[Node]:
+        """The nodes from the root's child down to `node`."""
+        out = []
+        while node is not self.root and node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
     def _nodes(self):
         stack = list(self.root.children.values())

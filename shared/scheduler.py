@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.lora import LoraPool
 from pdserve.shared.page_allocator import PageAllocator
-from pdserve.shared.radix_cache import RadixCache
+from pdserve.shared.radix_cache import Node, RadixCache
 from pdserve.shared.req import Req, ReqStatus
 
 if TYPE_CHECKING:
@@ -91,6 +91,19 @@ class PageHolder(Protocol):
         """`req` is being removed: drop it, keeping whatever of its pages must not go back to the pool yet."""
 
 
+class Tier(Protocol):
+    """A tier of KV pages below the radix cache (kv_tiers.py)."""
+
+    def hold(self, req: Req) -> bool:
+        """Take a new request while its stored prefix is read (then `Scheduler.enqueue`s it); False: not needed."""
+
+    def cached(self, node: Node) -> None:
+        """The cache took the path of pages down to `node`."""
+
+    def evicting(self, nodes: list[Node]) -> None:
+        """The cache evicts these nodes; their pages are reused next."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache,
                  page_size: int, lora: LoraPool | None = None) -> None:
@@ -103,9 +116,18 @@ class Scheduler:
         self.chunked: Req | None = None  # a prompt part-way through chunked prefill
         self.running: list[Req] = []
         self.holders: list[PageHolder] = []
+        # A lower tier of KV pages under the cache (kv_tiers.StorageTier), or None: it may hold a new request
+        # while its stored prefix is read, and is told what the cache takes and evicts.
+        self.tier: Tier | None = None
 
     # ------------------------------------------------------------ admission
     def add(self, req: Req) -> None:
+        """A new request: queued now, or once the tier has read its stored prefix into the cache."""
+        if self.tier is not None and self.tier.hold(req):
+            return
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
 
@@ -134,7 +156,8 @@ class Scheduler:
         more every step, and a walk per page made the scheduler's time per step grow with the cache)."""
         if not self.allocator.can_allocate(n):
             ahead = max(n - self.allocator.num_free, self.allocator.num_pages // 100)
-            self.allocator.free(self.cache.evict(ahead))
+            evicted = self.cache.evict(ahead) if self.tier is None else self.cache.evict(ahead, self.tier.evicting)
+            self.allocator.free(evicted)
         return self.allocator.allocate(n)
 
     def grow(self, req: Req, num_tokens: int) -> bool:
@@ -153,6 +176,8 @@ class Scheduler:
         (not `lock`) its partly filled last page as a tail; returns how many of its leading pages the tree owns."""
         result = self.cache.insert(req.fill_ids[:req.num_computed], req.pages, req.cache_namespace, tail=not lock)
         self.allocator.free(result.duplicates)
+        if self.tier is not None:
+            self.tier.cached(result.node)
         req.pages[:len(result.pages)] = result.pages
         if lock:
             self.cache.lock(result.node)

@@ -1,0 +1,221 @@
+"""KVFiles: the storage tier's directory, where page runs of KV outlive a worker's pool, shared by every worker of
+one model that mounts it.
+
+One file per page, named by the page's key: a hash chained over the tokens of every page before it and its own,
+starting from the identity of what the KV was computed with (`identity`: the model's weights, dtype, page layout,
+and the cache namespace: a LoRA adapter's). Two pages share a key only when the same tokens, after the same
+prefix, went through the same weights the same way, so a stored page can never answer for another prompt, model
+or adapter. Files sit under a directory per identity: a weight update starts a new one, and `flush` makes the old
+one unreachable at once (renamed away, deleted in the background).
+
+A file is a header (magic, format version, payload size, the payload's BLAKE2b digest, the key) and the page's
+bytes. It is written under a temporary name and renamed, so a reader sees a whole file or none; a file that is
+short, torn, corrupted or written for another key fails its check on read, is deleted and counts as a miss:
+the page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
+skipped write, and a counter, never an exception for the caller.
+
+The methods do blocking I/O: the engine calls them from its tier threads (kv_tiers.py), never its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDKV"
+FORMAT = 1
+HEADER = struct.Struct("<4sHxxQ32s32s")  # magic, format, payload bytes, digest, key (hex)
+KEY_BYTES = 16  # 32 hex digits
+
+
+def model_fingerprint(model_path: str) -> str:
+    """What identifies a checkpoint's weights wherever it is mounted: its config and, per weight file, its name,
+    size and the hash of its first MiB (a different checkpoint differs there; reading whole files would cost
+    seconds per gigabyte at every start)."""
+    h = hashlib.blake2b(digest_size=16)
+    root = Path(model_path)
+    if not root.exists():  # a name rather than a path: the name is all there is to go by
+        h.update(model_path.encode())
+        return h.hexdigest()
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt")) \
+            if root.is_dir() else [root]:
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def identity_key(identity: dict) -> str:
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=KEY_BYTES).hexdigest()
+
+
+def chain_keys(identity: str, pages: list[tuple]) -> list[str]:
+    """The key of each page of a run, given the radix cache's page keys (token ids, with a namespace string
+    first in the first page's key when there is one)."""
+    keys, prev = [], bytes.fromhex(identity)
+    for page in pages:
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
+        for item in page:
+            h.update(b"\xffns" + item.encode() + b"\0" if isinstance(item, str) else item.to_bytes(4, "little", signed=True))
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys
+
+
+@dataclass
+class FileCounts:
+    """What the directory did, for the tier's metrics (read by the engine thread; plain ints, no lock needed)."""
+
+    pages_read: int = 0
+    bytes_read: int = 0
+    pages_written: int = 0
+    bytes_written: int = 0
+    corrupt: int = 0  # files that failed their check (deleted)
+    errors: int = 0  # reads or writes that failed with an OSError
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class KVFiles:
+    def __init__(self, directory: str, page_bytes: int) -> None:
+        self.root = Path(directory)
+        self.page_bytes = page_bytes
+        self.counts = FileCounts()
+        self._identity = ""
+        self._lock = threading.Lock()  # guards `_identity` against a flush renaming its directory
+
+    @staticmethod
+    def check_directory(directory: str) -> None:
+        """Raise ValueError naming the problem when `directory` cannot be created or written (a start error)."""
+        root = Path(directory)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / f".probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"--hicache-storage-dir {directory!r} cannot be used: {exc.strerror or exc}") from None
+
+    def use(self, identity: str) -> None:
+        """Read and write under `identity` from now on (at start, and after a weight update)."""
+        with self._lock:
+            self._identity = identity
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    def _path(self, key: str) -> Path:
+        return self.root / self._identity / key[:2] / f"{key}.kv"
+
+    def contains(self, key: str) -> bool:
+        try:
+            return self._path(key).is_file()
+        except OSError:
+            return False
+
+    def read(self, key: str) -> bytes | None:
+        """The page stored under `key`, or None (absent, or failed its check: then deleted)."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(HEADER.size + self.page_bytes + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._count_error("read", exc)
+            return None
+        problem = self._check(data, key)
+        if problem is not None:
+            self.counts.corrupt += 1
+            log.warning("stored KV page %s is unusable (%s): deleted, the page is computed again", path, problem)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        self.counts.pages_read += 1
+        self.counts.bytes_read += self.page_bytes
+        return data[HEADER.size:]
+
+    def _check(self, data: bytes, key: str) -> str | None:
+        if len(data) < HEADER.size:
+            return "truncated header"
+        magic, fmt, size, digest, stored_key = HEADER.unpack_from(data)
+        if magic != MAGIC or fmt != FORMAT:
+            return "not a page file of this format"
+        if size != self.page_bytes or len(data) != HEADER.size + size:
+            return f"{len(data) - HEADER.size} bytes where {self.page_bytes} belong"
+        if stored_key.decode("ascii", "replace") != key:
+            return "written for another key"
+        if hashlib.blake2b(data[HEADER.size:], digest_size=32).digest() != digest:
+            return "checksum mismatch"
+        return None
+
+    def write(self, key: str, payload: bytes | memoryview) -> bool:
+        """Store one page under `key` (skipped when a file is there already); False when it could not be."""
+        if len(payload) != self.page_bytes:
+            raise ValueError(f"a page is {self.page_bytes} bytes, got {len(payload)}")
+        path = self._path(key)
+        if path.is_file():
+            return True
+        header = HEADER.pack(MAGIC, FORMAT, len(payload), hashlib.blake2b(payload, digest_size=32).digest(),
+                             key.encode("ascii"))
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            self._count_error("write", exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
+        self.counts.pages_written += 1
+        self.counts.bytes_written += len(payload)
+        return True
+
+    def flush(self) -> None:
+        """Make every page stored under the current identity unreachable now; the files go in the background."""
+        with self._lock:
+            current = self.root / self._identity
+            if not self._identity or not current.exists():
+                return
+            trash = self.root / f".flushed-{uuid.uuid4().hex}"
+            try:
+                os.replace(current, trash)
+            except OSError as exc:
+                self._count_error("flush", exc)
+                return
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                         name="kv-files-flush", daemon=True).start()
+
+    def occupancy(self) -> tuple[int, int]:
+        """(pages, bytes) stored under the current identity."""
+        pages = 0
+        try:
+            for sub in (self.root / self._identity).iterdir():
+                pages += sum(1 for p in sub.iterdir() if p.suffix == ".kv")
+        except OSError:
+            pass
+        return pages, pages * (HEADER.size + self.page_bytes)
+
+    def _count_error(self, what: str, exc: OSError) -> None:
+        self.counts.errors += 1
+        reason = f"{what}: {exc.strerror or type(exc).__name__}"
+        self.counts.by_reason[reason] = self.counts.by_reason.get(reason, 0) + 1
+        if self.counts.by_reason[reason] in (1, 100, 10000):  # the first of each kind, then rarely
+            log.warning("KV storage tier %s failed (%s x%d): %s", what, self.root, self.counts.by_reason[reason], exc)
+

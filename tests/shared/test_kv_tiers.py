@@ -1,0 +1,208 @@
+"""The storage tier under the radix cache (shared/kv_tiers.py, kv_files.py): a prompt whose KV a worker wrote
+before is served from the directory by a worker with a cold pool, with the same tokens as computing it; damaged,
+missing or foreign files are computed again, never read wrong; the pool's accounting holds throughout."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
+from pdserve.shared.engine import Engine
+from pdserve.shared.kv_files import HEADER, KVFiles, chain_keys, identity_key
+from pdserve.shared.req import Req
+from pdserve.shared.sampling_params import SamplingParams
+
+PAGE = 4
+PROMPT = [(i * 37 + 11) % 500 + 1 for i in range(41)]  # 10 full pages, and one token to compute
+
+
+def engine_for(model_dir: Path, storage: Path | None, pages: int = 64, policy: str = "write_through",
+               prefetch: str = "best_effort", timeout_s: float = 5.0, **config) -> Engine:
+    tiers = TierConfig(str(storage), policy, prefetch, timeout_s) if storage is not None else None
+    config = {"dtype": "float32", **config}
+    return Engine(RuntimeConfig(model_path=str(model_dir), cache=CacheConfig(page_size=PAGE, max_total_tokens=PAGE * pages),
+                                scheduler=SchedulerConfig(max_prefill_tokens=256), tiers=tiers, **config))
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], new_tokens: int = 6, deadline_s: float = 60.0) -> dict:
+    """{rid: (tokens, cached_tokens)} of greedy requests, the engine stepped here as its loop would."""
+    got: dict[str, tuple[list[int], int]] = {}
+
+    def collect(out):
+        tokens, _ = got.get(out.rid, ([], 0))
+        got[out.rid] = (tokens + list(out.token_ids), out.cached_tokens)
+
+    for rid, ids in prompts.items():
+        engine.add_request(Req(rid=rid, input_ids=list(ids), on_output=collect,
+                               params=SamplingParams(temperature=0, max_new_tokens=new_tokens)))
+    end = time.monotonic() + deadline_s
+    while engine.has_work() or (engine.tiers is not None and engine.tiers.held_reqs()):
+        assert time.monotonic() < end, "the engine did not finish"
+        if engine.tiers is not None:
+            engine.tiers.poll()
+        if engine.has_work():
+            engine.step()
+            report = engine.scheduler.check_integrity()
+            assert report.ok, report.message
+        else:
+            time.sleep(0.001)
+    return got
+
+
+def settle(engine: Engine, timeout_s: float = 30.0) -> None:
+    """Until every write asked for has landed."""
+    end = time.monotonic() + timeout_s
+    while engine.tiers._pending_write_pages:
+        assert time.monotonic() < end, "writes did not finish"
+        engine.tiers.poll()
+        time.sleep(0.002)
+
+
+def stored_files(storage: Path) -> list[Path]:
+    return sorted(storage.rglob("*.kv"))
+
+
+# ---------------------------------------------------------------- the directory
+def test_a_page_file_is_read_back_only_when_whole_and_its_own(tmp_path):
+    files = KVFiles(str(tmp_path), page_bytes=64)
+    files.use(identity_key({"model": "m"}))
+    a, b = chain_keys(files.identity, [(1, 2), (3, 4)])
+    assert files.write(a, bytes(range(64))) and files.write(b, bytes(64))
+    assert files.read(a) == bytes(range(64)) and files.contains(b)
+    path_a, path_b = files._path(a), files._path(b)
+    raw = bytearray(path_a.read_bytes())
+    raw[-1] ^= 1
+    path_a.write_bytes(raw)  # one bit flipped in the payload
+    assert files.read(a) is None and not path_a.exists()
+    os.replace(path_b, files._path(a))  # a whole file, under another page's name
+    assert files.read(a) is None
+    files.write(b, bytes(64))
+    path_b.write_bytes(path_b.read_bytes()[:HEADER.size + 10])  # torn
+    assert files.read(b) is None
+    assert files.counts.corrupt == 3 and files.counts.pages_read == 1
+    files.write(a, bytes(64))
+    files.flush()
+    assert files.read(a) is None and not files.contains(a)
+
+
+def test_keys_follow_the_prefix_the_namespace_and_the_identity():
+    one, two = identity_key({"weights": "w1"}), identity_key({"weights": "w2"})
+    base = chain_keys(one, [(1, 2), (3, 4)])
+    assert chain_keys(one, [(1, 2), (3, 4)]) == base
+    assert chain_keys(one, [(9, 2), (3, 4)])[1] != base[1]  # the same page after another prefix
+    assert chain_keys(one, [("adapter", 1, 2), (3, 4)])[0] != base[0]
+    assert chain_keys(two, [(1, 2), (3, 4)])[0] != base[0]
+
+
+def test_a_directory_that_cannot_be_written_is_a_start_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="--hicache-storage-dir"):
+        KVFiles.check_directory(str(blocker / "kv"))
+
+
+# ---------------------------------------------------------------- the engine
+def test_a_cold_pool_serves_a_stored_prefix_with_the_same_tokens(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": PROMPT})
+    first = engine_for(model, tmp_path)
+    assert run(first, {"a": PROMPT}) == plain
+    settle(first)
+    assert len(stored_files(tmp_path)) >= 10  # the prompt's pages (and the output's full pages)
+    cold = engine_for(model, tmp_path)
+    again = run(cold, {"a": PROMPT})
+    assert again["a"][0] == plain["a"][0]
+    assert again["a"][1] == 40  # every full page of the prompt came from storage: cached_tokens counts them
+    assert cold.tiers.stats()["hits"] == 1
+
+
+def test_damaged_missing_and_foreign_files_are_computed_again(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": PROMPT})
+    writer = engine_for(model, tmp_path)
+    run(writer, {"a": PROMPT})
+    settle(writer)
+    files = stored_files(tmp_path)
+    files[0].write_bytes(files[0].read_bytes()[:-3])  # truncated
+    raw = bytearray(files[1].read_bytes())
+    raw[HEADER.size + 5] ^= 0xFF  # corrupted
+    files[1].write_bytes(raw)
+    files[2].unlink()
+    for k in range(3):
+        cold = engine_for(model, tmp_path)
+        assert run(cold, {"a": PROMPT})["a"][0] == plain["a"][0]
+        settle(cold)
+    other = engine_for(model, tmp_path, quantization=None, dtype="bfloat16")  # other arithmetic: other keys
+    assert run(other, {"a": PROMPT})["a"][1] == 0
+
+
+def test_write_back_keeps_what_the_pool_evicts(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": PROMPT})
+    small = engine_for(model, tmp_path, pages=24, policy="write_back")
+    run(small, {"a": PROMPT})
+    assert not stored_files(tmp_path)  # nothing evicted yet
+    others = {f"b{k}": [(k * 13 + i * 7) % 400 + 50 for i in range(41)] for k in range(3)}
+    for rid, ids in others.items():
+        run(small, {rid: ids})
+    settle(small)
+    assert stored_files(tmp_path)
+    back = run(small, {"a2": PROMPT})["a2"]
+    assert back[0] == plain["a"][0] and back[1] > 0
+
+
+def test_an_abort_while_loading_leaves_nothing_behind(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    writer = engine_for(model, tmp_path)
+    run(writer, {"a": PROMPT})
+    settle(writer)
+    cold = engine_for(model, tmp_path)
+    outputs = []
+    cold.add_request(Req(rid="a", input_ids=list(PROMPT), on_output=outputs.append,
+                         params=SamplingParams(temperature=0, max_new_tokens=4)))
+    assert cold.tiers.held_reqs() and cold.scheduler.find("a")
+    assert cold.abort("a")
+    assert outputs[-1].finish_reason == "abort" and not cold.scheduler.live_reqs()
+    time.sleep(0.2)
+    cold.tiers.poll()  # the read ends after the abort: nothing is queued, no page is held
+    assert not cold.has_work() and cold.scheduler.check_integrity().ok
+    assert cold.allocator.num_free == cold.allocator.num_pages - cold.cache.num_pages
+
+
+@pytest.mark.parametrize("prefetch", ["timeout", "best_effort"])
+def test_a_read_slower_than_its_deadline_computes_instead(tiny_models, tmp_path, prefetch, monkeypatch):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": PROMPT})
+    writer = engine_for(model, tmp_path)
+    run(writer, {"a": PROMPT})
+    settle(writer)
+    cold = engine_for(model, tmp_path, prefetch=prefetch, timeout_s=0.2)
+    real_read = cold.tiers.files.read
+
+    def slow_read(key):  # a disk that answers two pages in time, then stalls
+        if cold.tiers.files.counts.pages_read >= 2:
+            time.sleep(0.3)
+        return real_read(key)
+    monkeypatch.setattr(cold.tiers.files, "read", slow_read)
+    started = time.monotonic()
+    tokens, cached = run(cold, {"a": PROMPT})["a"]
+    assert tokens == plain["a"][0]
+    assert time.monotonic() - started < 2.0
+    assert cold.tiers.stats()["given_up"] == 1
+    assert cached == (2 * PAGE if prefetch == "best_effort" else 0)
+
+
+def test_deterministic_bf16_is_identical_with_and_without_the_tier(default_model_dir, tmp_path, chat):
+    ids = chat("Summarise in one line: " + "the quick brown fox jumps over the lazy dog. " * 6)
+    prompts = {"a": ids}
+    config = dict(dtype="bfloat16", deterministic=True)
+    plain = run(engine_for(default_model_dir, None, pages=256, **config), prompts, new_tokens=12)
+    writer = engine_for(default_model_dir, tmp_path, pages=256, **config)
+    assert run(writer, prompts, new_tokens=12) == plain
+    settle(writer)
+    cold = engine_for(default_model_dir, tmp_path, pages=256, **config)
+    tokens, cached = run(cold, prompts, new_tokens=12)["a"]
+    assert tokens == plain["a"][0] and cached == (len(ids) - 1) // PAGE * PAGE
