@@ -6,7 +6,8 @@
 # That machine (../shared/notes/gpu.md) has Python 3.12, torch, triton, transformers, tokenizers, aiohttp,
 # numpy and safetensors, but not what the gateway and the workers import besides: pydantic (and its three
 # companions), redis, xgrammar (and the tvm-ffi runtime it loads), grpcio/protobuf recent enough for our
-# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35), pyzmq and msgpack (a worker's engine channel), and
+# generated stubs (grpcio >= 1.85.1, protobuf >= 7.35), pyzmq and msgpack (a worker's engine channel), orjson
+# (the gateway's JSON), and
 # OpenTelemetry's SDK and exporters (traces). gguf is left out: it is read only for GGUF models and
 # the check serves a safetensors one.
 #
@@ -26,6 +27,8 @@ WHEELS=(
   grpcio==1.85.3 protobuf==7.36.2
   # the local channel between a worker's front process and its engine process
   pyzmq==27.3.0 msgpack==1.2.4
+  # the gateway's JSON bodies and large answers
+  orjson==3.13.0
   # traces (services/tracing.py): the SDK, its OTLP exporters and what they bring
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2

@@ -1,11 +1,14 @@
-"""The gateway's own bounded thread pool for tokenizing and chat-template rendering of large inputs.
+"""The gateway's own bounded thread pool for the large work at its door: decoding large JSON bodies, tokenizing
+and chat-template rendering of large inputs, building and encoding large answers (many logprobs).
 
-The event loop serves every client: tokenizing a prompt of hundreds of kilobytes, or rendering thousands of chat
-messages, takes it away from all of them for seconds (and /live with it, which a liveness probe reads as a hung
-gateway). Inputs below OFFLOAD_CHARS run inline, where a thread hop would cost more than the work; larger ones
-run here, a few at a time. Fast tokenizers release the GIL while they encode; Jinja does not, but the loop still
-gets the interpreter every switch interval. The pool is its own, not asyncio's default executor, which DNS
-lookups and grammar compiles share. A handler cancelled while its work waits here takes the work out of the queue.
+The event loop serves every client: tokenizing a prompt of hundreds of kilobytes, rendering thousands of chat
+messages, decoding megabytes of JSON or formatting the logprobs of thousands of tokens takes it away from all of
+them for up to seconds (and /live with it, which a liveness probe reads as a hung gateway). Work below
+OFFLOAD_CHARS runs inline, where a thread hop would cost more than the work; larger work runs here, a few at a time.
+Fast tokenizers release the GIL while they encode; Jinja and Python code do not, but the loop still gets the
+interpreter every switch interval; a C JSON codec holds it to the end of its call, which orjson keeps short. The
+pool is its own, not asyncio's default executor, which DNS lookups and grammar compiles share. A handler cancelled
+while its work waits here takes the work out of the queue.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Callable, TypeVar
 from aiohttp import web
 
 T = TypeVar("T")
-OFFLOAD_CHARS = 8192  # characters (or token ids) of input below which the work runs on the event loop
+OFFLOAD_CHARS = 8192  # characters or token ids of input (entries of an answer) below which work runs inline
 DEFAULT_THREADS = 2
 
 

@@ -5,19 +5,18 @@ exception into `{"object": "error", "message", "type", "param", "code"}` with it
 unexpected becomes a 500 whose body names no internals (the traceback goes to the log only).
 
 `read_json` is the one door for JSON bodies: one over the app's `client_max_size` is a 413 as soon as it passes
-the limit, and JSON that Python accepts but nothing downstream can use (lone UTF-16 surrogates such as
-"\\ud800", nesting deeper than the parser's stack) is a 400.
+the limit, a large one is decoded off the event loop (`parse_body`), and JSON that Python accepts but nothing
+downstream can use (lone UTF-16 surrogates such as "\\ud800", nesting deeper than the parser's stack) is a 400.
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from pdserve.services.gateway.cpu_pool import CPU_POOL
+from pdserve.services.gateway.json_codec import LARGE_BODY, Decoded, decode
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -98,81 +97,35 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body is larger than the limit of {limit / (1 << 20):g} MiB.")
 
 
-# A \uD800-\uDFFF escape in the raw body: only then can the parsed JSON hold a lone surrogate (a valid pair
-# parses to one character), so the walk below runs only for bodies that have one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-LARGE_BODY = 1 << 20  # bytes of JSON from which it is parsed on the gateway's CPU pool
 _PARSED = "pdserve.parsed_body"
 
 
-async def parse_body(request: web.Request) -> tuple[object, str | None]:
-    """(the body's JSON value, None), or (None, why it is not JSON); parsed once per request (middlewares and
-    the handler share it). A large body is parsed on the gateway's CPU pool, with a Python hook per object and
-    number so that the event loop gets the interpreter back every switch interval: parsing 100k small objects
-    holds it for a few hundred milliseconds otherwise."""
+async def parse_body(request: web.Request) -> Decoded:
+    """The body's JSON value (json_codec.decode), decoded once per request: middlewares and the handler share it.
+    A body of LARGE_BODY bytes or more is decoded on the gateway's CPU pool: decoding megabytes of JSON (millions of
+    numbers, a logit_bias over the whole vocabulary) takes the event loop, and every stream it serves, for up to a
+    second otherwise."""
     if _PARSED not in request:
         raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
         pool = request.app.get(CPU_POOL)
         if len(raw) >= LARGE_BODY and pool is not None:
-            request[_PARSED] = await pool.run(len(raw), _loads, raw, True)
+            request[_PARSED] = await pool.run(len(raw), decode, raw, True)
         else:
-            request[_PARSED] = _loads(raw)
+            request[_PARSED] = decode(raw)
     return request[_PARSED]
-
-
-def _loads(raw: bytes, yielding: bool = False) -> tuple[object, str | None]:
-    hooks = {"object_hook": _same, "parse_int": _int} if yielding else {}
-    try:
-        return json.loads(raw or b"null", **hooks), None
-    except (ValueError, UnicodeDecodeError):
-        return None, "The request body is not valid JSON."
-    except RecursionError:
-        return None, "The request body is nested too deeply."
-
-
-def _same(value: dict) -> dict:
-    return value
-
-
-def _int(text: str) -> int:
-    return int(text)
 
 
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object; 400 when it is not one, 413 when it is over the size limit."""
-    body, problem = await parse_body(request)
+    body, problem, surrogate_at = await parse_body(request)
     if problem is not None:
         raise bad_request(problem)
-    raw = await request.read()  # aiohttp's cached copy
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
-    where = lone_surrogate(body) if _SURROGATE_ESCAPE.search(raw) else None
-    if where is not None:
-        raise bad_request(f"{where!r} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
-                          "which is not text.", where)
+    if surrogate_at is not None:
+        raise bad_request(f"{surrogate_at!r} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
+                          "which is not text.", surrogate_at)
     return body
-
-
-def lone_surrogate(value) -> str | None:
-    """The dotted path of the first string (or key) in `value` holding a lone surrogate; None when none does."""
-    stack = [("", value)]  # iterative: the body may be nested as deep as the JSON parser allows
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return path
-        elif isinstance(item, dict):
-            for key, sub in item.items():
-                sub_path = f"{path}.{key}" if path else str(key)
-                if _SURROGATE.search(key):
-                    return sub_path
-                stack.append((sub_path, sub))
-        elif isinstance(item, list):
-            stack.extend((f"{path}.{i}" if path else str(i), sub) for i, sub in enumerate(item))
-    return None
 
 
 @web.middleware

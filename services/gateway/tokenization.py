@@ -112,6 +112,10 @@ class ModelTokenizer:
         self.template_variables: frozenset[str] = names.variables - self.reserved_template_kwargs
         # Characters of the vocabulary's longest token: a text longer than the context times this cannot fit.
         self.max_token_chars = max((len(t) for t in self.tok.get_vocab()), default=1)
+        # Each token alone, as logprobs show it, worked out once per id of the vocabulary: an 8k-token echo with
+        # 20 top logprobs asks for ~170k of them, a second of decode calls, a few milliseconds of look-ups.
+        self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, tuple[int, ...]] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -149,16 +153,30 @@ class ModelTokenizer:
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        return self.decode([token_id], skip_special_tokens=False)
+        """One token's text, decoded alone (safe from any thread: the cache is a dict)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            if 0 <= token_id < self.vocab_size:
+                self._token_texts[token_id] = text
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The raw bytes of one token (byte-level BPE tokens may hold part of a UTF-8 character)."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._raw_bytes(token_id)
+            if 0 <= token_id < self.vocab_size:
+                self._token_bytes[token_id] = raw
+        return list(raw)
+
+    def _raw_bytes(self, token_id: int) -> tuple[int, ...]:
         piece = self.tok.convert_ids_to_tokens(token_id)
         if piece is None:
-            return []
+            return ()
         if all(ch in self._byte_decoder for ch in piece):
-            return [self._byte_decoder[ch] for ch in piece]
-        return list(piece.replace("\u2581", " ").encode("utf-8"))
+            return tuple(self._byte_decoder[ch] for ch in piece)
+        return tuple(piece.replace("\u2581", " ").encode("utf-8"))
 
 
 @lru_cache(maxsize=1)

@@ -1,5 +1,6 @@
 """The gateway's read-only state that every handler shares: the door to the workers (`backend`), the intake's
-checks of a request's inputs (`inputs`), what it serves and how it is set up; and the SSE response.
+checks of a request's inputs (`inputs`), what it serves and how it is set up; and the answers: the SSE response,
+and `json_answer`, which builds and writes a large answer off the event loop.
 
 Built once by `app.create_app`; handlers reach it as `request.app[GATEWAY]`.
 """
@@ -10,14 +11,16 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from aiohttp import web
 
 from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.workers.backend import Backend
-from pdserve.services.gateway.cpu_pool import CpuPool
+from pdserve.services.gateway.cpu_pool import OFFLOAD_CHARS, CpuPool
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.intake.inputs import GRAMMAR_COMPILE_TIMEOUT_S, Inputs
+from pdserve.services.gateway.json_codec import encode
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.services.gateway.workers.pool import Worker
@@ -91,6 +94,17 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+async def json_answer(request: web.Request, entries: int, build: Callable[[], object]) -> web.Response:
+    """The JSON answer `build()` makes. `entries`: about how many token texts and logprobs it holds. From
+    OFFLOAD_CHARS of them on, it is built and encoded (json_codec.encode) on the gateway's CPU pool: the top-20
+    logprobs of an 8k-token echo are ~170k token texts and 4 MiB of JSON, a second of the event loop, and of every
+    stream it serves, if done here. A smaller answer is built here and written by json.dumps, as any other."""
+    if entries < OFFLOAD_CHARS:
+        return web.json_response(build())
+    body = await request.app[GATEWAY].cpu.run(entries, lambda: encode(build()))
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
+
+
 class SSE:
     """A Server-Sent Events response: `data: <json>` events, then `data: [DONE]`.
 
@@ -109,10 +123,16 @@ class SSE:
     def started(self) -> bool:
         return self.response.prepared
 
-    async def send(self, obj: dict) -> None:
+    async def send(self, obj: dict, entries: int = 0) -> None:
+        """One event; `entries` as json_answer's: a large event (an echoed prompt's logprobs) is encoded on the
+        gateway's CPU pool."""
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self._write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        if entries < OFFLOAD_CHARS:
+            data = json.dumps(obj, ensure_ascii=False).encode()
+        else:
+            data = await self.request.app[GATEWAY].cpu.run(entries, encode, obj)
+        await self._write(b"data: " + data + b"\n\n")
 
     async def _write(self, data: bytes) -> None:
         await self._bounded(self.response.write(data))

@@ -7,7 +7,7 @@ import contextlib
 from aiohttp import web
 
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
 from pdserve.services.gateway.intake.dialects import NATIVE
 from pdserve.services.gateway.apis.admin.weights import weight_version
 from pdserve.services.gateway.errors import ApiError, read_json
@@ -137,10 +137,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream_generate(request, gw, req, jobs, gens, logprob_flags, intervals)
         results = await asyncio.gather(*(g.collect() for g in gens))
-    outputs = [_output(gw, req, job, gen, r, flag)
-               for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) for r in rs]
-    single = not batch and len(outputs) == 1
-    return web.json_response(outputs[0] if single else outputs)
+    single = not batch and sum(map(len, results)) == 1
+    entries = sum((len(r.logprobs) + len(gen.input_logprobs)) * (1 + job.params.top_logprobs_num)
+                  for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) if flag for r in rs)
+
+    def answer() -> dict | list[dict]:  # on the gateway's pool when it holds many logprobs (`json_answer`)
+        outputs = [_output(gw, req, job, gen, r, flag)
+                   for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) for r in rs]
+        return outputs[0] if single else outputs
+
+    return await json_answer(request, entries, answer)
 
 
 async def _stream_generate(request: web.Request, gw: Gateway, req: GenerateRequest, jobs: list[Job],

@@ -14,7 +14,7 @@ from aiohttp import web
 from pdserve.services import tracing
 from pdserve.services.gateway import intake
 from pdserve.services.gateway.apis import openai_format as fmt
-from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, new_id
+from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
 from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_COMPLETION
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.workers.fan_in import merge_updates
@@ -67,6 +67,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream_chat(request, gw, req, job, gen, parser, tools)
         results = await gen.collect()
+    entries = sum(len(r.logprobs) for r in results) * (1 + (req.top_logprobs or 0)) if req.logprobs else 0
+    return await json_answer(request, entries, lambda: _chat_answer(gw, req, job, gen, results, parser, tools))
+
+
+def _chat_answer(gw: Gateway, req: ChatCompletionRequest, job: Job, gen, results: list, parser: str | None,
+                 tools: ToolPlan) -> dict:
+    """The whole chat completion (on the gateway's pool when it holds many logprobs: `json_answer`)."""
     choices, reasoning_tokens = [], 0
     for r in results:
         content, reasoning = r.text, None
@@ -84,8 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                        calls.finish_reason(r.finish_reason, r.matched_stop)))
     usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
                       reasoning_tokens)
-    return web.json_response(fmt.chat_completion(job.public_id, int(time.time()), req.model or gw.served_model_name,
-                                                 choices, usage))
+    return fmt.chat_completion(job.public_id, int(time.time()), req.model or gw.served_model_name, choices, usage)
 
 
 def _render_ids(gw: Gateway, req: ChatCompletionRequest, messages: list[dict], tools: ToolPlan) -> list[int]:
@@ -177,6 +183,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream_completions(request, gw, req, rid, gens, echoes)
         results = await asyncio.gather(*(g.collect() for g in gens))
+    entries = 0 if req.logprobs is None else (1 + req.logprobs) * sum(
+        len(r.logprobs) + (len(gen.job.input_ids) if req.echo else 0) for gen, rs in zip(gens, results) for r in rs)
+    return await json_answer(request, entries, lambda: _completion_answer(gw, req, rid, gens, results, echoes))
+
+
+def _completion_answer(gw: Gateway, req: CompletionRequest, rid: str, gens: list, results: list,
+                       echoes: list[str]) -> dict:
+    """The whole completion (on the gateway's pool when it holds many logprobs: `json_answer`)."""
     choices = []
     for k, rs in enumerate(results):
         for r in rs:
@@ -188,8 +202,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                                  r.matched_stop))
     usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
                       cached_report(gw, req, sum(g.cached_tokens for g in gens)))
-    return web.json_response(fmt.completion(rid, int(time.time()), req.model or gw.served_model_name, choices,
-                                            usage))
+    return fmt.completion(rid, int(time.time()), req.model or gw.served_model_name, choices, usage)
 
 
 def _echo_logprobs(gw: Gateway, req: CompletionRequest, gen) -> dict:
@@ -206,10 +219,11 @@ async def _stream_completions(request: web.Request, gw: Gateway, req: Completion
         async for k, u in merge_updates(gens):
             if echoes[k] and k not in echoed:  # a prompt comes first, once its worker answered (with its logprobs)
                 echoed.add(k)
-                lps = _echo_logprobs(gw, req, gens[k]) if req.logprobs is not None else None
+                entries = 0 if req.logprobs is None else len(gens[k].job.input_ids) * (1 + req.logprobs)
+                lps = None if req.logprobs is None else await gw.cpu.run(entries, _echo_logprobs, gw, req, gens[k])
                 for i in range(req.n):
                     await sse.send(fmt.completion(rid, created, model, [
-                        fmt.completion_choice(k * req.n + i, echoes[k], lps, None, None)], None))
+                        fmt.completion_choice(k * req.n + i, echoes[k], lps, None, None)], None), entries)
             index = k * req.n + u.index
             lps = None
             if req.logprobs is not None and u.logprobs:

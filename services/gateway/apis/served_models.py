@@ -141,7 +141,7 @@ async def refuse_wrong_kind(request: web.Request, handler):
 
 
 async def _named_model(request: web.Request) -> str | None:
-    body, _ = await parse_body(request)  # parsed once: the handler gets the same (a body that is not JSON: None)
+    body = (await parse_body(request)).value  # decoded once: the handler gets the same (not JSON: None)
     name = body.get("model") if isinstance(body, dict) else None
     return name if isinstance(name, str) else None
 

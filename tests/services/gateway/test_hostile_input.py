@@ -112,6 +112,54 @@ def test_deeply_nested_json_is_400(colocated):
     check_error(r, 400)
 
 
+# ---------------------------------------------------------------- large bodies, decoded off the event loop
+PAD = b" " * (256 << 10)  # whitespace before the JSON: the same request, in a body decoded on the gateway's pool
+
+
+def send_raw(gw, path: str, body: bytes) -> requests.Response:
+    return requests.post(gw.url + path, data=body, timeout=120, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [7] * 1_000_000}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(1_000_000))}, "stop_token_ids"),
+    ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [7] * 1_000_000}},
+     "sampling_params.stop_token_ids"),
+])
+def test_a_million_stop_token_ids_are_400_naming_the_field_and_the_limit(colocated, path, body, param):
+    message = check_error(post(colocated.open, path, body), 400, param)["message"]
+    assert "1000000 entries" in message and "the limit is 256" in message and "--max-stop-token-ids" in message
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json",
+    b'{"prompt": "x", "max_tokens": 2,',
+    b'{"a": ' + b"[" * 5000,  # deeper than either decoder goes
+    b"[1, 2, 3]",
+    b'{"prompt": ["ok", "x\\ud800"], "max_tokens": 2}',
+    b'{"prompt": "x", "max_tokens": 2, "seed": 1180591620717411303425}',  # 2**70 + 1: beyond 64 bits, exactly
+    b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}',  # Python's JSON, as before
+], ids=["not-json", "cut-off", "too-deep", "not-an-object", "lone-surrogate", "huge-int", "nan"])
+def test_a_large_bad_body_is_refused_as_its_small_twin(colocated, body):
+    small, large = (send_raw(colocated.open, "/v1/completions", b) for b in (body, PAD + body))
+    refusal = check_error(small, 400)
+    assert large.status_code == 400 and large.json() == refusal
+    if b"ud800" in body:
+        assert refusal["param"] == "prompt.1" and "surrogate" in refusal["message"]
+    if b"seed" in body:  # read as the integer it is, never rounded to a float
+        assert refusal["param"] == "seed" and "got 1180591620717411303425" in refusal["message"]
+    if b"NaN" in body:
+        assert refusal["param"] == "temperature" and "finite" in refusal["message"]
+
+
+def test_a_large_body_gets_the_answer_of_its_small_twin(colocated):
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "seed": 2**62,
+                       "logit_bias": {"11": -5.5}, "stop": ["\u00e9t\u00e9"]}).encode()
+    small, large = (send_raw(colocated.open, "/v1/completions", b) for b in (body, PAD + body))
+    assert small.status_code == large.status_code == 200, (small.text, large.text)
+    assert large.json()["choices"] == small.json()["choices"] and large.json()["usage"] == small.json()["usage"]
+
+
 # ---------------------------------------------------------------- stop strings
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(5000)]}, "stop"),

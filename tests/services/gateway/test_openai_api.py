@@ -165,6 +165,29 @@ def test_completions_forms(colocated, tok):
     assert values[1:] == pytest.approx(lps.token_logprobs[1:], abs=1e-4)
 
 
+def test_a_long_echo_with_20_logprobs_is_the_short_answer_with_more_alternatives(colocated, tok):
+    # 400 prompt tokens x (1 + 20 alternatives): an answer the gateway builds and encodes on its CPU pool; with
+    # one alternative it is small and built inline. Everything but the alternatives is the same.
+    c = client(colocated.open)
+    name = model_name(colocated.open)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog; é ü 東京. " * 30, add_special_tokens=False)[:400]
+    ask = dict(model=name, prompt=ids, temperature=0, max_tokens=2, echo=True)
+    wide, narrow = (c.completions.create(**ask, logprobs=n) for n in (20, 1))
+    a, b = wide.choices[0], narrow.choices[0]
+    assert a.text == b.text and a.logprobs.tokens == b.logprobs.tokens and len(a.logprobs.tokens) == 402
+    assert a.logprobs.text_offset == b.logprobs.text_offset
+    assert a.logprobs.token_logprobs[0] is None
+    assert a.logprobs.token_logprobs[1:] == pytest.approx(b.logprobs.token_logprobs[1:], abs=1e-4)
+    assert a.logprobs.top_logprobs[0] is None and all(0 < len(top) <= 20 for top in a.logprobs.top_logprobs[1:])
+    for wide_top, narrow_top in zip(a.logprobs.top_logprobs[1:], b.logprobs.top_logprobs[1:]):
+        (best, value), = narrow_top.items()
+        if "\ufffd" not in best:  # tokens holding part of a character share that text: a key may repeat
+            assert wide_top[best] == pytest.approx(value, abs=1e-4) and max(wide_top.values()) == wide_top[best]
+    streamed = list(c.completions.create(**ask, logprobs=20, stream=True))
+    echoed = streamed[0].choices[0].logprobs
+    assert echoed.tokens == a.logprobs.tokens[:400] and echoed.top_logprobs[1:] == a.logprobs.top_logprobs[1:400]
+
+
 def test_completions_stop_logprobs_and_stream(colocated):
     c = client(colocated.open)
     name = model_name(colocated.open)
