@@ -40,6 +40,12 @@ OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS}
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter", "/flush_cache",
                          "/abort_request", "/start_expert_distribution_record", "/stop_expert_distribution_record",
                          "/dump_expert_distribution_record"})
+# Where an operator finds the admin key, for the 401 of an admin route (no value of it, only its places): `pdserve
+# up` (services/up_plan.admin_key_path), compose.yaml, the Helm chart (tests/security/test_admin_key.py checks them).
+ADMIN_KEY_WHERE = ("The admin key is the gateway's PDSERVE_ADMIN_API_KEY or --admin-api-key-file: `pdserve up` writes "
+                   "it to <state dir>/admin-api-key (~/.local/state/pdserve/admin-api-key by default), Docker Compose "
+                   "to /run/pdserve-secrets/admin-api-key in the gateway container, and the Helm chart keeps it in the "
+                   "Secret <release>-pdserve-admin-api-key (or the one adminApiKey.existingSecret names).")
 access_log = logging.getLogger("pdserve.access")
 body_log = logging.getLogger("pdserve.requests")
 # Asked every few seconds: their access lines are at debug level.
@@ -187,8 +193,8 @@ async def check_api_key(request: web.Request, handler):
                                 "(PDSERVE_ADMIN_API_KEY or --admin-api-key-file), or with --open-admin-routes to let "
                                 "them take the API key as before.")
         if not _is(given, gw.admin_api_key):
-            raise ApiError(401, "This is an admin route: send 'Authorization: Bearer <admin key>' (the gateway's "
-                                "--admin-api-key; the API key is not enough).")
+            raise ApiError(401, "This is an admin route: send 'Authorization: Bearer <admin key>' (the API key is "
+                                f"not enough). {ADMIN_KEY_WHERE}")
         return await handler(request)
     if gw.api_key and not (_is(given, gw.api_key) or _is(given, gw.admin_api_key)):
         raise ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' "

@@ -6,10 +6,16 @@ GET too) or start recording.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import requests
 
 from harness import ADMIN_KEY, API_KEY, start_gateway, worker_call
+from pdserve.services.up_flags import default_state_dir
+from pdserve.services.up_plan import admin_key_path
+
+REPO = Path(__file__).resolve().parents[2]
 
 ADMIN_ROUTES = [("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/abort_request"),
                 ("POST", "/update_weights_from_disk"), ("POST", "/load_lora_adapter"),
@@ -48,6 +54,21 @@ def cache_something(gw) -> None:
 def test_the_inference_key_is_refused_on_admin_routes(gateways, method, path):
     r = requests.request(method, gateways["keyed"].url + path, headers=bearer(API_KEY), json={}, timeout=30)
     assert r.status_code == 401 and "admin route" in r.json()["message"]
+
+
+def test_the_401_says_where_the_admin_key_is_and_holds_no_key(gateways, monkeypatch):
+    message = requests.post(gateways["keyed"].url + "/flush_cache", headers=bearer(API_KEY),
+                            timeout=30).json()["message"]
+    assert ADMIN_KEY not in message and API_KEY not in message
+    # Each place it names is where that way of starting pdserve keeps the key.
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert f"<state dir>/{admin_key_path(Path('.')).name}" in message
+    assert str(admin_key_path(default_state_dir())).replace(str(Path.home()), "~", 1) in message
+    assert "/run/pdserve-secrets/admin-api-key" in message
+    assert 'PDSERVE_ADMIN_API_KEY="$$(cat /run/pdserve-secrets/admin-api-key)"' in (REPO / "compose.yaml").read_text()
+    assert "<release>-pdserve-admin-api-key" in message and "adminApiKey.existingSecret" in message
+    helpers = (REPO / "helm" / "pdserve" / "templates" / "_helpers.tpl").read_text()
+    assert 'printf "%s-admin-api-key" (include "pdserve.fullname" .)) .Values.adminApiKey.existingSecret' in helpers
 
 
 def test_a_flush_with_the_inference_key_changes_nothing_and_the_admin_key_flushes(gateways, hostile):
