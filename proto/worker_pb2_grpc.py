@@ -67,7 +67,7 @@ class WorkerStub:
                 _registered_method=True)
         self.FlushCache = channel.unary_unary(
                 '/pdserve.Worker/FlushCache',
-                request_serializer=worker__pb2.Empty.SerializeToString,
+                request_serializer=worker__pb2.FlushRequest.SerializeToString,
                 response_deserializer=worker__pb2.FlushReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
@@ -231,7 +231,7 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'FlushCache': grpc.unary_unary_rpc_method_handler(
                     servicer.FlushCache,
-                    request_deserializer=worker__pb2.Empty.FromString,
+                    request_deserializer=worker__pb2.FlushRequest.FromString,
                     response_serializer=worker__pb2.FlushReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -458,7 +458,7 @@ class Worker:
             request,
             target,
             '/pdserve.Worker/FlushCache',
-            worker__pb2.Empty.SerializeToString,
+            worker__pb2.FlushRequest.SerializeToString,
             worker__pb2.FlushReply.FromString,
             options,
             channel_credentials,

@@ -228,6 +228,8 @@ class SchedulerConfig:
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# The tiers of cached KV that /flush_cache may name (`?tiers=`): the pool's prefix cache, and the storage tier.
+CACHE_TIERS = ("device", "storage")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ MAGIC = b"PDKV"
 FORMAT = 1
 HEADER = struct.Struct("<4sHxxQ32s32s")  # magic, format, payload bytes, digest, key (hex)
 KEY_BYTES = 16  # 32 hex digits
+COUNT_EVERY_S = 5.0  # the directory's files are counted in the background at most this often (a walk takes seconds)
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -95,6 +97,10 @@ class KVFiles:
         self.counts = FileCounts()
         self._identity = ""
         self._lock = threading.Lock()  # guards `_identity` against a flush renaming its directory
+        self._occupancy = (0, 0)  # (pages, bytes) at the latest count
+        self._counted_at = -COUNT_EVERY_S
+        self._counting = 0  # the generation of the count under way (0: none); a flush or `use` starts a new one
+        self._generation = 1
 
     @staticmethod
     def check_directory(directory: str) -> None:
@@ -112,6 +118,7 @@ class KVFiles:
         """Read and write under `identity` from now on (at start, and after a weight update)."""
         with self._lock:
             self._identity = identity
+            self._forget_count()
 
     @property
     def identity(self) -> str:
@@ -199,18 +206,38 @@ class KVFiles:
             except OSError as exc:
                 self._count_error("flush", exc)
                 return
+            self._forget_count()
         threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
                          name="kv-files-flush", daemon=True).start()
 
     def occupancy(self) -> tuple[int, int]:
-        """(pages, bytes) stored under the current identity."""
+        """(pages, bytes) stored under the current identity as of the latest count, which a thread of its own takes
+        at most every COUNT_EVERY_S: the caller (the engine thread, a scrape) never waits on a walk of the
+        directory. (0, 0) until the first count is in, and right after a flush."""
+        with self._lock:
+            if not self._counting and time.monotonic() - self._counted_at >= COUNT_EVERY_S:
+                self._counting, self._counted_at = self._generation, time.monotonic()
+                threading.Thread(target=self._count, args=(self.root / self._identity, self._generation),
+                                 name="kv-files-count", daemon=True).start()
+            return self._occupancy
+
+    def _count(self, directory: Path, generation: int) -> None:
         pages = 0
         try:
-            for sub in (self.root / self._identity).iterdir():
+            for sub in directory.iterdir():
                 pages += sum(1 for p in sub.iterdir() if p.suffix == ".kv")
         except OSError:
             pass
-        return pages, pages * (HEADER.size + self.page_bytes)
+        with self._lock:
+            if generation == self._generation:  # no flush or new identity since it started
+                self._occupancy = (pages, pages * (HEADER.size + self.page_bytes))
+            if self._counting == generation:
+                self._counting = 0
+
+    def _forget_count(self) -> None:
+        """Under the lock: what was counted is of another directory now; the next `occupancy` counts again."""
+        self._generation += 1
+        self._occupancy, self._counted_at, self._counting = (0, 0), -COUNT_EVERY_S, 0
 
     def _count_error(self, what: str, exc: OSError) -> None:
         self.counts.errors += 1

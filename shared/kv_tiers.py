@@ -232,6 +232,11 @@ class StorageTier:
         self.cache.lock(node)  # the path's pages stay as they are until the writer has read them
         self._writes.put((keys, [n.page for n in todo], (node, todo)))
 
+    @property
+    def writing(self) -> bool:
+        """Whether pages asked to be written are not yet (write_through keeps their paths locked meanwhile)."""
+        return self._pending_write_pages > 0
+
     def _room(self, pages: int) -> bool:
         if self._pending_write_pages + pages > max(1, self.pool.num_pages // 4):
             self.counts.writes_dropped += pages

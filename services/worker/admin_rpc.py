@@ -23,9 +23,9 @@ class AdminRpcs:
     async def Load(self, request, context):
         return pb.LoadReply(**await self._call_or_abort(context, "load"))
 
-    async def FlushCache(self, request, context):
-        ok = await self._call_or_abort(context, "flush_cache")
-        return pb.FlushReply(ok=ok, message="cache flushed" if ok else "requests are running; cache not flushed")
+    async def FlushCache(self, request: pb.FlushRequest, context):
+        # Waits up to engine_admin_calls.FLUSH_WRITES_WAIT_S for the storage tier's writes, beyond the usual call.
+        return pb.FlushReply(**await self._call_or_abort(context, "flush_cache", tiers=list(request.tiers)))
 
     async def Stats(self, request, context):
         return pb.PoolStats(**await self._call_or_abort(context, "pool_stats"))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pdserve.services.worker.settings import add_expert_arguments
+from pdserve.services.worker.tier_flags import add_tier_arguments, tier_config
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
 from pdserve.shared.logs import add_log_arguments, setup_logging
@@ -109,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                  "are pooling models by themselves")
     if command in ("colocated", "decode"):
         add_speculative_arguments(parser)
+    if command in ("colocated", "prefill"):  # the roles that compute prompts; decode gets their KV from prefill
+        add_tier_arguments(parser)
     if command == "decode":
         parser.add_argument("--local-prefill-max-tokens", type=int, default=sched.local_prefill_max_tokens,
                             metavar="TOKENS", help="compute a prompt here, not on a prefill worker, when this "
@@ -192,6 +195,7 @@ def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
         is_embedding=getattr(args, "is_embedding", False),
         quantization=args.quantization,
         speculative=speculative_config(args),
+        tiers=tier_config(args),
     )
 
 
@@ -207,6 +211,14 @@ def main(args: argparse.Namespace, command: str) -> int:
         return 1
     if command == "colocated" and is_encoder_checkpoint(model_path):
         return _serve_encoder(config, args)
+    if config.tiers is not None:  # before the engine process loads the model
+        from pdserve.shared.kv_files import KVFiles
+
+        try:
+            KVFiles.check_directory(config.tiers.storage_dir)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     # A generative worker's front: gRPC and HTTP here, the model in the engine process it starts (no torch here).
     from pdserve.services.worker.app import WorkerApp
 

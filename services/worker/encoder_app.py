@@ -62,6 +62,9 @@ class EncoderWorkerService(pb_grpc.WorkerServicer):
 
 class EncoderWorkerApp:
     def __init__(self, config: RuntimeConfig, args: argparse.Namespace) -> None:
+        if config.tiers is not None:
+            raise ValueError("--enable-hierarchical-cache does not apply to an embedding worker: an encoder keeps "
+                             "no KV cache between requests")
         import torch
 
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)  # auto: the checkpoint's

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import asdict
 
 from prometheus_client import generate_latest
 
 from pdserve.shared.compat import WeightsVersion
+from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir
 from pdserve.shared.lora import AdapterNotFound, LoraError
 
@@ -16,6 +18,7 @@ log = logging.getLogger("pdserve.worker")
 ENGINE_TIMEOUT_S = 30.0  # for the engine thread to take a command from a host thread
 METRICS_REFRESH_S = 0.5  # a scrape never waits longer than this on a step (see metrics.REFRESH_TIMEOUT_S)
 WEIGHTS_BUILD_TIMEOUT_S = 600.0
+FLUSH_WRITES_WAIT_S = 5.0  # how long a flush waits for the storage tier's writes, which hold their pages
 
 
 def runs(where: str):
@@ -36,11 +39,43 @@ class AdminCalls:
     # ------------------------------------------------------------ inspection
     @runs("engine")
     def call_load(self) -> dict:
-        return self.engine.load()
+        load = self.engine.load()
+        if self.engine.tiers is not None:  # what its directory holds, as of the latest count
+            stored = self.engine.tiers.stats()
+            load.update(storage_tier=True, storage_pages=stored["storage_pages"], storage_bytes=stored["storage_bytes"])
+        return load
 
-    @runs("engine")
-    def call_flush_cache(self) -> bool:
-        return self.engine.flush_cache()
+    @runs("thread")
+    def call_flush_cache(self, tiers: list[str] | tuple[str, ...] = ()) -> dict:
+        """Empty the named tiers of cached KV (none named: every tier). The pool's prefix cache empties only while
+        nothing runs; pages the storage tier is still writing are locked until written, so that is waited for."""
+        unknown = [t for t in tiers if t not in CACHE_TIERS]
+        if unknown:
+            raise ValueError(f"tiers: unknown tier {unknown[0]!r} (known: {', '.join(CACHE_TIERS)})")
+        names = set(tiers or CACHE_TIERS)
+        engine, storage = self.engine, "storage" in names
+        if "device" not in names:
+            if engine.tiers is None:
+                return {"ok": True, "message": "this worker has no storage tier"}
+            self.on_engine(engine.tiers.flush)
+            return {"ok": True, "message": "storage tier flushed"}
+
+        def attempt() -> bool | None:  # None: only the storage tier's writes stand in the way
+            if engine.flush_cache(storage=storage):
+                return True
+            return None if not engine.scheduler.live_reqs() and engine.tiers is not None and engine.tiers.writing \
+                else False
+
+        deadline = time.monotonic() + FLUSH_WRITES_WAIT_S
+        while (flushed := self.on_engine(attempt)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if flushed is None:
+            return {"ok": False, "message": f"the storage tier's writes did not finish in {FLUSH_WRITES_WAIT_S:g} s; "
+                                            "cache not flushed"}
+        if not flushed:
+            return {"ok": False, "message": "requests are running; cache not flushed"}
+        done = "device and storage" if storage and engine.tiers is not None else "device"
+        return {"ok": True, "message": f"cache flushed ({done})"}
 
     @runs("engine")
     def call_pool_stats(self) -> dict:

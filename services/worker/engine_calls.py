@@ -65,6 +65,9 @@ class EngineCalls(AdminCalls):
                 raise ValueError(f"{runner.model_config.architecture} with --is-embedding serves embeddings or "
                                  "scores, which need no prefill/decode split: run it as `pdserve colocated`")
             self.pooled = DecoderPooling.for_model(config.model_path, runner.model_config.is_classifier)
+            if config.tiers is not None:
+                raise ValueError(f"--enable-hierarchical-cache does not apply to {runner.model_config.architecture}: "
+                                 "a pooling model's prompts are never read back from a KV tier")
         self.experts = expert_settings(args, f"{role.value}-{args.port}")
         if self.experts.mode is not None and runner.model_config.moe is None:
             raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
@@ -87,6 +90,8 @@ class EngineCalls(AdminCalls):
                              transfer_fn=self._write_kv if wiring.transfer == "sender" else None,
                              poll_fn=self.transfer.poll if wiring.transfer == "receiver" else None,
                              observer=self.metrics)
+        if self.engine.tiers is not None:
+            self.metrics.watch_tier()
         self.runner = runner
         self.starting: dict[str, bool] = {}  # rid -> aborted, while its grammar compiles
         self._starting_lock = threading.Lock()

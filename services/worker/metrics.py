@@ -7,7 +7,8 @@ for SGLang read pdserve as they are; what SGLang has no name for is `pdserve_wor
   decode worker its time to first token, inter-token and end-to-end latency and generated tokens. A
   colocated worker reports all of them. Summed over workers, no token is counted twice;
 - each KV transfer of a prefill worker (`transferred`, `transfer_failed`), by decode peer;
-- the engine's queues and KV pool, read on the engine thread when scraped (`refresh`).
+- the engine's queues and KV pool, read on the engine thread when scraped (`refresh`);
+- the storage tier, where there is one (tier_metrics.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections import deque
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.services.worker.tier_metrics import TierMetrics
 from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.observer import RequestObserver
@@ -115,6 +117,11 @@ class WorkerMetrics(RequestObserver):
                                           NAME + ["peer"], buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "KV writes that failed",
                                          NAME + ["peer"], registry=r)
+        self.tiers: TierMetrics | None = None  # the storage tier's series, where the worker has one (`watch_tier`)
+
+    def watch_tier(self) -> None:
+        """The engine has a storage tier (--enable-hierarchical-cache): its series too, from now on."""
+        self.tiers = TierMetrics(self.registry, self.model_name, self.page_size)
 
     def _cache_config_info(self, registry: CollectorRegistry, num_pages: int) -> None:
         # SGLang's label names, and vLLM's beside them: an endpoint picker pointed at this metric with
@@ -190,6 +197,8 @@ class WorkerMetrics(RequestObserver):
         self._refresh_requests(engine.scheduler.live_reqs())
         if engine.speculator is not None:
             self._refresh_speculation(engine)
+        if self.tiers is not None and engine.tiers is not None:
+            self.tiers.refresh(engine.tiers.stats())
 
     def _refresh_speculation(self, engine: Engine) -> None:
         spec = engine.speculator

@@ -97,6 +97,19 @@ def test_keys_follow_the_prefix_the_namespace_and_the_identity():
     assert chain_keys(two, [(1, 2), (3, 4)])[0] != base[0]
 
 
+def test_occupancy_is_counted_off_the_caller_and_empty_after_a_flush(tmp_path):
+    files = KVFiles(str(tmp_path), page_bytes=64)
+    files.use(identity_key({"model": "m"}))
+    for key in chain_keys(files.identity, [(1, 2), (3, 4), (5, 6)]):
+        files.write(key, bytes(64))
+    end = time.monotonic() + 10
+    while files.occupancy() != (3, 3 * (HEADER.size + 64)):  # the first call starts a count and answers at once
+        assert time.monotonic() < end, files.occupancy()
+        time.sleep(0.01)
+    files.flush()
+    assert files.occupancy() == (0, 0)
+
+
 def test_a_directory_that_cannot_be_written_is_a_start_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -19,6 +19,7 @@ from pdserve.services.gateway.siblings import SIBLINGS
 from pdserve.services.gateway.intake.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
                                                DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
                                                parse, per_prompt, refuse_unsupported)
+from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.sampling_params import SamplingParams
 
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
@@ -230,10 +231,14 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's /flush_cache; `?tiers=device` (or `storage`, comma-separated or repeated) empties only those tiers
+    of cached KV, every tier by default."""
     gw = request.app[GATEWAY]
-    results = await gw.backend.flush_cache()
+    tiers = flush_tiers(request)
+    results = await gw.backend.flush_cache(tiers)
     flushed = [addr for addr, ok, _ in results if ok]
-    if flushed and SIBLINGS in request.app:  # their routers too send prompts by the prefixes that are gone
+    if flushed and SIBLINGS in request.app and (not tiers or "device" in tiers):
+        # their routers too send prompts by the prefixes that are gone
         await request.app[SIBLINGS].tell("forget", {"addresses": flushed}, gw.backend.settings.rpc_timeout_s)
     failed = [f"{addr}: {msg}" for addr, ok, msg in results if not ok]
     if not results:
@@ -243,6 +248,14 @@ async def flush_cache(request: web.Request) -> web.Response:
                        + "; ".join(failed))
     return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are running "
                              "or waiting requests, the operation will not be performed.)\n")
+
+
+def flush_tiers(request: web.Request) -> tuple[str, ...]:
+    names = [t.strip() for value in request.query.getall("tiers", []) for t in value.split(",") if t.strip()]
+    unknown = [t for t in names if t not in CACHE_TIERS]
+    if unknown:
+        raise ApiError(400, f"tiers: unknown tier {unknown[0]!r} (known: {', '.join(CACHE_TIERS)})", param="tiers")
+    return tuple(dict.fromkeys(names))
 
 
 # ---------------------------------------------------------------- tokenizer

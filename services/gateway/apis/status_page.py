@@ -107,7 +107,10 @@ def describe_worker(w) -> dict:
     if load is not None and load.total_pages:
         kv = {"used_pages": load.total_pages - load.free_pages, "total_pages": load.total_pages,
               "cached_pages": load.cached_pages,
-              "fraction": (load.total_pages - load.free_pages) / load.total_pages}
+              "fraction": (load.total_pages - load.free_pages) / load.total_pages,
+              # the storage tier below the pool (--enable-hierarchical-cache), where the worker has one
+              "storage": ({"pages": load.storage_pages, "bytes": load.storage_bytes} if load.storage_tier
+                          else None)}
     return {"address": w.address, "role": w.role, "healthy": w.healthy, "last_error": w.last_error or None,
             "in_flight": w.in_flight, "running": load.running if load else None,
             "queued": load.waiting if load else None, "kv": kv,
@@ -304,7 +307,9 @@ function render(s) {
   for (const [role, workers] of Object.entries(s.workers)) {
     for (const w of workers) {
       const kv = w.kv ? `<span class="bar"><i style="width:${(100 * w.kv.fraction).toFixed(1)}%"></i></span> ` +
-                        `${(100 * w.kv.fraction).toFixed(1)}% (${w.kv.used_pages}/${w.kv.total_pages} pages)` : "–";
+                        `${(100 * w.kv.fraction).toFixed(1)}% (${w.kv.used_pages}/${w.kv.total_pages} pages)` +
+                        (w.kv.storage ? ` · storage ${w.kv.storage.pages} pages ` +
+                                        `(${(w.kv.storage.bytes / 1048576).toFixed(1)} MiB)` : "") : "–";
       const spec = w.spec ? `accept len ${w.spec.accept_length.toFixed(2)}, rate ` +
                             `${(100 * w.spec.accept_rate).toFixed(0)}%` : "–";
       const health = w.healthy ? `<span class="healthy">healthy</span>`

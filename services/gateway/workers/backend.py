@@ -210,16 +210,18 @@ class Backend:
                                        lambda w: w.stub.Abort(request, timeout=self.settings.rpc_timeout_s))
         return list(dict.fromkeys(i for r in replies if isinstance(r, pb.AbortReply) for i in r.aborted))
 
-    async def flush_cache(self) -> list[tuple[str, bool, str]]:
-        """FlushCache on every worker holding a prefix cache: (address, ok, message) each."""
+    async def flush_cache(self, tiers: tuple[str, ...] = ()) -> list[tuple[str, bool, str]]:
+        """FlushCache of `tiers` (none: every tier) on every worker holding a prefix cache: (address, ok, message)
+        each."""
         workers = self.pool.of_role(self.pool.cache_role)
-        replies = await self.broadcast(workers, lambda w: w.stub.FlushCache(pb.Empty(),
+        request = pb.FlushRequest(tiers=list(tiers))
+        replies = await self.broadcast(workers, lambda w: w.stub.FlushCache(request,
                                                                               timeout=self.settings.rpc_timeout_s))
         out = []
         for w, r in zip(workers, replies):
             if isinstance(r, pb.FlushReply):
                 out.append((w.address, r.ok, r.message))
-                if r.ok:
+                if r.ok and (not tiers or "device" in tiers):  # its pool holds no prefix any more
                     self.router.forget(w.address)
             elif isinstance(r, grpc.aio.AioRpcError):
                 out.append((w.address, False, r.details() or r.code().name))

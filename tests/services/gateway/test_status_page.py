@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pdserve.services.gateway.apis import jobs_proxy
 from pdserve.services.gateway.apis.context import GATEWAY
-from pdserve.services.gateway.apis.status_page import Snapshot, batches_in_flight, median_between
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.apis.status_page import Snapshot, batches_in_flight, describe_worker, median_between
 
 TIMEOUT = 60
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -64,6 +65,7 @@ def test_status_json_shows_workers_requests_and_recent_throughput(colocated):
     assert worker["address"] == colocated.worker and worker["role"] == "colocated" and worker["healthy"] is True
     assert worker["running"] == 0 and worker["queued"] == 0 and worker["in_flight"] == 0
     assert worker["kv"]["total_pages"] > 0 and 0 <= worker["kv"]["fraction"] <= 1
+    assert worker["kv"]["storage"] is None  # no storage tier on this worker
     assert body["requests"] == {"running": 0, "queued": 0}
     assert "batches_in_flight" not in body  # no --jobs-url
     active = [p for p in body["samples"]["points"] if p["tokens_per_s"] > 0]
@@ -103,6 +105,17 @@ def test_page_asks_for_the_key_in_chromium(colocated, tmp_path):
     dom = chromium("--dump-dom", colocated.secured.url + "/", cwd=tmp_path)
     assert 'id="keyform" style="display: block;"' in dom
     assert colocated.worker not in dom
+
+
+def test_a_worker_with_a_storage_tier_shows_its_occupancy():
+    def worker(**load) -> SimpleNamespace:
+        return SimpleNamespace(address="w:1", role="prefill", healthy=True, last_error="", in_flight=0,
+                               load=pb.LoadReply(total_pages=100, free_pages=40, **load))
+
+    tiered = describe_worker(worker(storage_tier=True, storage_pages=1200, storage_bytes=1200 * 36928))
+    assert tiered["kv"]["storage"] == {"pages": 1200, "bytes": 1200 * 36928}
+    assert tiered["kv"]["used_pages"] == 60
+    assert describe_worker(worker())["kv"]["storage"] is None
 
 
 def test_ttft_median_is_interpolated_within_the_interval():

@@ -1,0 +1,62 @@
+"""TierMetrics: the storage tier's series on a worker's /metrics (--enable-hierarchical-cache), beside WorkerMetrics.
+
+SGLang's names where SGLang has one (`sglang:prefetched_tokens`, `sglang:backuped_tokens`),
+`pdserve_worker_kv_storage_*` for the rest. The tier keeps running totals (StorageTier.stats); `refresh`, on the engine thread at each scrape,
+adds to each counter what its total gained since the previous scrape.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+NAME = ["model_name"]
+# stats() key -> (series, help); each a counter of the tier's running total.
+COUNTED = {
+    "lookups": ("pdserve_worker_kv_storage_lookups", "requests whose prompt went past the pool's prefix and were "
+                "looked for in the storage tier"),
+    "hits": ("pdserve_worker_kv_storage_hits", "of those, requests that got at least one page from storage"),
+    "load_seconds": ("pdserve_worker_kv_storage_load_seconds", "time requests waited for their stored pages, summed"),
+    "given_up": ("pdserve_worker_kv_storage_loads_given_up", "reads past --hicache-storage-prefetch-timeout: what "
+                 "had not arrived was computed"),
+    "corrupt": ("pdserve_worker_kv_storage_corrupt_pages", "page files that failed their check (deleted; the page "
+                "was computed again)"),
+    "io_errors": ("pdserve_worker_kv_storage_io_errors", "reads, writes or flushes that failed with an OS error"),
+    "writes_dropped": ("pdserve_worker_kv_storage_dropped_writes", "pages not written because the writer was a "
+                       "quarter of the pool behind"),
+}
+
+
+class TierMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str, page_size: int) -> None:
+        r, m = registry, model_name
+        self.model_name = model_name
+        self.page_size = page_size
+        self.prefetched = Counter("sglang:prefetched_tokens", "prompt tokens read from the storage tier into the "
+                                  "pool", NAME, registry=r).labels(m)
+        self.backuped = Counter("sglang:backuped_tokens", "tokens written to the storage tier", NAME,
+                                registry=r).labels(m)
+        self.counted = {key: Counter(name, doc, NAME, registry=r).labels(m) for key, (name, doc) in COUNTED.items()}
+        self.bytes = Counter("pdserve_worker_kv_storage_bytes", "KV bytes read from and written to the storage tier",
+                             NAME + ["direction"], registry=r)
+        for direction in ("read", "written"):
+            self.bytes.labels(m, direction)
+        self.pages = Gauge("pdserve_worker_kv_storage_pages", "pages stored under this worker's weights (the "
+                           "directory is counted every few seconds)", NAME, registry=r).labels(m)
+        self.stored_bytes = Gauge("pdserve_worker_kv_storage_stored_bytes", "bytes of those page files", NAME,
+                                  registry=r).labels(m)
+        self._seen: dict[str, float] = {}
+
+    def refresh(self, stats: dict) -> None:
+        """Engine thread: the tier's figures (StorageTier.stats) into the series."""
+        self.prefetched.inc(self._gain(stats, "hit_tokens"))
+        self.backuped.inc(self._gain(stats, "pages_written") * self.page_size)
+        for key, counter in self.counted.items():
+            counter.inc(self._gain(stats, key))
+        self.bytes.labels(self.model_name, "read").inc(self._gain(stats, "bytes_read"))
+        self.bytes.labels(self.model_name, "written").inc(self._gain(stats, "bytes_written"))
+        self.pages.set(stats["storage_pages"])
+        self.stored_bytes.set(stats["storage_bytes"])
+
+    def _gain(self, stats: dict, key: str) -> float:
+        gain = stats[key] - self._seen.get(key, 0)
+        self._seen[key] = stats[key]
+        return max(gain, 0)

@@ -1,0 +1,89 @@
+"""The KV tier flags (SGLang's `--enable-hierarchical-cache`, `--hicache-*`): what TierConfig they build, and every
+configuration the worker cannot serve refused at start, by a real worker process, naming the flag and the reason."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.services.worker import cli
+from pdserve.shared.config import TierConfig
+
+ENABLE = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
+
+
+def config_of(*argv: str, command: str = "colocated"):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser, command)
+    return cli.runtime_config(parser.parse_args(list(argv)), "model")
+
+
+def test_off_by_default_and_on_decode_workers_there_is_no_such_flag():
+    assert config_of().tiers is None
+    assert config_of(command="prefill").tiers is None
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser, "decode")
+    assert "--enable-hierarchical-cache" not in {o for a in parser._actions for o in a.option_strings}
+
+
+def test_flags_build_the_tier_with_defaults_for_what_is_not_given(tmp_path):
+    assert config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path)).tiers == TierConfig(
+        str(tmp_path), write_policy="write_through", prefetch_policy="best_effort", prefetch_timeout_s=2.0)
+    tiers = config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path), "--hicache-write-policy", "write_back",
+                      "--hicache-storage-prefetch-policy", "timeout", "--hicache-storage-prefetch-timeout", "0.25",
+                      command="prefill").tiers
+    assert (tiers.write_policy, tiers.prefetch_policy, tiers.prefetch_timeout_s) == ("write_back", "timeout", 0.25)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--enable-hierarchical-cache",), "needs --hicache-storage-backend file and --hicache-storage-dir"),
+    (ENABLE, "--hicache-storage-backend file needs --hicache-storage-dir"),
+    (("--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--hicache-storage-dir", "/d"),
+     "--hicache-storage-backend must be one of file, got 'mooncake' (mooncake is not built)"),
+    (("--hicache-storage-dir", "/d"), "--hicache-storage-dir needs --enable-hierarchical-cache"),
+    (("--hicache-write-policy", "write_back"), "--hicache-write-policy needs --enable-hierarchical-cache"),
+    ((*ENABLE, "--hicache-storage-dir", "/d", "--hicache-storage-prefetch-timeout", "0"),
+     "--hicache-storage-prefetch-timeout must be > 0"),
+    (("--hicache-ratio", "2"), "--hicache-ratio sizes SGLang's host-memory KV tier, which a CPU worker has no use "
+                               "for: its KV pool already lives in host memory"),
+    (("--hicache-size", "8", "--device", "cuda"), "--hicache-size sizes SGLang's host-memory KV tier, which is not "
+                                                  "built yet"),
+    ((*ENABLE, "--hicache-storage-dir", "/d", "--is-embedding"), "does not apply to an embedding worker"),
+])
+def test_what_cannot_be_served_is_refused_naming_the_flag(argv, message):
+    with pytest.raises(ValueError) as refused:
+        config_of(*argv)
+    assert message in str(refused.value)
+
+
+# ---------------------------------------------------------------- real worker processes
+
+
+def run_worker(*args: str, command: str = "colocated") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", command, "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_directory_that_cannot_be_created_stops_the_worker_before_the_model_loads(tmp_path, tiny_models):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    r = run_worker("--model-path", str(tiny_models["llama"]), *ENABLE, "--hicache-storage-dir",
+                   str(blocker / "kv"), command="prefill")
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"error: --hicache-storage-dir {str(blocker / 'kv')!r} cannot be used: ")
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr.lower()
+
+
+def test_the_host_memory_tier_on_a_cpu_worker_is_a_start_error(tiny_models):
+    r = run_worker("--model-path", str(tiny_models["llama"]), "--enable-hierarchical-cache", "--hicache-ratio", "2")
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("error: --hicache-ratio sizes SGLang's host-memory KV tier")
+    assert "already lives in host memory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_encoder_worker_refuses_the_tier(tmp_path, minilm_dir):
+    r = run_worker("--model-path", str(minilm_dir), *ENABLE, "--hicache-storage-dir", str(tmp_path / "kv"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "error: --enable-hierarchical-cache does not apply to an embedding worker" in r.stderr
