@@ -20,6 +20,7 @@ VALUE_SETS = {
     "external-redis": ["-f", str(CHART / "ci" / "external-redis-values.yaml")],
     "3-prefill-2-decode": ["-f", str(CHART / "ci" / "scaled-values.yaml")],
     "embedding": ["-f", str(CHART / "ci" / "embedding-values.yaml")],
+    "kv-tiers": ["-f", str(CHART / "ci" / "kv-tiers-values.yaml")],
 }
 ROLES = ("gateway", "prefill", "decode", "jobs")
 

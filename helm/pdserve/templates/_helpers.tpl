@@ -217,6 +217,49 @@ livenessProbe:
 {{- end }}
 {{- end }}
 
+{{/* The storage tier of KV pages (kvTiers.enabled): the prefill workers' flags, its volume and its mount. */}}
+{{- define "pdserve.kvTiersArgs" -}}
+{{- with .Values.kvTiers }}
+{{- if .enabled }}
+- --enable-hierarchical-cache
+- --hicache-storage-backend
+- file
+- --hicache-storage-dir
+- {{ .mountPath | quote }}
+- --hicache-write-policy
+- {{ .writePolicy | quote }}
+- --hicache-storage-prefetch-policy
+- {{ .prefetchPolicy | quote }}
+- --hicache-storage-prefetch-timeout
+- {{ .prefetchTimeoutSeconds | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.kvTiersVolume" -}}
+{{- with .Values.kvTiers }}
+{{- if .enabled }}
+- name: kv-storage
+{{- if .existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .existingClaim }}
+{{- else if .sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit | quote }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.kvTiersMount" -}}
+{{- if .Values.kvTiers.enabled }}
+- name: kv-storage
+  mountPath: {{ .Values.kvTiers.mountPath }}
+{{- end }}
+{{- end }}
+
 {{/* call with (dict "root" $ "gpu" BOOL "resources" DICT), and "model" PATH "name" NAME for a model other than model.path */}}
 {{- define "pdserve.prepareModel" -}}
 - name: {{ .name | default "prepare-model" }}

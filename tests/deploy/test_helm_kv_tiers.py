@@ -1,0 +1,62 @@
+"""kvTiers: the storage tier of KV pages on the prefill workers (flags, and a directory mounted where the flag
+points), an emptyDir per pod by default or a shared ReadWriteMany claim; nothing of it when disabled."""
+from __future__ import annotations
+
+from deploy_tools import pdserve_parse
+from test_helm import FULL, VALUE_SETS, flag
+
+TIER_FLAGS = ("--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-dir",
+              "--hicache-write-policy", "--hicache-storage-prefetch-policy", "--hicache-storage-prefetch-timeout")
+
+
+def pod(r, role: str) -> dict:
+    return r.get("Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
+
+
+def test_disabled_by_default_renders_no_tier(render):
+    r = render()
+    for role in ("prefill", "decode"):
+        args = r.container(role)["args"]
+        assert not [a for a in args if a in TIER_FLAGS], role
+        assert "kv-storage" not in str(pod(r, role)["volumes"]) + str(r.container(role)["volumeMounts"])
+
+
+def test_enabled_gives_prefill_the_flags_and_an_emptydir_at_the_storage_dir(render):
+    from pdserve.services.worker.cli import runtime_config
+
+    r = render("--set", "kvTiers.enabled=true", "--set", "kvTiers.prefetchPolicy=timeout",
+               "--set", "kvTiers.prefetchTimeoutSeconds=0.5")
+    prefill = r.container("prefill")
+    args = prefill["args"]
+    assert flag(args, "--hicache-storage-backend") == ["file"]
+    assert flag(args, "--hicache-storage-dir") == ["/var/cache/pdserve-kv"]
+    assert {"name": "kv-storage", "mountPath": "/var/cache/pdserve-kv"} in prefill["volumeMounts"]
+    assert {"name": "kv-storage", "emptyDir": {}} in pod(r, "prefill")["volumes"]
+    # What the worker makes of the rendered command line: the tier the values describe.
+    tiers = runtime_config(pdserve_parse(args), "m").tiers
+    assert (tiers.storage_dir, tiers.write_policy, tiers.prefetch_policy, tiers.prefetch_timeout_s) == (
+        "/var/cache/pdserve-kv", "write_through", "timeout", 0.5)
+    decode = r.container("decode")
+    assert not [a for a in decode["args"] if a in TIER_FLAGS]
+    assert "kv-storage" not in str(pod(r, "decode")["volumes"])
+
+
+def test_a_size_limit_bounds_the_emptydir(render):
+    r = render("--set", "kvTiers.enabled=true", "--set", "kvTiers.sizeLimit=20Gi")
+    assert {"name": "kv-storage", "emptyDir": {"sizeLimit": "20Gi"}} in pod(r, "prefill")["volumes"]
+
+
+def test_an_existing_claim_is_shared_by_every_prefill_pod(render):
+    r = render(*VALUE_SETS["kv-tiers"])
+    spec = pod(r, "prefill")
+    assert {"name": "kv-storage", "persistentVolumeClaim": {"claimName": "kv-pages-rwx"}} in spec["volumes"]
+    assert r.get("Deployment", f"{FULL}-prefill")["spec"]["replicas"] == 3
+    assert flag(r.container("prefill")["args"], "--hicache-write-policy") == ["write_back"]
+
+
+def test_an_unknown_policy_is_refused_by_the_schema(helm):
+    from test_helm import CHART, RELEASE
+
+    result = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true",
+                  "--set", "kvTiers.writePolicy=write_around")
+    assert result.returncode != 0 and "writePolicy" in result.stderr
