@@ -118,10 +118,10 @@ class ServedWeights:
         rids = {r.rid for r in engine.scheduler.live_reqs()} if abort_reason is not None else set()
         for rid in rids:
             engine.abort(rid, error=abort_reason)
-        if engine.scheduler.live_reqs() or not engine.flush_cache():  # old KV must never meet new weights
+        if engine.scheduler.live_reqs() or not engine.flush_cache(storage=False):  # old KV never meets new weights
             return None
         engine.runner.swap_weights(self._staged[1])
-        if engine.tiers is not None:  # stored KV of the old weights must never be found either
+        if engine.tiers is not None:  # the old weights' stored KV stays, for the workers still on them, unreachable here
             engine.tiers.weights_changed(self._staged[0])
         self._staged = None
         self.version = version

@@ -110,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                                  "are pooling models by themselves")
     if command in ("colocated", "decode"):
         add_speculative_arguments(parser)
-    if command in ("colocated", "prefill"):  # the roles that compute prompts; decode gets their KV from prefill
-        add_tier_arguments(parser)
+    # Every generative role: decode computes a conversation's next turn itself after the prefix its cache holds
+    # (--local-prefill-max-tokens), and reads that prefix from the tier once its pool has evicted it.
+    add_tier_arguments(parser)
     if command == "decode":
         parser.add_argument("--local-prefill-max-tokens", type=int, default=sched.local_prefill_max_tokens,
                             metavar="TOKENS", help="compute a prompt here, not on a prefill worker, when this "

@@ -46,7 +46,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 def tier_config(args: argparse.Namespace) -> TierConfig | None:
     """The tier the flags ask for, None when off; ValueError naming the flag for what cannot be served."""
     if not hasattr(args, "enable_hierarchical_cache"):
-        return None  # a command without the tier flags (decode: its prompts' KV comes from prefill workers)
+        return None  # a command without the tier flags
     host_tier = [flag for flag, value in (("--hicache-ratio", args.hicache_ratio),
                                           ("--hicache-size", args.hicache_size)) if value is not None]
     if host_tier:

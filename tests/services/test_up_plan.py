@@ -228,16 +228,16 @@ def test_the_embedding_worker_takes_only_the_flags_that_concern_it(tmp_path):
 
 
 def test_kv_tier_flags_reach_the_workers_that_compute_prompts(tmp_path):
-    """The storage tier's flags go to prefill (and colocated) workers, which build the tier from them; decode
-    workers take their prompts' KV from prefill and get none."""
+    """The storage tier's flags go to every generative worker, which builds the tier from them (decode computes a
+    conversation's next turn itself); the embedding worker and the gateway get none."""
     from pdserve.services.worker.cli import runtime_config
 
     tier = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-dir",
             str(tmp_path / "kv"), "--hicache-write-policy", "write_back")
-    for argv, roles in (((), ("prefill",)), (("--colocated", "--embedding-model", "minilm"), ("colocated",))):
+    for argv, roles in (((), ("prefill", "decode")), (("--colocated", "--embedding-model", "minilm"), ("colocated",))):
         s = by_name(up_plan.build_plan(parse(*argv, *tier), tmp_path, cpus=2))
         for name in roles:
             tiers = runtime_config(parsed_args(s[name].args), "m").tiers
             assert (tiers.storage_dir, tiers.write_policy) == (str(tmp_path / "kv"), "write_back")
-        for name in ("decode", "embedding", "gateway"):
+        for name in ("embedding", "gateway"):
             assert name not in s or "--enable-hierarchical-cache" not in s[name].args

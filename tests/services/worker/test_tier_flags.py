@@ -20,12 +20,11 @@ def config_of(*argv: str, command: str = "colocated"):
     return cli.runtime_config(parser.parse_args(list(argv)), "model")
 
 
-def test_off_by_default_and_on_decode_workers_there_is_no_such_flag():
-    assert config_of().tiers is None
-    assert config_of(command="prefill").tiers is None
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser, "decode")
-    assert "--enable-hierarchical-cache" not in {o for a in parser._actions for o in a.option_strings}
+def test_off_by_default_on_every_generative_role(tmp_path):
+    for command in ("colocated", "prefill", "decode"):
+        assert config_of(command=command).tiers is None
+    # decode computes a conversation's next turn itself: it reads that prefix from the tier too
+    assert config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path), command="decode").tiers.storage_dir == str(tmp_path)
 
 
 def test_flags_build_the_tier_with_defaults_for_what_is_not_given(tmp_path):
