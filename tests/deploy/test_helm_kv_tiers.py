@@ -1,5 +1,5 @@
-"""kvTiers: the storage tier of KV pages on the prefill workers (flags, and a directory mounted where the flag
-points), an emptyDir per pod by default or a shared ReadWriteMany claim; nothing of it when disabled."""
+"""kvTiers: the storage tier of KV pages on the workers, prefill and decode (flags, and a directory mounted where
+the flag points), an emptyDir per pod by default or a shared ReadWriteMany claim; nothing of it when disabled."""
 from __future__ import annotations
 
 from deploy_tools import pdserve_parse
@@ -21,7 +21,7 @@ def test_disabled_by_default_renders_no_tier(render):
         assert "kv-storage" not in str(pod(r, role)["volumes"]) + str(r.container(role)["volumeMounts"])
 
 
-def test_enabled_gives_prefill_the_flags_and_an_emptydir_at_the_storage_dir(render):
+def test_enabled_gives_the_workers_the_flags_and_an_emptydir_at_the_storage_dir(render):
     from pdserve.services.worker.cli import runtime_config
 
     r = render("--set", "kvTiers.enabled=true", "--set", "kvTiers.prefetchPolicy=timeout",
@@ -36,9 +36,10 @@ def test_enabled_gives_prefill_the_flags_and_an_emptydir_at_the_storage_dir(rend
     tiers = runtime_config(pdserve_parse(args), "m").tiers
     assert (tiers.storage_dir, tiers.write_policy, tiers.prefetch_policy, tiers.prefetch_timeout_s) == (
         "/var/cache/pdserve-kv", "write_through", "timeout", 0.5)
+    # decode computes a conversation's next turn itself, after the prefix its cache (or the tier) holds
     decode = r.container("decode")
-    assert not [a for a in decode["args"] if a in TIER_FLAGS]
-    assert "kv-storage" not in str(pod(r, "decode")["volumes"])
+    assert flag(decode["args"], "--hicache-storage-dir") == ["/var/cache/pdserve-kv"]
+    assert {"name": "kv-storage", "emptyDir": {}} in pod(r, "decode")["volumes"]
 
 
 def test_a_size_limit_bounds_the_emptydir(render):
@@ -46,10 +47,10 @@ def test_a_size_limit_bounds_the_emptydir(render):
     assert {"name": "kv-storage", "emptyDir": {"sizeLimit": "20Gi"}} in pod(r, "prefill")["volumes"]
 
 
-def test_an_existing_claim_is_shared_by_every_prefill_pod(render):
+def test_an_existing_claim_is_shared_by_every_worker_pod(render):
     r = render(*VALUE_SETS["kv-tiers"])
-    spec = pod(r, "prefill")
-    assert {"name": "kv-storage", "persistentVolumeClaim": {"claimName": "kv-pages-rwx"}} in spec["volumes"]
+    for role in ("prefill", "decode"):
+        assert {"name": "kv-storage", "persistentVolumeClaim": {"claimName": "kv-pages-rwx"}} in pod(r, role)["volumes"]
     assert r.get("Deployment", f"{FULL}-prefill")["spec"]["replicas"] == 3
     assert flag(r.container("prefill")["args"], "--hicache-write-policy") == ["write_back"]
 
