@@ -14,8 +14,8 @@ import random
 import signal
 import socket
 import subprocess
-import tarfile
 import sys
+import tarfile
 import time
 import urllib.request
 from dataclasses import dataclass, field

@@ -20,15 +20,14 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
 from pdserve.services import tracing
-from pdserve.services.gateway.apis import (classify, jobs_proxy, native, openai_routes, openapi, pooling,
-                                           status_page)
+from pdserve.services.gateway.apis import classify, jobs_proxy, native, openai_routes, openapi, pooling, status_page
 from pdserve.services.gateway.apis.admin import experts, lora, weights
+from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.apis.messages import routes as messages_routes
 from pdserve.services.gateway.apis.responses import routes as responses_routes
-from pdserve.services.gateway.apis.context import GATEWAY, Gateway
+from pdserve.services.gateway.apis.responses.store import ResponseStore
 from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
-from pdserve.services.gateway.apis.responses.store import ResponseStore
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from pdserve.services.gateway import limits as request_limits
 from pdserve.services.gateway.intake.reasoning import PARSERS
-from pdserve.services.gateway.workers.router import POLICIES
 from pdserve.services.gateway.intake.tool_parsers import PARSERS as TOOL_PARSERS
-from pdserve.shared.logs import add_log_arguments, setup_logging
+from pdserve.services.gateway.workers.router import POLICIES
 from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
+from pdserve.shared.logs import add_log_arguments, setup_logging
 
 if TYPE_CHECKING:
     from pdserve.services.gateway.siblings import Siblings
@@ -180,13 +180,13 @@ def read_key_file(path: str, flag: str) -> str:
 def build(args: argparse.Namespace, siblings: Siblings | None = None):
     """The aiohttp app for these arguments (loads the tokenizer; workers are contacted when it starts), one of
     several processes of the gateway with `siblings`."""
-    from pdserve.services.gateway.app import create_app
-    from pdserve.services.gateway.workers.backend import Backend, BackendSettings
     from pdserve.services.gateway.apis.context import Gateway
+    from pdserve.services.gateway.app import create_app
     from pdserve.services.gateway.metrics import GatewayMetrics
-    from pdserve.services.gateway.workers.router import Router
     from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
+    from pdserve.services.gateway.workers.backend import Backend, BackendSettings
     from pdserve.services.gateway.workers.pool import HealthSettings, WorkerPool
+    from pdserve.services.gateway.workers.router import Router
     from pdserve.shared.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
     limits = request_limits.from_args(args)

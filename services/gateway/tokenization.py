@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+
 @dataclass(frozen=True)
 class ModelConfigInfo:
     """What the gateway reports about the model, read from its config.json."""

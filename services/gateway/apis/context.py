@@ -15,15 +15,16 @@ from typing import Callable
 
 from aiohttp import web
 
-from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, refresh_adapters
-from pdserve.services.gateway.workers.backend import Backend
 from pdserve.services.gateway.cpu_pool import OFFLOAD_CHARS, CpuPool
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.intake.inputs import GRAMMAR_COMPILE_TIMEOUT_S, Inputs
 from pdserve.services.gateway.json_codec import encode
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
+from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, refresh_adapters
+from pdserve.services.gateway.workers.backend import Backend
 from pdserve.services.gateway.workers.pool import Worker
+
 # JSON bodies beyond it are a 413. 32 MiB holds a full context of token ids many times over; file uploads
 # stream through to the jobs service, which has its own limit (--max-file-size).
 MAX_BODY_BYTES = 32 << 20

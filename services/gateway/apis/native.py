@@ -7,18 +7,18 @@ import contextlib
 from aiohttp import web
 
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
-from pdserve.services.gateway.intake.dialects import NATIVE
 from pdserve.services.gateway.apis.admin.weights import weight_version
+from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
+from pdserve.services.gateway.apis.served_models import GENERATE, MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.intake.dialects import NATIVE
+from pdserve.services.gateway.intake.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
+                                                      DetokenizeRequest, GenerateRequest, NativeSampling,
+                                                      TokenizeRequest, parse, per_prompt, refuse_unsupported)
+from pdserve.services.gateway.siblings import SIBLINGS
 from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.generation import Generation
 from pdserve.services.gateway.workers.job import ChoiceResult, Job, TokenLogprob
-from pdserve.services.gateway.apis.served_models import GENERATE, MODELS
-from pdserve.services.gateway.siblings import SIBLINGS
-from pdserve.services.gateway.intake.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
-                                               DetokenizeRequest, GenerateRequest, NativeSampling, TokenizeRequest,
-                                               parse, per_prompt, refuse_unsupported)
 from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.sampling_params import SamplingParams
 

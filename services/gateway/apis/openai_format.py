@@ -1,8 +1,8 @@
 """Response bodies of the OpenAI-compatible endpoints, in the shape SGLang returns them."""
 from __future__ import annotations
 
-from pdserve.services.gateway.workers.job import ChoiceResult, TokenLogprob
 from pdserve.services.gateway.tokenization import ModelTokenizer
+from pdserve.services.gateway.workers.job import ChoiceResult, TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None,

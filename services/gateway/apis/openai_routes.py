@@ -15,16 +15,17 @@ from pdserve.services import tracing
 from pdserve.services.gateway import intake
 from pdserve.services.gateway.apis import openai_format as fmt
 from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
-from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_COMPLETION
+from pdserve.services.gateway.apis.served_models import MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_COMPLETION
+from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
+                                                      per_prompt, refuse_unsupported)
+from pdserve.services.gateway.intake.reasoning import ReasoningSplitter, split_text
+from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools, template_messages
+from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.job import Job, Update
-from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling,
-                                                      parse, per_prompt, refuse_unsupported)
-from pdserve.services.gateway.intake.reasoning import ReasoningSplitter, split_text
-from pdserve.services.gateway.apis.served_models import MODELS
-from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
-from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools, template_messages
+
 
 def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
     return cached if gw.enable_cache_report or req.return_cached_tokens_details else None

@@ -13,15 +13,15 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from pdserve.services.gateway.apis.admin.lora import LoadLoraRequest, UnloadLoraRequest
 from pdserve.services.gateway.apis.classify import RerankRequest
 from pdserve.services.gateway.apis.context import GATEWAY
-from pdserve.services.gateway.apis.admin.lora import LoadLoraRequest, UnloadLoraRequest
 from pdserve.services.gateway.apis.messages.protocol import CountTokensRequest, MessagesRequest
 from pdserve.services.gateway.apis.native import VERSION
-from pdserve.services.gateway.apis.responses.items import ResponsesRequest
 from pdserve.services.gateway.apis.pooling import EmbeddingRequest, NativeEncodeRequest, ScoreRequest
+from pdserve.services.gateway.apis.responses.items import ResponsesRequest
 from pdserve.services.gateway.intake.protocol import (AbortRequestBody, ChatCompletionRequest, CompletionRequest,
-                                               DetokenizeRequest, GenerateRequest, TokenizeRequest)
+                                                      DetokenizeRequest, GenerateRequest, TokenizeRequest)
 
 # The request model each POST route validates its JSON body with.
 BODIES: dict[str, type[BaseModel]] = {

@@ -17,9 +17,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway, new_id
+from pdserve.services.gateway.apis.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.intake.protocol import parse
-from pdserve.services.gateway.apis.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.workers.encoding import encode
 
 ENCODING_FORMATS = ("float", "base64")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pdserve.services.gateway.workers.adapters import lora_enabled, refresh_adapters
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, parse_body
+from pdserve.services.gateway.workers.adapters import lora_enabled, refresh_adapters
 from pdserve.shared.config import ENCODER_MODEL_TYPES
 
 GENERATE, EMBED, CLASSIFY = "generate", "embed", "classify"
@@ -113,9 +113,8 @@ class ServedModels:
 
     async def cards(self) -> list[dict]:
         """/v1/models entries, the primary first, with the adapters its workers hold now."""
-        from pdserve.services.gateway.apis.openai_format import model_card
-
         from pdserve.services.gateway.apis.admin.lora import adapter_cards
+        from pdserve.services.gateway.apis.openai_format import model_card
 
         backend = self.primary.gateway.backend
         if lora_enabled(backend.serving_workers()):
@@ -153,10 +152,10 @@ def build_embedding_gateway(args: argparse.Namespace, primary: Gateway) -> Gatew
         return None
     if not args.embedding_worker:
         raise ValueError("--embedding-model needs at least one --embedding-worker HOST:PORT")
-    from pdserve.services.gateway.workers.backend import Backend, BackendSettings
-    from pdserve.services.gateway.workers.router import Router
     from pdserve.services.gateway.tokenization import ModelTokenizer, read_model_config
+    from pdserve.services.gateway.workers.backend import Backend, BackendSettings
     from pdserve.services.gateway.workers.pool import HealthSettings, WorkerPool
+    from pdserve.services.gateway.workers.router import Router
     from pdserve.shared.model_files import resolve_model_path
 
     model_dir = resolve_model_path(args.embedding_model, quiet=True)

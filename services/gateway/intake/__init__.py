@@ -15,14 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pdserve.services.gateway.intake.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
-                                                          logit_bias_values)
-from pdserve.services.gateway.intake.dialects import Dialect
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.workers.job import Job
+from pdserve.services.gateway.intake.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
+                                                         logit_bias_values)
+from pdserve.services.gateway.intake.dialects import Dialect
 from pdserve.services.gateway.intake.inputs import Inputs
 from pdserve.services.gateway.intake.protocol import ResponseFormat
 from pdserve.services.gateway.intake.tool_calls import ToolPlan
+from pdserve.services.gateway.workers.job import Job
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 

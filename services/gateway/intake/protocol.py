@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model, field_validator
 
-from pdserve.services.gateway.intake.dialects import NATIVE, OPENAI_CHAT, sampling_fields
 from pdserve.services.gateway.errors import ApiError, from_validation_error, unsupported
+from pdserve.services.gateway.intake.dialects import NATIVE, OPENAI_CHAT, sampling_fields
 from pdserve.services.gateway.limits import Limits
 
 StopField = Union[str, list[str], None]

@@ -28,13 +28,13 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services import tracing
 from pdserve.services.gateway.errors import ApiError, Busy
-from pdserve.services.gateway.workers.generation import Generation, GenerationSettings
-from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.workers.router import NoWorker, Pair, Router
 from pdserve.services.gateway.timelines import FlightRecorder
 from pdserve.services.gateway.tokenization import ModelTokenizer
+from pdserve.services.gateway.workers.generation import Generation, GenerationSettings
+from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
+from pdserve.services.gateway.workers.router import NoWorker, Pair, Router
 
 log = logging.getLogger("pdserve.gateway")
 

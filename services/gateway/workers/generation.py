@@ -27,13 +27,13 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import params_to_proto
 from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.metrics import GatewayMetrics, TokenTimer
+from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
 from pdserve.services.gateway.workers.job import ChoiceResult, Job, TokenLogprob, Update
 from pdserve.services.gateway.workers.migration import continuation, why_not_movable
+from pdserve.services.gateway.workers.pool import Worker
 from pdserve.services.gateway.workers.record import GenerationRecord, names
 from pdserve.services.gateway.workers.router import Pair
 from pdserve.services.gateway.workers.stops import StopMatcher
-from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
-from pdserve.services.gateway.workers.pool import Worker
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -13,8 +13,8 @@ from opentelemetry.trace import get_current_span as current_span
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services import tracing
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.workers.router import Pair
 from pdserve.services.gateway.timelines import Timeline
+from pdserve.services.gateway.workers.router import Pair
 from pdserve.shared.logs import REQUEST_ID
 
 if TYPE_CHECKING:

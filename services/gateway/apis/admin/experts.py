@@ -21,6 +21,7 @@ from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.workers import admin
 from pdserve.services.gateway.workers.pool import Worker
 
+
 async def start_record(request: web.Request) -> web.Response:
     workers = _reachable(request.app[GATEWAY])
     replies = await admin.experts(workers, "start")

@@ -7,15 +7,14 @@ have changed it.
 """
 from __future__ import annotations
 
-
 from aiohttp import web
 from pydantic import Field
 
-from pdserve.services.gateway.workers.adapters import loaded_adapters, refresh_adapters
-from pdserve.services.gateway.workers.admin import load_adapter, unload_adapter
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.intake.protocol import _Schema, parse
+from pdserve.services.gateway.workers.adapters import loaded_adapters, refresh_adapters
+from pdserve.services.gateway.workers.admin import load_adapter, unload_adapter
 from pdserve.services.gateway.workers.pool import Worker
 
 RPC_TIMEOUT_S = 60.0  # an adapter load reads and checks its files on the worker's engine thread

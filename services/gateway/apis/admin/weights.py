@@ -39,13 +39,13 @@ import aiohttp
 from aiohttp import web
 from pydantic import Field
 
-from pdserve.services.gateway.workers.backend import Door
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import read_json
 from pdserve.services.gateway.intake.protocol import _Schema, parse
 from pdserve.services.gateway.siblings import SIBLINGS, LockTimeout, Siblings
 from pdserve.services.gateway.workers.admin import (WEIGHTS_COMMIT, WEIGHTS_DISCARD, WEIGHTS_PREPARE, Outcome,
-                                                   weights_step)
+                                                    weights_step)
+from pdserve.services.gateway.workers.backend import Door
 from pdserve.services.gateway.workers.pool import Worker
 
 log = logging.getLogger("pdserve.gateway")

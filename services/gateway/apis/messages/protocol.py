@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, field_validator
 
-from pdserve.services.gateway.intake.dialects import ANTHROPIC_MESSAGES, sampling_fields
 from pdserve.services.gateway.errors import ApiError, unsupported
+from pdserve.services.gateway.intake.dialects import ANTHROPIC_MESSAGES, sampling_fields
 from pdserve.services.gateway.intake.protocol import parse
 from pdserve.services.gateway.intake.tool_calls import NAME_PATTERN, FunctionDef, ToolPlan
 from pdserve.services.gateway.intake.tool_parsers import get_parser

@@ -21,17 +21,17 @@ from aiohttp import web
 
 from pdserve.services import tracing
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.apis.messages import format as fmt
 from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, new_id
-from pdserve.services.gateway.intake.dialects import ANTHROPIC_MESSAGES
-from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.workers.job import Job
-from pdserve.services.gateway.limits import text_chars
+from pdserve.services.gateway.apis.messages import format as fmt
 from pdserve.services.gateway.apis.messages.protocol import (CountTokensRequest, MessagesRequest, continues_last,
-                                                        plan_tools, template_messages)
+                                                             plan_tools, template_messages)
+from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.intake.dialects import ANTHROPIC_MESSAGES
 from pdserve.services.gateway.intake.protocol import parse
-from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.intake.tool_calls import ToolPlan
+from pdserve.services.gateway.limits import text_chars
+from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
+from pdserve.services.gateway.workers.job import Job
 from pdserve.shared.logs import REQUEST_ID
 
 PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})

@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field, create_model, field_validator
 
-from pdserve.services.gateway.intake.dialects import OPENAI_RESPONSES, sampling_fields
+from pdserve.services.gateway.apis.responses.store import new_item_id
 from pdserve.services.gateway.errors import ApiError, unsupported
+from pdserve.services.gateway.intake.dialects import OPENAI_RESPONSES, sampling_fields
 from pdserve.services.gateway.intake.protocol import (JsonSchemaFormat, ResponseFormat, StopField, _Schema,
                                                       check_stop_count)
-from pdserve.services.gateway.apis.responses.store import new_item_id
 from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools
 
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits

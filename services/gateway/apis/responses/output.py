@@ -14,8 +14,8 @@ import copy
 import time
 from typing import Any
 
-from pdserve.services.gateway.intake.reasoning import ReasoningSplitter
 from pdserve.services.gateway.apis.responses.store import new_item_id
+from pdserve.services.gateway.intake.reasoning import ReasoningSplitter
 from pdserve.services.gateway.intake.tool_calls import ToolPlan
 
 INCOMPLETE = {"length": "max_output_tokens"}  # finish reason -> incomplete_details.reason

@@ -23,19 +23,19 @@ from redis.exceptions import RedisError
 
 from pdserve.services import tracing
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.apis.responses import output as out
 from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, new_id
-from pdserve.services.gateway.intake.dialects import OPENAI_RESPONSES
-from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.workers.job import Job
-from pdserve.services.gateway.limits import text_chars
-from pdserve.services.gateway.intake.protocol import UNSUPPORTED_OPENAI, parse, refuse_unsupported
+from pdserve.services.gateway.apis.responses import output as out
 from pdserve.services.gateway.apis.responses.items import (ResponsesRequest, chat_messages, input_items,
                                                            tool_choice_out, tool_plan)
 from pdserve.services.gateway.apis.responses.store import (IN_FLIGHT, MemoryResponses, ResponseStore, Stored,
-                                                      is_response_id, new_item_id)
-from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
+                                                           is_response_id, new_item_id)
+from pdserve.services.gateway.errors import ApiError, read_json
+from pdserve.services.gateway.intake.dialects import OPENAI_RESPONSES
+from pdserve.services.gateway.intake.protocol import UNSUPPORTED_OPENAI, parse, refuse_unsupported
 from pdserve.services.gateway.intake.tool_calls import ToolPlan, template_messages
+from pdserve.services.gateway.limits import text_chars
+from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
+from pdserve.services.gateway.workers.job import Job
 
 log = logging.getLogger("pdserve.gateway")
 UNSUPPORTED_RESPONSES = {**UNSUPPORTED_OPENAI, "prompt": "prompt templates", "conversation": "conversations",
