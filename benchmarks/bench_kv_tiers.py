@@ -2,27 +2,30 @@
 --hicache-storage-backend file --hicache-storage-dir DIR`, shared/kv_tiers.py) against the same servers without it,
 driven over HTTP, one case at a time on this machine.
 
-    .venv/bin/python benchmarks/bench_kv_tiers.py [--cases multiturn,pd,no-reuse,restart] [--conversations 32]
-        [--turns 5] [--doc-len 1000] [--output-len 64] [--concurrency 8] [--pool-factor 4] [--page-size 16]
-        [--restart-len 2000] [--reps 3] [--no-reuse-requests 16] [--rounds 2] [--write-policy write_through]
-        [--prefetch-policy best_effort] [--prefetch-timeout S] [--up-args="..."] [--model-path DIR] [--json FILE]
+    .venv/bin/python benchmarks/bench_kv_tiers.py [--cases multiturn,pd,no-reuse,restart] [--conversations 16]
+        [--concurrency 8] [--write-policy P] [--prefetch-policy P] [--up-args="..."] [--json FILE]  (--help: sizes)
 
-The issue's full size is `--conversations 64`; the default, 32, keeps a whole run on a 2-core CPU machine with the
-default model (SmolLM2-135M) to about half an hour (the multiturn case alone about ten minutes; 64 conversations
-take twice that per multi-turn case). Every case starts servers of its own (`pdserve up` on free loopback ports,
-servers.py), with a fresh storage directory, and stops them before the next case.
+The issue's full size is `--conversations 64` (8 in flight). On a 2-core CPU machine with the default model
+(SmolLM2-135M) that takes about 35 minutes when nothing else runs there (the multi-turn cases about 12 and 17) and
+up to an hour beside other work: split it there (`--cases multiturn,no-reuse,restart`, then `--cases pd`). The
+default, 16 conversations, took 11 minutes there (each multi-turn case about 4), 13 to 20 beside other work; its
+pool holds 4 conversations at their longest, so 4 are in flight, not 8 (32 conversations keep 8, in twice the time).
+Every case starts servers of its own (`pdserve up` on free loopback ports, servers.py) with a fresh storage
+directory and stops them before the next; servers compared are up at once and measured in turn (ABBA), so both see
+the machine alike.
 
     multiturn  colocated, with the tier and without, the same pool: N conversations of `turns` turns, each with a
                document of about doc-len tokens of its own as the system prompt; each turn appends the last
                answer and a new question and streams output-len tokens (ignore_eos, greedy). `concurrency` turns
-               are in flight, taken round-robin over the conversations, so a conversation's next turn comes after
-               every other conversation's; the pool (--max-total-tokens) is 1/pool-factor of the conversations'
-               KV, so without the tier what a conversation left in the pool is gone by its next turn.
+               are in flight, one turn of every conversation at a time (a wave; the servers take waves in
+               turn), so a conversation's next turn comes after every other conversation's; the pool
+               (--max-total-tokens) is 1/pool-factor of the conversations' KV, so without the tier what a
+               conversation left in the pool is gone by its next turn.
                Targets: turns 2+ TTFT p50 with/without <= 0.35; output tok/s with/without >= 1.5.
     pd         the same on `pdserve up` (a prefill and a decode worker), the same targets; and both workers run
                with the tier flags (read from their command lines).
-    no-reuse   both colocated servers up at once, rounds taken in turn: distinct prompts of about doc-len tokens,
-               each sent once. Target: output tok/s with/without >= 0.97.
+    no-reuse   colocated, the same pool and concurrency: distinct prompts of about doc-len tokens, each sent once
+               (every page written, none read). Target: output tok/s with/without >= 0.97.
     restart    server A (tier) computes prompts of about restart-len tokens while server C (tier, the same
                directory) is up; A stops; B (tier, the same directory) starts with a cold pool. B's TTFT p50 of A's
                prompts against prompts nobody has seen, of the same length, on B: <= 0.3; C's of prompts only A
@@ -54,8 +57,8 @@ import aiohttp
 
 import servers
 from kv_tiers_load import (QUESTION_LEN, Answer, Check, Conversations, ask_all, greedy_prompts, ratio_check,
-                           same_answers, text)
-from pdserve.benchclient import ErrorReporter, Load, Target, make_prompts, percentile, run_level
+                           same_answers, text, ttft_ms_p50)
+from pdserve.benchclient import ErrorReporter, Load, Target, make_prompts, run_level
 
 CASES = ("multiturn", "pd", "no-reuse", "restart")
 TEMPLATE_TOKENS = 48  # the chat template's own tokens in a conversation, generously
@@ -278,10 +281,6 @@ def restart_case(ctx: Context) -> list[Check]:
         pairs = [ask_all(ctx.target(server), [x, y]) for x, y in zip(cold, known)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def ttft_ms(answers: list[Answer]) -> float | None:
-        p50 = percentile([x.ttft_s for x in answers if x.ok], 50)
-        return None if p50 is None else p50 * 1e3
-
     with serving(a, c, timeout_s=args.startup_timeout):
         warm(ctx, a, length)
         warm(ctx, c, length)
@@ -299,9 +298,9 @@ def restart_case(ctx: Context) -> list[Check]:
         print(f"[tiers] restart {what}: TTFT " + ", ".join(f"{x.ttft_s * 1e3:.0f}" if x.ok else x.error or "failed"
                                                          for x in answers) + " ms, cached tokens "
               + ", ".join(str(x.cached_tokens) for x in answers), flush=True)
-    return [ratio_check("restart", "new server, same dir: TTFT p50 stored / unseen", ttft_ms(restored), ttft_ms(cold_b),
+    return [ratio_check("restart", "new server, same dir: TTFT p50 stored / unseen", ttft_ms_p50(restored), ttft_ms_p50(cold_b),
                         0.3, False, "ms"),
-            ratio_check("restart", "second server: TTFT p50 only-A's / unseen", ttft_ms(shared), ttft_ms(cold_c), 0.3,
+            ratio_check("restart", "second server: TTFT p50 only-A's / unseen", ttft_ms_p50(shared), ttft_ms_p50(cold_c), 0.3,
                         False, "ms"),
             same_answers("restart", "greedy answers, read back = computed", restored + shared, computed)]
 
@@ -318,7 +317,7 @@ def print_report(checks: list[Check], ctx: Context, started: float) -> None:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print(f"\n(one run, this machine, {time.monotonic() - started:.0f} s in all)\ncommand: "
-          f"{shlex.join([Path(sys.executable).name, *sys.argv])}")
+          f"{shlex.join([sys.executable, *sys.argv])}")
     for name, command in ctx.commands:
         print(f"  {name}: {command}")
 
@@ -352,6 +351,7 @@ def main() -> int:
         raise SystemExit(f"--cases takes a list of {', '.join(CASES)}; got {args.cases!r}")
 
     def interrupt(signum: int, frame: object) -> None:  # SIGTERM/SIGHUP unwind like Ctrl-C: servers stop
+        print(f"[tiers] {signal.Signals(signum).name}", flush=True)
         raise KeyboardInterrupt
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -379,7 +379,7 @@ def main() -> int:
             except RuntimeError as exc:
                 failed = True
                 print(f"[tiers] {case} skipped: {exc}", flush=True)
-                checks.append(Check(case, "the case ran", "yes", "no: a server did not start", False))
+                checks.append(Check(case, "the case ran", "yes", f"no: {str(exc).splitlines()[0]}", False))
     except KeyboardInterrupt:
         print("[tiers] interrupted; every server stopped", flush=True)
         return 130

@@ -69,6 +69,11 @@ async def chat(session: aiohttp.ClientSession, target: Target, messages: list[di
                   usage.get("completion_tokens", 0), (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
 
 
+def ttft_ms_p50(answers: list[Answer]) -> float | None:
+    p50 = percentile([a.ttft_s for a in answers if a.ok and a.ttft_s is not None], 50)
+    return None if p50 is None else p50 * 1e3
+
+
 def ask_all(target: Target, prompts: list[str], max_tokens: int = GREEDY_TOKENS) -> list[Answer]:
     """One prompt at a time (a single user message), each on an otherwise idle server."""
     async def run() -> list[Answer]:
@@ -128,8 +133,7 @@ class Conversations:
         return [t.answer for t in self.turns if t.answer.ok and t.turn >= first]
 
     def later_ttft_ms(self) -> float | None:
-        p50 = percentile([a.ttft_s for a in self.ok(2)], 50)
-        return None if p50 is None else p50 * 1e3
+        return ttft_ms_p50(self.ok(2))
 
     def output_tok_s(self) -> float:
         return sum(a.completion_tokens for a in self.ok()) / self.duration_s if self.duration_s else 0.0
