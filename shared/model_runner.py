@@ -20,6 +20,7 @@ from pdserve.shared.linear import cpu_has_bf16
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
+from pdserve.shared.tensor_parallel import POOL, START_TIMEOUT_S, TPRank, lead_step
 from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,19 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:
     return dtype
 
 
+def _check_tp_features(config: RuntimeConfig) -> None:
+    """What a tensor-parallel worker does not do yet, refused at start with the reason."""
+    refused = []
+    if config.lora is not None:
+        refused.append("--enable-lora (adapters would have to be sharded as their base layers)")
+    if config.tiers is not None:
+        refused.append("--enable-hierarchical-cache (each rank would store its own KV heads)")
+    if config.decode_graphs == "static":
+        refused.append("static decode graphs (a captured step cannot wait on the other ranks' all-reduce)")
+    if refused:
+        raise ValueError("--tp-size > 1 does not work with " + "; ".join(refused))
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory still free for the KV pool: on CUDA the device's, on CPU the host's MemAvailable."""
     if device.type == "cuda":
@@ -55,10 +69,16 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: RuntimeConfig, model_config: ModelConfig | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, model_config: ModelConfig | None = None,
+                 tp: TPRank | None = None) -> None:
+        """`tp`: this process is one rank of a tensor-parallel worker (shared/tensor_parallel.py); rank 0's
+        runner leads every step, a follower's builds its pool when rank 0 says how large (`build_pool`)."""
         self.config = config
         self.model_config = model_config or ModelConfig.from_dir(config.model_path)
         mc = self.model_config
+        self.tp = tp if tp is not None and tp.shards.size > 1 else None
+        if self.tp is not None:
+            _check_tp_features(config)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations are re-allocated every layer: reuse warm pages, not fresh mmaps
@@ -75,7 +95,7 @@ class ModelRunner:
         self.hidden_output = config.is_embedding or mc.is_bare  # an embedding model: no LM head
         self.model = LlamaForCausalLM(mc, self.dtype, self.device, self.context_length,
                                      batch_invariant=config.deterministic, hidden_output=self.hidden_output,
-                                     quantization=config.quantization)
+                                     quantization=config.quantization, **self._tp_parts())
         self.model.load(config.model_path)
         if config.deterministic:  # before the first request: a machine that breaks the promise refuses to start
             checks = check_batch_invariance(self.model, self.ops, config.cache.page_size)
@@ -84,15 +104,39 @@ class ModelRunner:
         if config.lora is not None:
             self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device)
             self.model.lora = self.lora.pool
-        layout = KVLayout(1, config.cache.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-        num_pages = config.cache.num_pages
-        if config.cache.mem_fraction is not None:
-            num_pages = int(free_memory_bytes(self.device) * config.cache.mem_fraction) // layout.page_bytes
-            if num_pages < 1:
-                raise ValueError(f"--mem-fraction {config.cache.mem_fraction} leaves no room for one KV page")
-        graphs = config.decode_graphs == "static" or (config.decode_graphs == "auto" and self.device.type == "cuda")
-        self.pool = KVPool(replace(layout, num_pages=num_pages), self.device, scratch_page=graphs)
+        self.layout = KVLayout(1, config.cache.page_size, mc.num_layers, self.model.num_kv_heads, mc.head_dim,
+                               self.dtype)  # this rank's KV heads
         self.graphs: DecodeGraphs | None = None
+        self.pool: KVPool | None = None
+        if self.tp is None or self.tp.leads:
+            self.build_pool(self._num_pages())
+
+    def _tp_parts(self) -> dict:
+        return {} if self.tp is None else {"shards": self.tp.shards, "group": self.tp.group}
+
+    def _num_pages(self) -> int:
+        config, mc = self.config, self.model_config
+        if config.cache.mem_fraction is None:
+            return config.cache.num_pages
+        # Under tensor parallelism on one CPU every rank's pool comes out of the same memory: the pages are sized
+        # for the whole model's KV heads, so the ranks together take the fraction asked for.
+        whole = KVLayout(1, config.cache.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        page_bytes = whole.page_bytes if self.device.type == "cpu" else self.layout.page_bytes
+        num_pages = int(free_memory_bytes(self.device) * config.cache.mem_fraction) // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"--mem-fraction {config.cache.mem_fraction} leaves no room for one KV page")
+        return num_pages
+
+    def build_pool(self, num_pages: int) -> None:
+        """The KV pool, of `num_pages` pages of this rank's heads (rank 0 tells the followers how many)."""
+        config = self.config
+        if self.tp is not None and self.tp.leads:
+            self.tp.box.post(POOL, [num_pages])
+        graphs = self.tp is None and (config.decode_graphs == "static"
+                                      or (config.decode_graphs == "auto" and self.device.type == "cuda"))
+        self.pool = KVPool(replace(self.layout, num_pages=num_pages), self.device, scratch_page=graphs)
+        if self.tp is not None:  # every rank loaded and has its pool before the first step
+            self.tp.group.barrier(START_TIMEOUT_S)
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.pool, self.ops,
                                        bucket_sizes(config.cuda_graph_max_bs, config.cuda_graph_bs),
@@ -112,6 +156,9 @@ class ModelRunner:
         """A model holding `checkpoint`'s weights, prepared exactly as the running one was (dtype, device, packed
         matmuls); the running model is not touched. Consumes checkpoint.tensors, so each raw tensor is freed once
         converted. Compute: call it on the engine thread. Raises WeightsError."""
+        if self.tp is not None:
+            raise WeightsError("updating the weights of a tensor-parallel worker (--tp-size > 1) is not supported: "
+                               "restart it on the new checkpoint")
         check_finite(checkpoint.tensors)
         staged = LlamaForCausalLM(self.model_config, self.dtype, self.device, self.context_length,
                                   batch_invariant=self.config.deterministic, hidden_output=self.hidden_output,
@@ -132,16 +179,27 @@ class ModelRunner:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch (of a verify batch:
         for each of its new tokens, [sum(extend_lens), V]); the logits of the prompt positions whose logprobs are
         asked for go to batch.prompt_logits."""
-        for src, dst in batch.page_copies:
-            self.pool.copy_page(src, dst)
         fb = self.prepare(batch)
-        if self.graphs is not None and self.graphs.why_not(fb) is None:
-            return self.graphs.run(fb)  # a decode batch: no prompt rows
-        logits = self.model.forward(fb, self.pool, self.ops)
+        if self.tp is not None:
+            lead_step(self.tp, fb, batch.page_copies)
+        logits = self.run_step(fb, batch.page_copies)
         if not batch.prompt_rows:
             return logits
         batch.prompt_logits = logits[len(batch.reqs):]
         return logits[:len(batch.reqs)]
+
+    def run_step(self, fb: ForwardBatch, page_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """The step's page copies, then its forward (every rank of a tensor-parallel worker runs this)."""
+        for src, dst in page_copies:
+            self.pool.copy_page(src, dst)
+        if self.graphs is not None and self.graphs.why_not(fb) is None:
+            return self.graphs.run(fb)  # a decode batch: no prompt rows
+        return self.model.forward(fb, self.pool, self.ops)
+
+    def close(self) -> None:
+        """The followers of a tensor-parallel worker leave their loops."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.stop()
 
     def prepare(self, batch: Batch) -> ForwardBatch:
         s = self.page_size

@@ -23,6 +23,7 @@ from pdserve.shared.int8_linear import Int8Linear
 from pdserve.shared.linear import Linear
 from pdserve.shared.lora import LoraPool
 from pdserve.shared.models.moe import DenseMLP, RouteHook, SparseMoE, load_sparse_moe
+from pdserve.shared.tp_shards import Shards
 
 
 @dataclass
@@ -57,13 +58,21 @@ class LayerWeights:
 
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int,
-                 batch_invariant: bool = False, hidden_output: bool = False, quantization: str | None = None) -> None:
+                 batch_invariant: bool = False, hidden_output: bool = False, quantization: str | None = None,
+                 shards: Shards | None = None, group=None) -> None:
         """`batch_invariant`: every row's result independent of the rows computed with it (deterministic mode).
         `hidden_output`: an embedding model: forward returns the final hidden states, and no LM head is loaded.
         `quantization` "w8a8_int8": the attention, dense MLP and LM head matmuls in int8 (Int8Linear, whose rows
         are independent of each other, so it is batch-invariant too); a classifier's score head, MoE routers and
-        experts stay in `dtype`."""
+        experts stay in `dtype`.
+        `shards` and `group`: one rank of a tensor-parallel model (shared/tp_shards.py, shared/tp_group.py): it
+        loads its shards, and each attention and MLP block ends in one all-reduce over the group."""
         self.config = config
+        self.shards = shards if shards is not None and shards.size > 1 else None
+        self.group = group if self.shards is not None else None
+        # The heads this rank computes (all of them without tensor parallelism).
+        self.num_heads = self.shards.num_heads if self.shards else config.num_heads
+        self.num_kv_heads = self.shards.num_kv_heads if self.shards else config.num_kv_heads
         self.quantization = quantization
         self.batch_invariant = batch_invariant
         self.hidden_output = hidden_output
@@ -103,29 +112,48 @@ class LlamaForCausalLM:
                 return Int8Linear(weight, bias, fp32_output=fp32_output)
             return Linear(weight, bias, batch_invariant=self.batch_invariant, fp32_output=fp32_output)
 
-        def take(name: str) -> torch.Tensor:
+        sh = self.shards
+        D = cfg.head_dim
+
+        def take(name: str, cut=None) -> torch.Tensor:
+            """The tensor `name`, cut to this rank's shard by `cut` (when tensor-parallel) before it is converted."""
             if name not in tensors:
                 raise ValueError(f"weight {name!r} missing from {model_dir}")
             tensor = tensors.pop(name)
             self.checkpoint_shapes[name] = tuple(tensor.shape)
+            if sh is not None and cut is not None:
+                tensor = cut(tensor)
             return tensor.to(device=self.device, dtype=self.dtype)
 
+        def qkv(names: list[str]) -> torch.Tensor:
+            parts = [take(name) for name in names]
+            return sh.qkv_rows(*parts, D) if sh is not None else torch.cat(parts)
+
+        def columns(span):  # column-parallel: this rank's output rows
+            return lambda w: Shards.rows(w, span)
+
+        def row_parallel(span):  # row-parallel: this rank's input columns
+            return lambda w: Shards.rows(w, span, dim=1)
+
         sparse = set(cfg.moe.sparse_layers) if cfg.moe is not None else set()
-        self.embed = take("model.embed_tokens.weight")
+        vocab = (lambda w: sh.vocab_rows(w)) if sh is not None else None
+        self.embed = take("model.embed_tokens.weight", vocab)
+        inter = sh.intermediate if sh is not None else (0, cfg.intermediate_size)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_bias = None
             if cfg.attention_bias:
-                qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                qkv_bias = qkv([p + f"self_attn.{x}_proj.bias" for x in "qkv"])
             if i in sparse:
-                mlp = load_sparse_moe(i, p, cfg.moe, cfg.hidden_size, take, tensors.__contains__, linear)
+                mlp = load_sparse_moe(i, p, cfg.moe, cfg.hidden_size, take, tensors.__contains__, linear, sh)
             else:
-                mlp = DenseMLP(dense(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                               dense(take(p + "mlp.down_proj.weight")))
+                mlp = DenseMLP(dense(torch.cat([take(p + "mlp.gate_proj.weight", columns(inter)),
+                                                take(p + "mlp.up_proj.weight", columns(inter))])),
+                               dense(take(p + "mlp.down_proj.weight", row_parallel(inter))))
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=dense(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
-                o=dense(take(p + "self_attn.o_proj.weight")),
+                qkv=dense(qkv([p + f"self_attn.{x}_proj.weight" for x in "qkv"]), qkv_bias),
+                o=dense(take(p + "self_attn.o_proj.weight", (lambda w: sh.o_columns(w, D)) if sh else None)),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 mlp=mlp,
                 q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
@@ -140,7 +168,7 @@ class LlamaForCausalLM:
             # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed (or int8) copy.
             self.lm_head = dense(self.embed, fp32_output=True)
         else:
-            self.lm_head = dense(take("lm_head.weight"), fp32_output=True)
+            self.lm_head = dense(take("lm_head.weight", vocab), fp32_output=True)
 
     def take_weights(self, other: LlamaForCausalLM) -> None:
         """Serve `other`'s weights from the next forward on; `other` has this model's config and was loaded from
@@ -171,8 +199,8 @@ class LlamaForCausalLM:
         (at logits of 16-32 one bf16 step is 0.125, enough to flip a near tie). A classifier's scores or an
         embedding model's hidden states stay in the model's dtype."""
         cfg = self.config
-        q_size = cfg.num_heads * cfg.head_dim
-        hidden = F.embedding(batch.input_ids, self.embed)  # [T, H]
+        q_size = self.num_heads * cfg.head_dim
+        hidden = self._embed(batch.input_ids)  # [T, H]
         residual = None
         # What every layer of the step shares is computed once: rotary rows, and the decode attention plan.
         cos_sin = cos_sin_rows(self.cos_sin, batch.positions)  # [T, D]
@@ -187,23 +215,41 @@ class LlamaForCausalLM:
             if layer.q_norm is not None:
                 self._norm_qk_heads(qkv, layer, ops)
             k_cache, v_cache = pool.k_cache(i), pool.v_cache(i)
-            q = ops.rotary_store_kv(qkv, cos_sin, k_cache, v_cache, batch.slots, cfg.num_heads,
-                                    cfg.num_kv_heads)  # [T, Hq, D]; k and v are in the cache now
+            q = ops.rotary_store_kv(qkv, cos_sin, k_cache, v_cache, batch.slots, self.num_heads,
+                                    self.num_kv_heads)  # [T, Hq, D]; k and v are in the cache now
             if batch.is_decode:
                 attn = ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale, plan)
             else:
                 attn = ops.extend_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
                                             batch.extend_lens, batch.q_start, self.scale)
-            hidden = self._project(i, "o", layer.o, attn.reshape(-1, q_size), batch, ops)  # [T, H]
+            hidden = self._reduce(self._project(i, "o", layer.o, attn.reshape(-1, q_size), batch, ops))  # [T, H]
             x, residual = ops.rmsnorm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
             if batch.lora_slots is not None and isinstance(layer.mlp, DenseMLP):
                 gate_up = self._project(i, "gate_up", layer.mlp.gate_up, x, batch, ops)  # [T, 2 I]
                 hidden = self._project(i, "down", layer.mlp.down, ops.silu_and_mul(gate_up), batch, ops)
             else:
                 hidden = layer.mlp(x, ops)
+            hidden = self._reduce(hidden)
         last = (hidden + residual).index_select(0, batch.last_rows)  # [B, H]
         last = ops.rmsnorm(last, self.norm, cfg.rms_norm_eps)
-        return last if self.lm_head is None else self.lm_head(last)  # [B, V] logits (or [B, H], [B, labels])
+        if self.lm_head is None:
+            return last  # an embedding model's [B, H]
+        logits = self.lm_head(last)  # [B, V] logits, or a classifier's [B, labels]
+        if self.shards is not None and not cfg.is_classifier:  # each rank holds a slice of the vocabulary
+            logits = self.group.all_gather_columns(logits)[:, :self.shards.vocab_size]
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return F.embedding(ids, self.embed)
+        local = ids - self.shards.vocab[0]  # this rank's rows; the others' ids give zeros, summed over ranks
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.group.all_reduce(hidden.masked_fill_(outside[:, None], 0))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel block's output: the sum of every rank's partial."""
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     def _project(self, i: int, name: str, linear: Linear, x: torch.Tensor, batch: ForwardBatch,
                  ops: KernelOps) -> torch.Tensor:
@@ -220,7 +266,7 @@ class LlamaForCausalLM:
         """Qwen3: RMSNorm over every q and k head of the fused projection, in place, before rotary."""
         cfg = self.config
         T, D = qkv.shape[0], cfg.head_dim
-        q_end, k_end = cfg.num_heads * D, (cfg.num_heads + cfg.num_kv_heads) * D
+        q_end, k_end = self.num_heads * D, (self.num_heads + self.num_kv_heads) * D
         for lo, hi, weight in ((0, q_end, layer.q_norm), (q_end, k_end, layer.k_norm)):
             heads = qkv[:, lo:hi].reshape(-1, D)  # [T * heads, D]
             qkv[:, lo:hi] = ops.rmsnorm(heads, weight, cfg.rms_norm_eps).view(T, hi - lo)

@@ -81,8 +81,11 @@ _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 def load_sparse_moe(layer_id: int, prefix: str, config: MoeConfig, hidden_size: int,
                     take: Callable[[str], torch.Tensor], has: Callable[[str], bool],
-                    linear: Callable[[torch.Tensor], Linear]) -> SparseMoE:
+                    linear: Callable[[torch.Tensor], Linear], shards=None) -> SparseMoE:
     """The expert block of layer `layer_id`, whose tensors are named `{prefix}{mlp|block_sparse_moe}.…`.
+    `shards` (tensor parallelism): every expert, and the shared expert, keeps this rank's slice of its
+    intermediate size (SGLang's TP split of experts: every rank computes every token's experts on its slice, and
+    the block's output is a partial sum the model all-reduces); the router is replicated.
 
     Experts come per expert (`experts.{i}.gate_proj.weight`, or Mixtral's `w1`/`w3`/`w2`), as transformers
     writes and hub checkpoints hold them, or already stacked (`experts.gate_up_proj` [E, 2I, H] and
@@ -100,13 +103,20 @@ def load_sparse_moe(layer_id: int, prefix: str, config: MoeConfig, hidden_size: 
         w2 = torch.stack([down for _, _, down in expert])
     _expect_shape(fused, w13, (E, 2 * inter, hidden_size))
     _expect_shape(f"{block}.experts.down_proj", w2, (E, hidden_size, inter))
+    if shards is not None:
+        lo, hi = shards.expert_intermediate
+        w13 = torch.cat([w13[:, lo:hi], w13[:, inter + lo:inter + hi]], dim=1)
+        w2 = w2[:, :, lo:hi]
     router = take(f"{block}.gate.weight")
     _expect_shape(f"{block}.gate.weight", router, (E, hidden_size))
     shared = None
     if config.shared_expert_intermediate_size:
         p = f"{block}.shared_expert."
-        shared = DenseMLP(linear(torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")])),
-                          linear(take(p + "down_proj.weight")))
+        span = shards.shared_intermediate if shards is not None else None
+        rows = (lambda w: w[span[0]:span[1]]) if span else None
+        cols = (lambda w: w[:, span[0]:span[1]]) if span else None
+        shared = DenseMLP(linear(torch.cat([take(p + "gate_proj.weight", rows), take(p + "up_proj.weight", rows)])),
+                          linear(take(p + "down_proj.weight", cols)))
         router = torch.cat([router, take(f"{block}.shared_expert_gate.weight")])  # [E + 1, H]
     experts = ExpertWeights(w13.contiguous(), w2.contiguous())
     if w13.device.type == "cpu":

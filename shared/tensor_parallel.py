@@ -1,0 +1,277 @@
+"""A tensor-parallel worker's ranks in lock-step: rank 0 leads, the others follow its steps.
+
+Rank 0 is the worker everyone else sees: it schedules, samples and answers. Before each forward it posts the
+step (`lead_step`: the flattened ForwardBatch and the page copies) in the mailbox (shared/tp_group.py); each
+follower (`follow`) reads it, makes the same page copies in its own pool (every rank's pool has the same pages,
+each holding its own KV heads), and runs the same forward on its shards, meeting rank 0 in every all-reduce.
+Only rank 0 reads the logits. Whatever else touches the pool or the weights on rank 0 (a sampler, a grammar,
+the radix cache) is rank 0's alone: the followers hold no requests.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pdserve.shared.config import ModelConfig, RuntimeConfig
+from pdserve.shared.models.llama import ForwardBatch
+from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, check_platform
+from pdserve.shared.tp_shards import Shards
+
+log = logging.getLogger(__name__)
+STEP, STOP, POOL = 1, 2, 3
+START_TIMEOUT_S = 600.0  # for the other ranks to load their shards
+
+
+@dataclass
+class TPRank:
+    """One rank of a tensor-parallel worker: its part of the model, and how it talks to the others."""
+
+    shards: Shards
+    box: Mailbox
+    group: ShmGroup | TorchGroup
+
+    @property
+    def leads(self) -> bool:
+        return self.shards.rank == 0
+
+    def stop(self) -> None:
+        """Leader: the followers exit their loops."""
+        self.box.post(STOP, [])
+
+
+# ------------------------------------------------------------------------------------------------ the step
+def lead_step(rank: TPRank, fb: ForwardBatch, page_copies: list[tuple[int, int]]) -> None:
+    """Leader: post `fb` and the step's page copies for the followers."""
+    parts = [fb.input_ids, fb.positions, fb.slots, fb.last_rows, fb.page_table.reshape(-1), fb.seq_lens,
+             fb.extend_lens, fb.q_start]
+    if fb.lora_slots is not None:
+        parts.append(fb.lora_slots)
+    payload = torch.cat([p.to(torch.int64) for p in parts])
+    copies = [x for pair in page_copies for x in pair]
+    header = [int(fb.is_decode), fb.input_ids.numel(), fb.seq_lens.numel(), fb.page_table.shape[1],
+              fb.last_rows.numel(), int(fb.lora_slots is not None), len(page_copies), payload.numel()]
+    if payload.device.type == "cpu":
+        rank.box.post(STEP, header, torch.cat([payload, torch.tensor(copies, dtype=torch.int64)]))
+    else:  # the mailbox says what comes; the tensors go device to device
+        rank.box.post(STEP, header, torch.tensor(copies, dtype=torch.int64))
+        rank.group.broadcast(payload)
+
+
+def _read_step(rank: TPRank, header: list[int], device: torch.device) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+    is_decode, T, B, W, n_last, has_lora, n_copies, n = header[:8]
+    if device.type == "cpu":
+        raw = rank.box.payload[:n + 2 * n_copies].clone()
+        payload, copies = raw[:n], raw[n:].tolist()
+    else:
+        copies = rank.box.payload[:2 * n_copies].tolist()
+        payload = rank.group.broadcast(torch.empty(n, dtype=torch.int64, device=device))
+    sizes = [T, T, T, n_last, B * W, B, B, B] + ([T] if has_lora else [])
+    pieces = list(payload.split(sizes))
+    i32 = [p.to(torch.int32) for p in pieces[4:]]
+    fb = ForwardBatch(is_decode=bool(is_decode), input_ids=pieces[0], positions=pieces[1], slots=pieces[2],
+                      last_rows=pieces[3], page_table=i32[0].view(B, W), seq_lens=i32[1], extend_lens=i32[2],
+                      q_start=i32[3], lora_slots=i32[4] if has_lora else None)
+    return fb, list(zip(copies[0::2], copies[1::2]))
+
+
+def follow(rank: TPRank, runner) -> None:
+    """A follower's life after its model is loaded: the pool's size from the leader, then the leader's steps
+    until it says stop (or is gone: RankGone)."""
+    kind, header = rank.box.fetch(START_TIMEOUT_S)
+    if kind != POOL:
+        raise RankGone(f"tensor-parallel rank {rank.shards.rank}: expected the pool's size first, got kind {kind}")
+    runner.build_pool(header[0])
+    log.info("tensor-parallel rank %d of %d: %d KV pages, following rank 0", rank.shards.rank, rank.shards.size,
+             header[0])
+    while True:
+        kind, header = rank.box.fetch(None)
+        if kind == STOP:
+            return
+        if kind != STEP:
+            raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
+        fb, copies = _read_step(rank, header, runner.device)
+        runner.run_step(fb, copies)
+
+
+# ------------------------------------------------------------------------------------------------ the ranks' processes
+def cpu_sets(size: int, binding: str | None) -> list[set[int]]:
+    """The cores of each rank. `binding` ("0-3|4-7", SGLang's --cpu-binding syntax in spirit): given per rank;
+    otherwise one NUMA node per rank where the machine has as many nodes, else this process's cores split in
+    contiguous equal groups. A ValueError names the numbers when there are not enough cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if binding:
+        sets = [_parse_cpus(part) for part in binding.split("|")]
+        if len(sets) != size:
+            raise ValueError(f"--cpu-binding {binding!r} names {len(sets)} core sets for --tp-size {size}")
+        if any(not s or not s <= set(allowed) for s in sets):
+            raise ValueError(f"--cpu-binding {binding!r}: each rank needs cores among this process's {allowed}")
+        return sets
+    if size > len(allowed):
+        raise ValueError(f"--tp-size {size} needs a core per rank; this process may run on {len(allowed)} "
+                         f"({allowed})")
+    nodes = [s & set(allowed) for s in _numa_nodes()]
+    nodes = [s for s in nodes if s]
+    if len(nodes) >= size:
+        return nodes[:size]
+    per = len(allowed) // size
+    return [set(allowed[r * per:(r + 1) * per]) for r in range(size)]
+
+
+def _parse_cpus(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        lo, _, hi = item.partition("-")
+        try:
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"--cpu-binding: {item!r} is not a core number or range") from None
+    return cpus
+
+
+def _numa_nodes() -> list[set[int]]:
+    nodes = []
+    for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist")):
+        nodes.append(_parse_cpus(path.read_text().strip()))
+    return nodes
+
+
+@dataclass
+class Launch:
+    """What rank 0 needs to start and stop the other ranks."""
+
+    size: int
+    cpus: list[set[int]]
+    timeout_s: float
+    base_gpu_id: int = 0
+
+
+class Ranks:
+    """Rank 0's side of a tensor-parallel worker: the mailbox it creates and the follower processes it starts.
+    Build it on the thread that outlives the worker (the followers die with that thread: PR_SET_PDEATHSIG)."""
+
+    def __init__(self, config: RuntimeConfig, launch: Launch) -> None:
+        self.config, self.launch = config, launch
+        self.cuda = config.device.startswith("cuda")
+        if self.cuda:
+            import torch.cuda
+
+            have = torch.cuda.device_count() - launch.base_gpu_id
+            if launch.size > have:
+                raise ValueError(f"--tp-size {launch.size} needs {launch.size} GPUs from --base-gpu-id "
+                                 f"{launch.base_gpu_id}; this machine shows {have}")
+        else:
+            check_platform()
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if self.cuda else ""
+        self.box = Mailbox.create(launch.size)
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for r in range(1, launch.size):
+                # A fresh interpreter, its arguments pickled down a pipe (rank 0's own data, nothing a client sent).
+                proc = subprocess.Popen([sys.executable, "-c", _FOLLOWER_ENTRY], stdin=subprocess.PIPE)
+                self.procs.append(proc)
+                proc.stdin.write(pickle.dumps((config, r, launch, self.box.path, self.init_method,
+                                               logging.getLogger().level)))
+                proc.stdin.close()
+            self.box.wait_attached(START_TIMEOUT_S, self.check_alive)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.box.unlink()
+        if not self.cuda:
+            _pin(launch.cpus[0])
+
+    def check_alive(self) -> None:
+        for r, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RankGone(f"tensor-parallel rank {r} exited (code {proc.returncode}); see its log above")
+
+    def rank0(self, model_config: ModelConfig) -> TPRank:
+        """Rank 0's TPRank (call on the thread that will step: the GPU group binds to it)."""
+        return TPRank(Shards.plan(model_config, 0, self.launch.size), self.box,
+                      _group(self.box, self.cuda, self.init_method, self.launch))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """The followers leave (told by a STOP post before this, or by rank 0's exit); any still there after
+        `timeout_s` are killed."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+
+
+def _group(box: Mailbox, cuda: bool, init_method: str, launch: Launch) -> ShmGroup | TorchGroup:
+    if cuda:
+        torch.cuda.set_device(launch.base_gpu_id + box.rank)
+        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s)
+    return ShmGroup(box, launch.timeout_s)
+
+
+def _pin(cpus: set[int]) -> None:
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_FOLLOWER_ENTRY = "from pdserve.shared.tensor_parallel import follower_entry; follower_entry()"
+
+
+def follower_entry() -> None:
+    _die_with_parent()
+    _follower_main(*pickle.load(sys.stdin.buffer))
+
+
+def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, init_method: str,
+                   log_level: int) -> None:
+    """A follower rank's process: attach, load this rank's shards, follow rank 0 until it stops or is gone."""
+    from pdserve.shared.logs import setup_logging
+    from pdserve.shared.model_runner import ModelRunner
+
+    setup_logging(logging.getLevelName(log_level).lower(), with_pid=True)
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        config = replace(config, device=f"cuda:{launch.base_gpu_id + rank}")
+    else:
+        _pin(launch.cpus[rank])
+    try:
+        box = Mailbox(path, rank, launch.size, create=False)
+        mc = ModelConfig.from_dir(config.model_path)
+        tp = TPRank(Shards.plan(mc, rank, launch.size), box, _group(box, cuda, init_method, launch))
+        runner = ModelRunner(config, mc, tp=tp)
+        follow(tp, runner)
+    except RankGone as exc:
+        log.error("%s", exc)
+        os._exit(1)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    os._exit(0)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # the mailbox's liveness checks still end it

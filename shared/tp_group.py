@@ -1,0 +1,255 @@
+"""The ranks of one tensor-parallel worker on one machine, and what they say to each other.
+
+Two kinds of talk:
+- the leader's **mailbox**: rank 0 schedules, and before each step it posts what the step is (a kind, a few
+  integers, a payload of int64s) for every other rank to read. A follower waits on it for as long as the worker
+  is idle, checking that the leader is alive, so an idle worker costs no collective timeout;
+- **collectives** inside the forward: all-reduce of a layer's partial sums, all-gather of the vocabulary shards
+  of the logits. On CPUs they run through the same shared memory (`ShmGroup`): gloo's all-reduce took 1.3-2.5 ms
+  per call between two processes on this 2-core machine (a [1, 576] fp32 tensor, loopback TCP), against tens of
+  microseconds here, and a step makes two per layer. On GPUs they are NCCL's, through torch.distributed
+  (`TorchGroup`), with the mailbox still here.
+
+Every rank sums the shards in rank order, in fp32, so every rank holds the same bits and a bf16 model rounds once.
+Every wait has a deadline and checks that the other ranks' processes are alive: a rank killed or hung ends its
+peers' waits with `RankGone` within `timeout_s`, and the worker goes down with it rather than hanging.
+
+Memory order: a rank writes its data, then its sequence number, with plain stores, and readers read the number
+before the data; x86's total store order keeps the two in that order, which is why tensor parallelism on a CPU
+requires x86-64 (`check_platform`).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SLOT_BYTES = 8 << 20  # one rank's share of one collective round; larger tensors go in several rounds
+PAYLOAD_BYTES = 16 << 20  # the leader's step payload
+_LINE = 8  # int64s per cache line: each rank's counters sit on lines of their own
+_HEADER_INTS = 32
+_CTRL_INTS = _LINE * (4 + 2 * 16)  # mailbox seq, kind, header; then per rank: round seq, pid
+_MAX_RANKS = 16
+_SPIN_S = 0.002  # spin this long before sleeping between checks
+
+
+class RankGone(RuntimeError):
+    """Another rank of this worker died or stopped answering: the worker cannot step without it."""
+
+
+def check_platform() -> None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"--tp-size on a CPU needs x86-64 (its shared-memory all-reduce relies on x86's store "
+                         f"order); this machine is {platform.machine()}")
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+class Mailbox:
+    """Shared memory mapped by every rank: the leader's mailbox, the per-rank round counters and the slots."""
+
+    def __init__(self, path: str, rank: int, size: int, create: bool) -> None:
+        if not 1 <= size <= _MAX_RANKS:
+            raise ValueError(f"--tp-size must be between 1 and {_MAX_RANKS}, got {size}")
+        self.rank, self.size, self.path = rank, size, path
+        total = _CTRL_INTS * 8 + PAYLOAD_BYTES + 2 * size * SLOT_BYTES
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, total)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self.ctrl = np.frombuffer(self.map, dtype=np.int64, count=_CTRL_INTS)
+        self.payload = torch.frombuffer(self.map, dtype=torch.int64, count=PAYLOAD_BYTES // 8, offset=_CTRL_INTS * 8)
+        self.slots = torch.frombuffer(self.map, dtype=torch.uint8, count=2 * size * SLOT_BYTES,
+                                      offset=_CTRL_INTS * 8 + PAYLOAD_BYTES).view(2, size, SLOT_BYTES)
+        self.round = 0  # this rank's collective rounds so far
+        self.seen = 0  # the mailbox posts read (follower) or made (leader)
+        self.ctrl[self._pid_at(rank)] = os.getpid()
+
+    @classmethod
+    def create(cls, size: int) -> Mailbox:
+        path = str(shm_dir() / f"pdserve-tp-{secrets.token_hex(8)}")
+        return cls(path, 0, size, create=True)
+
+    def unlink(self) -> None:
+        """Once every rank has mapped it: the memory lives on with the mappings, and no file outlives them."""
+        Path(self.path).unlink(missing_ok=True)
+
+    @staticmethod
+    def _seq_at(rank: int) -> int:
+        return _LINE * (4 + 2 * rank)
+
+    @staticmethod
+    def _pid_at(rank: int) -> int:
+        return _LINE * (5 + 2 * rank)
+
+    def pids(self) -> list[int]:
+        return [int(self.ctrl[self._pid_at(r)]) for r in range(self.size)]
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, ready, timeout_s: float | None, what: str, watch: list[int]) -> None:
+        """Until `ready()`; spins briefly, then sleeps between checks (longer the longer it waits) and checks
+        that the ranks in `watch` are alive. timeout_s None: as long as they are."""
+        if ready():
+            return
+        start = time.monotonic()
+        naps = 0
+        while not ready():
+            waited = time.monotonic() - start
+            if waited < _SPIN_S:
+                continue
+            if timeout_s is not None and waited > timeout_s:
+                raise RankGone(f"tensor-parallel rank {self.rank}: no answer from the other ranks for {timeout_s:g} s "
+                               f"while {what}")
+            naps += 1
+            if naps % 64 == 0:
+                self._check_alive(watch, what)
+            time.sleep(0.0001 if waited < 0.1 else 0.001 if waited < 1 else 0.005)
+
+    def _check_alive(self, ranks: list[int], what: str) -> None:
+        for r in ranks:
+            pid = int(self.ctrl[self._pid_at(r)])
+            if pid <= 0:
+                continue  # not attached yet
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RankGone(f"tensor-parallel rank {r} (pid {pid}) is gone; rank {self.rank} stops while "
+                               f"{what}") from None
+            except PermissionError:
+                pass
+
+    def wait_attached(self, timeout_s: float, alive=lambda: None) -> None:
+        """Leader: until every rank has mapped the memory (then the file can go). `alive()` raises if a rank's
+        process ended before it got there."""
+        def ready():
+            alive()
+            return all(p > 0 for p in self.pids())
+        self._wait(ready, timeout_s, "waiting for the ranks to start", [])
+
+    # ------------------------------------------------------------------ the mailbox
+    def post(self, kind: int, header: list[int], payload: torch.Tensor | None = None) -> None:
+        """Leader: the next step. Followers read it before their first collective of the step, and the leader
+        posts again only after that collective, so a post is never overwritten unread."""
+        if len(header) > _HEADER_INTS:
+            raise ValueError(f"a tensor-parallel step header holds {_HEADER_INTS} integers, got {len(header)}")
+        if payload is not None:
+            n = payload.numel()
+            if n > self.payload.numel():
+                raise ValueError(f"a tensor-parallel step payload holds {self.payload.numel()} integers, got {n}")
+            self.payload[:n].copy_(payload.reshape(-1))
+        self.ctrl[8:8 + len(header)] = header
+        self.ctrl[1] = kind
+        self.seen += 1
+        self.ctrl[0] = self.seen
+
+    def fetch(self, timeout_s: float | None) -> tuple[int, list[int]]:
+        """Follower: (kind, header) of the leader's next post; its payload is `self.payload` until the next."""
+        want = self.seen + 1
+        self._wait(lambda: self.ctrl[0] >= want, timeout_s, "waiting for the next step", [0])
+        self.seen = want
+        return int(self.ctrl[1]), self.ctrl[8:8 + _HEADER_INTS].tolist()
+
+    # ------------------------------------------------------------------ collective rounds
+    def exchange(self, data: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """One round: publish `data` (uint8, at most SLOT_BYTES), wait for every rank's; returns the slots of this
+        round [size, SLOT_BYTES]. Two parities: a rank reuses a parity only after every rank finished the round
+        before, which it has read the other parity's slots before joining."""
+        self.round += 1
+        parity = self.round & 1
+        slots = self.slots[parity]
+        slots[self.rank, :data.numel()].copy_(data)
+        self.ctrl[self._seq_at(self.rank)] = self.round
+        seqs = [self._seq_at(r) for r in range(self.size)]
+        want = self.round
+        others = [r for r in range(self.size) if r != self.rank]
+        self._wait(lambda: min(self.ctrl[s] for s in seqs) >= want, timeout_s, "summing a layer", others)
+        return slots
+
+
+class ShmGroup:
+    """The collectives of a forward step between CPU ranks, through the mailbox's slots."""
+
+    def __init__(self, mailbox: Mailbox, timeout_s: float) -> None:
+        self.box = mailbox
+        self.rank, self.size = mailbox.rank, mailbox.size
+        self.timeout_s = timeout_s
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x (any float dtype), in place and returned: summed in fp32 in rank order."""
+        flat = x.reshape(-1)
+        per_round = SLOT_BYTES // 4
+        for lo in range(0, flat.numel(), per_round):
+            part = flat[lo:lo + per_round]
+            n = part.numel()
+            src = part.float().contiguous()
+            slots = self.box.exchange(src.view(torch.uint8), self.timeout_s)
+            values = slots[:, :n * 4].view(torch.float32)  # [size, n]
+            total = values[0].clone()
+            for r in range(1, self.size):
+                total += values[r]
+            part.copy_(total)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, C] on every rank (the same R and C) -> [R, size * C], rank 0's columns first."""
+        rows, cols = x.shape
+        row_bytes = cols * x.element_size()
+        per_round = max(1, SLOT_BYTES // row_bytes)
+        out = torch.empty(rows, self.size * cols, dtype=x.dtype)
+        for lo in range(0, rows, per_round):
+            part = x[lo:lo + per_round].contiguous()
+            n = part.numel() * x.element_size()
+            slots = self.box.exchange(part.view(-1).view(torch.uint8), self.timeout_s)
+            shards = slots[:, :n].view(x.dtype).view(self.size, part.shape[0], cols)
+            out[lo:lo + part.shape[0]] = shards.permute(1, 0, 2).reshape(part.shape[0], self.size * cols)
+        return out
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """A CPU step's tensors travel in the mailbox's payload already."""
+        return x
+
+    def barrier(self, timeout_s: float) -> None:
+        self.box.exchange(torch.zeros(1, dtype=torch.uint8), timeout_s)
+
+
+class TorchGroup:
+    """The collectives of a forward step between GPU ranks: NCCL through torch.distributed."""
+
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.size = rank, size
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(x)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        self.dist.broadcast(x, src=0)
+        return x
+
+    def barrier(self, timeout_s: float) -> None:
+        self.dist.barrier()
