@@ -38,6 +38,7 @@ from pdserve.shared.sampler import HostCopy, Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 from pdserve.shared.speculative import Speculator
+from pdserve.shared.tp_group import RankGone
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,6 +74,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | ComputeThread | None = None
         self._stopping = False
+        self.fatal: Exception | None = None  # what ended the step loop for good (a lost tensor-parallel rank)
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self.adapters = Adapters(self)
@@ -131,6 +133,11 @@ class Engine:
             if self.has_work():
                 try:
                     self.step()
+                except RankGone as exc:  # a tensor-parallel worker cannot step without every rank: it goes down
+                    log.error("%s: this worker stops, for its supervisor to start it again", exc)
+                    self._fail_all(f"the worker lost a tensor-parallel rank: {exc}")
+                    self.fatal = exc
+                    return
                 except Exception as exc:  # a failed step must not leave requests hanging
                     log.exception("engine step failed")
                     self._fail_all(f"internal error: {exc}")

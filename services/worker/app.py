@@ -136,8 +136,9 @@ class WorkerApp:
             self.ready = self.link.alive
             spec = info["speculative_tokens"]
             weights = self.compat.dtype + (f" ({self.args.quantization})" if self.args.quantization else "")
-            log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s", wiring.role.value,
-                     self.args.host, self.args.port, self.http_port, self.link.pid, weights, info["kernels"],
+            log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s%s",
+                     wiring.role.value, self.args.host, self.args.port, self.http_port, self.link.pid, weights,
+                     info["kernels"], f", tensor-parallel over {info['tp_size']} ranks" if info["tp_size"] > 1 else "",
                      f", speculative ngram (up to {spec} draft tokens)" if spec else "",
                      ", overlapped decode steps" if info["overlap"] else "")
             await stop.wait()

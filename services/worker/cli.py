@@ -9,7 +9,7 @@ import sys
 
 from pathlib import Path
 
-from pdserve.services.worker.settings import add_expert_arguments
+from pdserve.services.worker.settings import add_expert_arguments, add_tp_arguments
 from pdserve.services.worker.tier_flags import add_tier_arguments, tier_config
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
@@ -85,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "encoders: fp32 models, smoothed)")
     add_lora_arguments(parser)
     add_expert_arguments(parser)
+    add_tp_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="seed of the generator that requests without a seed of their own sample from "
@@ -211,6 +212,10 @@ def main(args: argparse.Namespace, command: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if command == "colocated" and is_encoder_checkpoint(model_path):
+        if args.tp_size != 1:
+            print(f"error: --tp-size {args.tp_size}: an encoder model (BERT family) runs in one process",
+                  file=sys.stderr)
+            return 1
         return _serve_encoder(config, args)
     if config.tiers is not None:  # before the engine process loads the model
         from pdserve.shared.kv_files import KVFiles

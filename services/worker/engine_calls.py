@@ -20,11 +20,10 @@ import torch
 
 from pdserve.services.worker.engine_admin_calls import AdminCalls, runs
 from pdserve.services.worker.metrics import WorkerMetrics
-from pdserve.services.worker.settings import expert_settings
-from pdserve.services.worker.settings import wiring_for
+from pdserve.services.worker.settings import expert_settings, tp_ranks, wiring_for
 from pdserve.shared.compat import Compat
 from pdserve.shared.compute_thread import ComputeThread
-from pdserve.shared.config import Role
+from pdserve.shared.config import ModelConfig, Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.grammar import Constraint
 from pdserve.shared.model_runner import ModelRunner
@@ -57,8 +56,14 @@ class EngineCalls(AdminCalls):
         self.wiring = wiring = wiring_for(role)
         self.args = args
         self.config = config = runtime_config(args, args.model_path)
+        self.ranks = tp_ranks(args, config, role)  # before the compute thread: it takes rank 0's cores
         self.compute = ComputeThread()  # loads the model, then runs the engine loop: one OpenMP pool
-        runner = self.compute.run(lambda: ModelRunner(config))
+        try:
+            runner = self.compute.run(lambda: self._runner(config))
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(timeout_s=0)
+            raise
         self.pooled = None  # a pooling decoder (embedding or classifier): served by encode, never generate
         if config.is_embedding or runner.model_config.is_classifier or runner.model_config.is_bare:
             if not wiring.serves_pooling_models:
@@ -101,6 +106,12 @@ class EngineCalls(AdminCalls):
         if args.random_seed is not None:  # once the model is built: the random init before its weights took draws
             torch.manual_seed(args.random_seed)
 
+    def _runner(self, config) -> ModelRunner:
+        if self.ranks is None:
+            return ModelRunner(config)
+        mc = ModelConfig.from_dir(config.model_path)
+        return ModelRunner(config, mc, tp=self.ranks.rank0(mc))
+
     def info(self) -> dict:
         runner, mc, config = self.runner, self.runner.model_config, self.config
         compat = Compat(model=mc.identity(), dtype=str(runner.dtype).replace("torch.", ""),
@@ -117,7 +128,7 @@ class EngineCalls(AdminCalls):
                 "max_lora_rank": runner.lora.pool.max_rank if runner.lora else 0,
                 "max_loras_per_batch": runner.lora.pool.num_slots if runner.lora else 0,
                 "weights": asdict(self.engine.weights.version), "generates": self.engine.generates,
-                "pooled": self.pooled is not None, "moe": mc.moe is not None,
+                "pooled": self.pooled is not None, "moe": mc.moe is not None, "tp_size": self.args.tp_size,
                 "overlap": self.engine.overlap.enabled,
                 "speculative_tokens": spec.num_draft_tokens if self.engine.speculator is not None else 0,
                 "page_bytes": self.transfer.page_bytes if self.transfer is not None else 0,
@@ -276,6 +287,10 @@ class EngineCalls(AdminCalls):
         self.engine.stop()
         if self.transfer is not None:
             self.transfer.close()
+        if self.ranks is not None:
+            if self.engine.fatal is None:
+                self.runner.close()
+            self.ranks.close()
 
     # ------------------------------------------------------------ pooling: scores and embeddings
     @runs("thread")

@@ -74,6 +74,7 @@ class EngineHost(EngineCalls):
         self._outputs: list[tuple] = []  # engine thread only: this iteration's outputs and events
         self._events: list[tuple] = []
         self._transfer_ok = True
+        self.failed = False
         super().__init__(command, args)
         self.engine.on_iteration = self._flush
 
@@ -102,6 +103,9 @@ class EngineHost(EngineCalls):
             message = self.pipe.recv(1.0)
             if os.getppid() != parent:
                 log.error("the worker's front process is gone: the engine process exits")
+                break
+            if not self.engine.is_alive():  # its step loop ended for good (a lost tensor-parallel rank)
+                self.failed = True
                 break
             if message is None or message[0] != "batch":
                 continue
@@ -213,7 +217,7 @@ def main() -> int:
     stop.serving = True
     host.serve(stop)
     pipe.close()
-    return 0
+    return 1 if host.failed else 0
 
 
 if __name__ == "__main__":

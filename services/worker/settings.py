@@ -36,3 +36,37 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def expert_settings(args: argparse.Namespace, tag: str) -> RecordSettings:
     return RecordSettings(args.expert_distribution_recorder_mode, args.expert_distribution_recorder_dir, tag)
+
+
+def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, metavar="N",
+                        help="split the model over N ranks, one process each (on a CPU each on its own cores, on "
+                             "GPUs each on its own device); the worker keeps one endpoint")
+    parser.add_argument("--cpu-binding", default=None, metavar="CORES|CORES",
+                        help="--tp-size on a CPU: each rank's cores, '|' between ranks (e.g. 0-3|4-7); default: a "
+                             "NUMA node per rank where there are enough, else the cores split evenly")
+    parser.add_argument("--base-gpu-id", type=int, default=0, help="--tp-size on GPUs: rank r runs on GPU base + r")
+    parser.add_argument("--dist-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="--tp-size: how long a rank waits for the others inside a step before the worker "
+                             "gives up on them and stops (a rank that died is noticed at once)")
+
+
+def tp_ranks(args: argparse.Namespace, config, role: Role):
+    """The other ranks of a tensor-parallel worker, started (None for --tp-size 1). Call it before the thread
+    that will step exists: on a CPU it takes rank 0's cores, and the threads started after it inherit them."""
+    size = getattr(args, "tp_size", 1)
+    if size == 1:
+        return None
+    from pdserve.shared.config import ModelConfig
+    from pdserve.shared.tensor_parallel import Launch, Ranks, cpu_sets
+    from pdserve.shared.tp_shards import check_tp_size
+
+    if role is not Role.COLOCATED:
+        raise ValueError(f"--tp-size {size} on a {role.value} worker: moving KV pages between tensor-parallel "
+                         "prefill and decode ranks is not built yet; serve a tensor-parallel model with "
+                         "`pdserve colocated --tp-size N`")
+    if args.dist_timeout <= 0:
+        raise ValueError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    check_tp_size(ModelConfig.from_dir(config.model_path), size)
+    cpus = [] if config.device.startswith("cuda") else cpu_sets(size, args.cpu_binding)
+    return Ranks(config, Launch(size, cpus, args.dist_timeout, args.base_gpu_id))
