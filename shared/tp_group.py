@@ -53,6 +53,23 @@ def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs: a rank that died is a zombie until its parent reaps it, and counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
 class Mailbox:
     """Shared memory mapped by every rank: the leader's mailbox, the per-rank round counters and the slots."""
 
@@ -121,15 +138,8 @@ class Mailbox:
     def _check_alive(self, ranks: list[int], what: str) -> None:
         for r in ranks:
             pid = int(self.ctrl[self._pid_at(r)])
-            if pid <= 0:
-                continue  # not attached yet
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RankGone(f"tensor-parallel rank {r} (pid {pid}) is gone; rank {self.rank} stops while "
-                               f"{what}") from None
-            except PermissionError:
-                pass
+            if pid > 0 and not _running(pid):  # (0: not attached yet)
+                raise RankGone(f"tensor-parallel rank {r} (pid {pid}) is gone; rank {self.rank} stops while {what}")
 
     def wait_attached(self, timeout_s: float, alive=lambda: None) -> None:
         """Leader: until every rank has mapped the memory (then the file can go). `alive()` raises if a rank's
