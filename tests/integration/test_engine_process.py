@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 
 from fixtures import make_tiny_model
-from pdserve.proto import worker_pb2 as pb
-from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import params_to_proto
-from pdserve.shared.sampling_params import SamplingParams
-from procs import children, start_worker
+from procs import Streams, alive, channel_dir, children, healthy, start_worker
 
-STREAMS = 8
 UNHEALTHY_WITHIN_S = 2.0
 ENDED_WITHIN_S = 10.0
 
@@ -30,63 +22,6 @@ ENDED_WITHIN_S = 10.0
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("engine-process") / "llama"))
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def channel_dir(pid: int) -> str:
-    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)["PDSERVE_ENGINE_CHANNEL"]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-class Streams:
-    """STREAMS long greedy generations on one worker, each noting its tokens and how it ended."""
-
-    def __init__(self, addr: str) -> None:
-        self.tokens = [0] * STREAMS
-        self.ended: list[str | None] = [None] * STREAMS
-        self.channel = grpc.insecure_channel(addr)
-        stub = pb_grpc.WorkerStub(self.channel)
-        params = params_to_proto(SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
-        self.threads = [threading.Thread(target=self._run, args=(stub, i, params), daemon=True)
-                        for i in range(STREAMS)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, stub, i: int, params) -> None:
-        try:
-            for msg in stub.Generate(pb.GenerateRequest(rid=f"s{i}", input_ids=[1, 5, 9, 13], sampling=params),
-                                     timeout=120):
-                self.tokens[i] += sum(len(c.token_ids) for c in msg.choices)
-            self.ended[i] = "finished"
-        except grpc.RpcError as exc:
-            self.ended[i] = exc.code().name
-
-    def wait_flowing(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(self.tokens) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(self.tokens), f"streams did not start: {self.tokens} {self.ended}"
-
-    def wait_ended(self, timeout: float) -> list[str | None]:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        self.channel.close()
-        return self.ended
 
 
 def start(model: str):
