@@ -139,6 +139,9 @@ class LlamaForCausalLM:
         vocab = (lambda w: sh.vocab_rows(w)) if sh is not None else None
         self.embed = take("model.embed_tokens.weight", vocab)
         inter = sh.intermediate if sh is not None else (0, cfg.intermediate_size)
+        # Deterministic mode splits a row-parallel layer's sums but rounds them once: each rank's partial stays in
+        # fp32 until the all-reduce has added them (on the fixed-order kernel the layers run on there anyway).
+        partial32 = sh is not None and self.batch_invariant
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_bias = None
@@ -149,11 +152,12 @@ class LlamaForCausalLM:
             else:
                 mlp = DenseMLP(dense(torch.cat([take(p + "mlp.gate_proj.weight", columns(inter)),
                                                 take(p + "mlp.up_proj.weight", columns(inter))])),
-                               dense(take(p + "mlp.down_proj.weight", row_parallel(inter))))
+                               dense(take(p + "mlp.down_proj.weight", row_parallel(inter)), fp32_output=partial32))
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=dense(qkv([p + f"self_attn.{x}_proj.weight" for x in "qkv"]), qkv_bias),
-                o=dense(take(p + "self_attn.o_proj.weight", (lambda w: sh.o_columns(w, D)) if sh else None)),
+                o=dense(take(p + "self_attn.o_proj.weight", (lambda w: sh.o_columns(w, D)) if sh else None),
+                        fp32_output=partial32),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 mlp=mlp,
                 q_norm=take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
@@ -249,7 +253,7 @@ class LlamaForCausalLM:
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel block's output: the sum of every rank's partial."""
-        return partial if self.group is None else self.group.all_reduce(partial)
+        return partial if self.group is None else self.group.all_reduce(partial).to(self.dtype)
 
     def _project(self, i: int, name: str, linear: Linear, x: torch.Tensor, batch: ForwardBatch,
                  ops: KernelOps) -> torch.Tensor:
