@@ -104,7 +104,9 @@ class ServedWeights:
         return self._staged[0] if self._staged is not None else None
 
     def discard(self) -> None:
-        self._staged = None
+        if self._staged is not None:
+            self._staged = None
+            self.engine.runner.discard_weights()
 
     def commit(self, version: WeightsVersion, abort_reason: str | None = None) -> int | None:
         """Serve the staged weights from the next step on, as `version`, with an empty prefix cache.

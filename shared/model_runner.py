@@ -20,7 +20,8 @@ from pdserve.shared.linear import cpu_has_bf16
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
-from pdserve.shared.tensor_parallel import POOL, START_TIMEOUT_S, TPRank, lead_step
+from pdserve.shared.tensor_parallel import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, TPRank, lead_step,
+                                            path_payload)
 from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -155,25 +156,49 @@ class ModelRunner:
     def build_weights(self, checkpoint: Checkpoint) -> LlamaForCausalLM:
         """A model holding `checkpoint`'s weights, prepared exactly as the running one was (dtype, device, packed
         matmuls); the running model is not touched. Consumes checkpoint.tensors, so each raw tensor is freed once
-        converted. Compute: call it on the engine thread. Raises WeightsError."""
-        if self.tp is not None:
-            raise WeightsError("updating the weights of a tensor-parallel worker (--tp-size > 1) is not supported: "
-                               "restart it on the new checkpoint")
-        check_finite(checkpoint.tensors)
-        staged = LlamaForCausalLM(self.model_config, self.dtype, self.device, self.context_length,
-                                  batch_invariant=self.config.deterministic, hidden_output=self.hidden_output,
-                                  quantization=self.config.quantization)
+        converted. Compute: call it on the engine thread. Raises WeightsError.
+
+        Tensor-parallel: rank 0 has every other rank read the same directory and build its own shards, and
+        raises unless all of them could."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.box.post(WEIGHTS, [], path_payload(str(checkpoint.directory)))
+        staged, error = None, None
         try:
-            staged.load(checkpoint.directory, checkpoint.tensors)
-        except (RuntimeError, ValueError) as exc:  # out of memory, or a tensor the checks could not foresee
-            raise WeightsError(f"cannot build the new weights: {exc}") from None
+            check_finite(checkpoint.tensors)
+            staged = LlamaForCausalLM(self.model_config, self.dtype, self.device, self.context_length,
+                                      batch_invariant=self.config.deterministic, hidden_output=self.hidden_output,
+                                      quantization=self.config.quantization, **self._tp_parts())
+            try:
+                staged.load(checkpoint.directory, checkpoint.tensors)
+            except (RuntimeError, ValueError) as exc:  # out of memory, or a tensor the checks could not foresee
+                raise WeightsError(f"cannot build the new weights: {exc}") from None
+        except WeightsError as exc:
+            staged, error = None, exc
+        if self.tp is not None:
+            failed = self.tp.group.failed_ranks(error is not None, START_TIMEOUT_S)
+            if failed and error is None:
+                staged, error = None, WeightsError(f"tensor-parallel rank(s) {failed} could not build the new "
+                                                   "weights (their logs say why); nothing changed")
+        if error is not None:
+            raise error
         return staged
 
     def swap_weights(self, staged: LlamaForCausalLM) -> None:
-        """Serve `staged`'s weights from the next forward on (engine thread, between two steps)."""
+        """Serve `staged`'s weights from the next forward on (engine thread, between two steps); every rank of a
+        tensor-parallel worker swaps to the shards it staged."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.box.post(SWAP, [])
         self.model.take_weights(staged)
         if self.graphs is not None and self.graphs.graphs:
             self.graphs.capture()  # the graphs read the old weights' addresses
+        if self.tp is not None:
+            self.tp.group.barrier(START_TIMEOUT_S)
+
+    def discard_weights(self) -> None:
+        """The weights staged are dropped: a tensor-parallel worker's other ranks drop theirs."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.box.post(DISCARD, [])
+            self.tp.group.barrier(START_TIMEOUT_S)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B, V] (model dtype) for the last new token of every request in the batch (of a verify batch:

@@ -29,7 +29,7 @@ from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, che
 from pdserve.shared.tp_shards import Shards
 
 log = logging.getLogger(__name__)
-STEP, STOP, POOL = 1, 2, 3
+STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD = 1, 2, 3, 4, 5, 6
 START_TIMEOUT_S = 600.0  # for the other ranks to load their shards
 
 
@@ -94,14 +94,53 @@ def follow(rank: TPRank, runner) -> None:
     runner.build_pool(header[0])
     log.info("tensor-parallel rank %d of %d: %d KV pages, following rank 0", rank.shards.rank, rank.shards.size,
              header[0])
+    staged = None  # the weights rank 0 had every rank build, until it swaps or drops them
     while True:
         kind, header = rank.box.fetch(None)
         if kind == STOP:
             return
-        if kind != STEP:
+        if kind == STEP:
+            fb, copies = _read_step(rank, header, runner.device)
+            runner.run_step(fb, copies)
+        elif kind == WEIGHTS:
+            staged = _build_weights(runner, read_path(rank.box.payload))
+        elif kind == SWAP:
+            runner.swap_weights(staged)
+            staged = None
+        elif kind == DISCARD:
+            staged = None
+            rank.group.barrier(START_TIMEOUT_S)
+        else:
             raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
-        fb, copies = _read_step(rank, header, runner.device)
-        runner.run_step(fb, copies)
+
+
+def _build_weights(runner, path: str):
+    from pdserve.shared.weights import WeightsError
+
+    try:
+        checkpoint = runner.read_weights(path)
+    except WeightsError as exc:
+        checkpoint = None
+        log.error("tensor-parallel rank %d cannot read the new weights: %s", runner.tp.shards.rank, exc)
+    if checkpoint is None:  # still meets rank 0 in its vote
+        runner.tp.group.failed_ranks(True, START_TIMEOUT_S)
+        return None
+    try:
+        return runner.build_weights(checkpoint)
+    except WeightsError as exc:
+        log.error("tensor-parallel rank %d cannot build the new weights: %s", runner.tp.shards.rank, exc)
+        return None
+
+
+def path_payload(path: str) -> torch.Tensor:
+    raw = path.encode()
+    padded = len(raw).to_bytes(8, "little") + raw + b"\0" * (-len(raw) % 8)
+    return torch.frombuffer(bytearray(padded), dtype=torch.int64)
+
+
+def read_path(payload: torch.Tensor) -> str:
+    n = int(payload[0])
+    return payload[1:1 + -(-n // 8)].numpy().tobytes()[:n].decode()
 
 
 # ------------------------------------------------------------------------------------------------ the ranks' processes

@@ -234,6 +234,11 @@ class ShmGroup:
     def barrier(self, timeout_s: float) -> None:
         self.box.exchange(torch.zeros(1, dtype=torch.uint8), timeout_s)
 
+    def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
+        """Every rank says whether it failed; all learn which did."""
+        slots = self.box.exchange(torch.tensor([int(failed)], dtype=torch.uint8), timeout_s)
+        return [r for r in range(self.size) if slots[r, 0]]
+
 
 class TorchGroup:
     """The collectives of a forward step between GPU ranks: NCCL through torch.distributed."""
@@ -263,3 +268,8 @@ class TorchGroup:
 
     def barrier(self, timeout_s: float) -> None:
         self.dist.barrier()
+
+    def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
+        flags = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(self.size)]
+        self.dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32, device="cuda"))
+        return [r for r, f in enumerate(flags) if f.item()]

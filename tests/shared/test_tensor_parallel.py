@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from fixtures import make_tiny_model
+
 from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.model_runner import ModelRunner
@@ -187,3 +189,16 @@ def test_a_rank_that_hangs_stops_rank_0_after_the_timeout(tiny_models):
             assert time.monotonic() - started < 5
         finally:
             os.kill(follower, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def test_every_rank_updates_to_its_shards_of_new_weights(tiny_models, tmp_path):
+    other = make_tiny_model("llama", tmp_path / "other", seed=1)
+    with Split(config(tiny_models["llama"]), 2) as runner:
+        staged = runner.build_weights(runner.read_weights(str(other)))
+        torch.testing.assert_close(steps(runner), whole(str(tiny_models["llama"])), atol=1e-4, rtol=0)  # not yet
+        runner.swap_weights(staged)
+        torch.testing.assert_close(steps(runner), whole(str(other)), atol=1e-4, rtol=0)
+        runner.build_weights(runner.read_weights(str(tiny_models["llama"])))
+        runner.discard_weights()  # staged, then dropped: the ranks still serve `other`, and still step together
+        torch.testing.assert_close(steps(runner), whole(str(other)), atol=1e-4, rtol=0)
