@@ -61,16 +61,16 @@ def lead_step(rank: TPRank, fb: ForwardBatch, page_copies: list[tuple[int, int]]
     copies = [x for pair in page_copies for x in pair]
     header = [int(fb.is_decode), fb.input_ids.numel(), fb.seq_lens.numel(), fb.page_table.shape[1],
               fb.last_rows.numel(), int(fb.lora_slots is not None), len(page_copies), payload.numel()]
-    if payload.device.type == "cpu":
+    if not isinstance(rank.group, TorchGroup):
         rank.box.post(STEP, header, torch.cat([payload, torch.tensor(copies, dtype=torch.int64)]))
-    else:  # the mailbox says what comes; the tensors go device to device
+    else:  # the mailbox says what comes; the tensors go through the group (device to device on GPUs)
         rank.box.post(STEP, header, torch.tensor(copies, dtype=torch.int64))
         rank.group.broadcast(payload)
 
 
 def _read_step(rank: TPRank, header: list[int], device: torch.device) -> tuple[ForwardBatch, list[tuple[int, int]]]:
     is_decode, T, B, W, n_last, has_lora, n_copies, n = header[:8]
-    if device.type == "cpu":
+    if not isinstance(rank.group, TorchGroup):
         raw = rank.box.payload[:n + 2 * n_copies].clone()
         payload, copies = raw[:n], raw[n:].tolist()
     else:
@@ -196,6 +196,7 @@ class Launch:
     cpus: list[set[int]]
     timeout_s: float
     base_gpu_id: int = 0
+    collectives: str = "shm"  # on CPUs: "shm" (ShmGroup), or "torch" (gloo); GPUs always use NCCL
 
 
 class Ranks:
@@ -214,7 +215,9 @@ class Ranks:
                                  f"{launch.base_gpu_id}; this machine shows {have}")
         else:
             check_platform()
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if self.cuda else ""
+        if launch.collectives not in ("shm", "torch"):
+            raise ValueError(f"tensor-parallel collectives must be shm or torch, got {launch.collectives!r}")
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if self.cuda or launch.collectives == "torch" else ""
         self.box = Mailbox.create(launch.size)
         self.procs: list[subprocess.Popen] = []
         try:
@@ -258,8 +261,11 @@ class Ranks:
 
 def _group(box: Mailbox, cuda: bool, init_method: str, launch: Launch) -> ShmGroup | TorchGroup:
     if cuda:
-        torch.cuda.set_device(launch.base_gpu_id + box.rank)
-        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s)
+        device = torch.device("cuda", launch.base_gpu_id + box.rank)
+        torch.cuda.set_device(device)
+        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s, device)
+    if launch.collectives == "torch":
+        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s, torch.device("cpu"))
     return ShmGroup(box, launch.timeout_s)
 
 

@@ -8,7 +8,7 @@ Two kinds of talk:
   of the logits. On CPUs they run through the same shared memory (`ShmGroup`): gloo's all-reduce took 1.3-2.5 ms
   per call between two processes on this 2-core machine (a [1, 576] fp32 tensor, loopback TCP), against tens of
   microseconds here, and a step makes two per layer. On GPUs they are NCCL's, through torch.distributed
-  (`TorchGroup`), with the mailbox still here.
+  (`TorchGroup`, which also carries the step's tensors device to device), with the mailbox still here.
 
 Every rank sums the shards in rank order, in fp32, so every rank holds the same bits and a bf16 model rounds once.
 Every wait has a deadline and checks that the other ranks' processes are alive: a rank killed or hung ends its
@@ -241,17 +241,18 @@ class ShmGroup:
 
 
 class TorchGroup:
-    """The collectives of a forward step between GPU ranks: NCCL through torch.distributed."""
+    """The collectives of a forward step through torch.distributed: NCCL between GPU ranks (the step's tensors
+    go device to device too), or gloo between CPU ranks (slower than ShmGroup here; for comparison)."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: torch.device) -> None:
         import datetime
 
         import torch.distributed as dist
 
         self.dist = dist
-        self.rank, self.size = rank, size
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.size, self.device = rank, size, device
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(x)
@@ -267,9 +268,9 @@ class TorchGroup:
         return x
 
     def barrier(self, timeout_s: float) -> None:
-        self.dist.barrier()
+        self.failed_ranks(False, timeout_s)
 
     def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
-        flags = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(self.size)]
-        self.dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32, device="cuda"))
+        flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in range(self.size)]
+        self.dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32, device=self.device))
         return [r for r, f in enumerate(flags) if f.item()]

@@ -38,12 +38,12 @@ def config(model_dir, dtype: str = "float32", **kw) -> RuntimeConfig:
 class Split:
     """A tensor-parallel runner: rank 0 here, the others in their own processes; closed on exit."""
 
-    def __init__(self, cfg: RuntimeConfig, size: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, cfg: RuntimeConfig, size: int, timeout_s: float = 10.0, collectives: str = "shm") -> None:
         # More ranks than cores share them (correctness only): rank r on core r % cores.
         cpus = cpu_sets(size, None) if size <= CORES else [{r % CORES} for r in range(size)]
         affinity = os.sched_getaffinity(0)
         threads = torch.get_num_threads()
-        self.ranks = Ranks(cfg, Launch(size, cpus, timeout_s))
+        self.ranks = Ranks(cfg, Launch(size, cpus, timeout_s, collectives=collectives))
         try:
             mc = ModelConfig.from_dir(cfg.model_path)
             self.runner = ModelRunner(cfg, mc, tp=self.ranks.rank0(mc))
@@ -202,3 +202,10 @@ def test_every_rank_updates_to_its_shards_of_new_weights(tiny_models, tmp_path):
         runner.build_weights(runner.read_weights(str(tiny_models["llama"])))
         runner.discard_weights()  # staged, then dropped: the ranks still serve `other`, and still step together
         torch.testing.assert_close(steps(runner), whole(str(other)), atol=1e-4, rtol=0)
+
+
+def test_torch_distributed_collectives_give_the_same_logits(tiny_models):
+    """The path GPUs take (torch.distributed, the step's tensors broadcast through the group), here over gloo."""
+    with Split(config(tiny_models["qwen2"]), 2, collectives="torch") as runner:
+        got = steps(runner)
+    torch.testing.assert_close(got, whole(str(tiny_models["qwen2"])), atol=1e-4, rtol=0)
