@@ -13,7 +13,8 @@
 #
 # Runs, in order: (a) the CUDA kernel tests and the decode-graph tests; (b) benchmarks/gpu_runtime.py (step
 # times with graphs on and off, GPU-busy fraction, kernels per step, greedy parity, transformers with a static
-# cache + torch.compile timed in the same run); (c) `pdserve bench` against a colocated worker, then against
+# cache + torch.compile timed in the same run); (b2) on two GPUs or more, benchmarks/gpu_tp.py (greedy TP 1 vs
+# TP 2, decode step times at batch 1 and 64); (c) `pdserve bench` against a colocated worker, then against
 # prefill + decode on the same GPU with TCP transfer, at 1, 64 and 256 streams of 128 tokens after ~200-token
 # prompts (workers and gateway started directly: there is no redis-server there), the colocated worker also
 # alone (benchmarks/bench_worker_streams.py: gRPC streams straight to it); then the targets table.
@@ -153,6 +154,20 @@ if [ "$SERVING_ONLY" = 0 ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed runtime
 fi
 
+# ---------------------------------------------------------------- (b2) tensor parallelism, where there are GPUs for it
+# Greedy fp32 identical TP 1 vs TP 2 and decode step times at batch 1 and 64 (benchmarks/gpu_tp.py); on a CPU dry
+# run, the same script on the tiny model over two cores.
+GPUS=0
+[ "$DEVICE" = cuda ] && GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$SERVING_ONLY" = 0 ] && { [ "$GPUS" -ge 2 ] || [ "$DEVICE" = cpu ]; }; then
+  log "gpu_tp.py (tensor parallelism over 2 ranks)"
+  timeout 240 "$PY" "$REPO/benchmarks/gpu_tp.py" --model-path "$MODEL" --device "$DEVICE" --tp-size 2 \
+    --json "$RESULTS/tp.json" ${RUNTIME_ARGS[@]:+--dry-run} 2>&1 | tee "$LOGS/tp.log" | grep -v " INFO " >&2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed tensor_parallel
+elif [ "$SERVING_ONLY" = 0 ]; then
+  log "tensor parallelism skipped: $GPUS GPU(s) here, it needs 2"
+fi
+
 # ---------------------------------------------------------------- (c) serving
 # Fixed loopback ports below the kernel's ephemeral range; HTTP ports are gRPC + 1000, TCP KV ports + 2000.
 GATEWAY_PORT=30000 COLOCATED_PORT=21051 PREFILL_PORT=21061 DECODE_PORT=21071
@@ -233,6 +248,7 @@ for f in "$RESULTS"/bench_colocated_*.json; do [ -e "$f" ] && report+=(--colocat
 for f in "$RESULTS"/bench_pd_*.json; do [ -e "$f" ] && report+=(--pd "$f"); done
 [ -s "$RESULTS/prefill_metrics.txt" ] && report+=(--kv-metrics "$RESULTS/prefill_metrics.txt")
 [ -s "$RESULTS/worker_alone.json" ] && report+=(--worker-alone "$RESULTS/worker_alone.json")
+[ -s "$RESULTS/tp.json" ] && report+=(--tp "$RESULTS/tp.json")
 [ -s "$RESULTS/gpu.txt" ] && report+=(--gpu "$(head -1 "$RESULTS/gpu.txt")")
 for step in "${FAILED[@]}"; do report+=(--failed "$step"); done
 "$PY" "$REPO/benchmarks/gpu_report.py" "${report[@]}" | tee "$RESULTS/targets.txt" || failed report

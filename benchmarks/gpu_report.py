@@ -106,6 +106,18 @@ def serving_targets(colo: dict[int, dict], pd: dict[int, dict], kv_gbs: float | 
     ]
 
 
+def tp_targets(tp: dict) -> list[Target]:
+    """gpu_tp.py's figures: greedy TP 1 vs TP 2 identical (a target), decode step times (reported)."""
+    if not tp:
+        return []
+    steps = tp.get("step_ms", {})
+    one, many = steps.get("tp1", {}), steps.get(f"tp{tp['tp_size']}", {})
+    times = ", ".join(f"batch {b}: {one[b]:.3f} / {many.get(b, float('nan')):.3f} ms" for b in one)
+    return [Target(f"TP {tp['tp_size']} greedy fp32 identical to TP 1", str(tp.get("greedy_identical")),
+                   tp.get("greedy_identical")),
+            Target(f"decode step TP 1 / TP {tp['tp_size']}", times or "-", None)]
+
+
 def format_targets(rows: list[Target]) -> str:
     width = max(len(r.what) for r in rows)
     verdict = {True: "met", False: "MISSED", None: "-"}  # "-": no figure, or one that is only reported
@@ -120,6 +132,7 @@ def main() -> None:
     ap.add_argument("--kv-metrics", default=None, help="the prefill worker's /metrics text after the PD run")
     ap.add_argument("--gpu", default=None, help="the device, as nvidia-smi names it")
     ap.add_argument("--worker-alone", default=None, help="bench_worker_streams.py --json of the colocated worker")
+    ap.add_argument("--tp", default=None, help="gpu_tp.py --json output, where the machine had 2 GPUs or more")
     ap.add_argument("--failed", action="append", default=[], help="a step of the check that failed (repeatable)")
     ap.add_argument("--elapsed", type=float, default=None, help="seconds the whole check took")
     ap.add_argument("--json", default=None, help="write runtime, serving and targets here")
@@ -134,7 +147,11 @@ def main() -> None:
     if args.kv_metrics:
         with open(args.kv_metrics) as f:
             kv_gbs = kv_transfer_gbs(f.read())
-    rows = decode_targets(rt) + serving_targets(colo, pd, kv_gbs, rt.get("raw_d2d_copy_gbs"), rt)
+    tp: dict = {}
+    if args.tp and os.path.exists(args.tp):
+        with open(args.tp) as f:
+            tp = json.load(f)
+    rows = decode_targets(rt) + serving_targets(colo, pd, kv_gbs, rt.get("raw_d2d_copy_gbs"), rt) + tp_targets(tp)
     print(f"GPU targets on {device}:")
     print(format_targets(rows))
     for name, lv in (("colocated", colo), ("PD", pd)):
@@ -155,7 +172,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": device, "elapsed_s": args.elapsed, "failed_steps": args.failed, "runtime": rt,
                        "serving": {"colocated": colo, "pd": pd, "kv_transfer_gbs": kv_gbs,
-                                   "worker_alone": alone},
+                                   "worker_alone": alone}, "tensor_parallel": tp,
                        "targets": [asdict(r) for r in rows]}, f, indent=2)
 
 
