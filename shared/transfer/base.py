@@ -9,8 +9,12 @@ notifications. `close()` releases everything.
 
 Invariant: the pool is one contiguous, page-major tensor `[num_pages, ...]`, so page i
 occupies bytes `[base + i * page_bytes, base + (i + 1) * page_bytes)` and a run of
-consecutive pages is one byte range. Two pools can exchange pages only if their
+consecutive pages is one byte range. Two pools can exchange whole pages only if their
 `page_bytes` are equal; every call that could hang takes a timeout.
+
+Tensor-parallel workers hold some of a page's KV heads per rank (a KVPool's
+`[num_pages, layers, 2, page_size, kv_heads, head_dim]`): `write_heads` moves a range of a
+page's heads into a range of the peer's, where the two pools' bytes per head agree.
 """
 from __future__ import annotations
 
@@ -59,6 +63,8 @@ class KVTransfer(ABC):
         self.pool = pool
         self.num_pages = pool.shape[0]
         self.page_bytes = pool[0].numel() * pool.element_size()
+        # A KV pool's heads (dim 4 of [pages, layers, 2, page_size, heads, head_dim]); a bare buffer: one "head".
+        self.kv_heads = pool.shape[4] if pool.dim() == 6 else 1
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -90,6 +96,26 @@ class KVTransfer(ABC):
         bad page id, an unknown or dead peer, or when `timeout` passes; never hangs.
         """
 
+    def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
+                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+        """Copy the KV heads [src_heads) of local pages `src_pages[i]` into heads [dst_heads) of the peer's
+        pages `dst_pages[i]` (as many heads on both sides; every other head of the peer's pages untouched).
+        Whole pages on both sides are `write_pages`. Raises TransferError as write_pages does."""
+        raise TransferError(f"the {self.name} transfer cannot write part of a page's KV heads")
+
+    def peer_heads(self, peer_name: str) -> int:
+        """The KV heads of a registered peer's pages."""
+        raise TransferError(f"peer {peer_name} is not registered")
+
+    def _whole(self, peer_heads: int, src_heads: tuple[int, int], dst_heads: tuple[int, int]) -> bool:
+        if src_heads[1] - src_heads[0] != dst_heads[1] - dst_heads[0]:
+            raise TransferError(f"heads {src_heads[0]}..{src_heads[1] - 1} cannot fill peer heads "
+                                f"{dst_heads[0]}..{dst_heads[1] - 1}: not as many")
+        if not (0 <= src_heads[0] < src_heads[1] <= self.kv_heads and 0 <= dst_heads[0] < dst_heads[1] <= peer_heads):
+            raise TransferError(f"heads {src_heads} -> {dst_heads} outside the pools' {self.kv_heads} and "
+                                f"{peer_heads} heads")
+        return src_heads == (0, self.kv_heads) and dst_heads == (0, peer_heads)
+
     def poll(self) -> None:
         """Target-side progress; the owner calls it periodically (cheap when idle)."""
 
@@ -115,21 +141,24 @@ class KVTransfer(ABC):
     # ------------------------------------------------------------ helpers for backends
     def _pack(self, **fields) -> bytes:
         return json.dumps({"backend": self.name, "page_bytes": self.page_bytes,
-                           "num_pages": self.num_pages, **fields}).encode()
+                           "num_pages": self.num_pages, "kv_heads": self.kv_heads, **fields}).encode()
 
     def _unpack(self, peer_name: str, metadata: bytes) -> dict:
-        """Decode a peer's metadata and check that its pool can take our pages."""
+        """Decode a peer's metadata and check that its pool can take our pages (or, with as many bytes per KV
+        head, some of their heads)."""
         try:
             md = json.loads(metadata)
             backend, page_bytes = md["backend"], int(md["page_bytes"])
             md["num_pages"] = int(md["num_pages"])
+            md["kv_heads"] = int(md.get("kv_heads", 1))
         except (ValueError, TypeError, KeyError) as exc:
             raise TransferError(f"peer {peer_name}: unreadable transfer metadata ({exc})") from None
         if backend != self.name:
             raise TransferError(f"peer {peer_name} uses transfer backend {backend!r}, this worker uses {self.name!r}")
-        if page_bytes != self.page_bytes:
-            raise TransferError(f"peer {peer_name} has KV pages of {page_bytes} bytes, this worker {self.page_bytes} "
-                                f"bytes: page size, layers, KV heads, head_dim and dtype must all match")
+        if page_bytes * self.kv_heads != self.page_bytes * md["kv_heads"]:
+            raise TransferError(f"peer {peer_name} has KV pages of {page_bytes} bytes for {md['kv_heads']} heads, "
+                                f"this worker {self.page_bytes} bytes for {self.kv_heads}: page size, layers, "
+                                "head_dim and dtype must all match")
         return md
 
     def _runs(self, peer_name: str, peer_num_pages: int, src_pages: list[int], dst_pages: list[int]) -> list[Run]:

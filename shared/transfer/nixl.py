@@ -37,6 +37,7 @@ class _Peer:
     num_pages: int
     mem: str  # "DRAM" | "VRAM"
     device: int
+    kv_heads: int = 1  # of the peer's pages
 
 
 class NixlTransfer(KVTransfer):
@@ -76,7 +77,8 @@ class NixlTransfer(KVTransfer):
                 self._agent.make_connection(nixl_name)
         except Exception as exc:
             raise TransferError(f"peer {peer_name}: NIXL rejected its metadata: {exc}") from None
-        peer = _Peer(nixl_name, metadata, int(md["base"]), int(md["num_pages"]), md["mem"], int(md["device"]))
+        peer = _Peer(nixl_name, metadata, int(md["base"]), int(md["num_pages"]), md["mem"], int(md["device"]),
+                     md["kv_heads"])
         warm = min(WARMUP_BYTES, self.page_bytes)
         try:  # the first transfer pays for connection set-up: do it now, harmlessly
             self._xfer("READ", [(self._scratch.data_ptr(), warm, self._device)],
@@ -88,6 +90,12 @@ class NixlTransfer(KVTransfer):
 
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
+
+    def peer_heads(self, peer_name: str) -> int:
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        return peer.kv_heads
 
     def remove_peer(self, peer_name: str) -> None:
         peer = self._peers.pop(peer_name, None)
@@ -106,6 +114,9 @@ class NixlTransfer(KVTransfer):
         peer = self._peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
+        if peer.kv_heads != self.kv_heads:
+            raise TransferError(f"peer {peer_name} holds {peer.kv_heads} KV heads a page, this worker "
+                                f"{self.kv_heads}: write_heads moves some of them")
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
         if not runs:
             return
@@ -113,6 +124,33 @@ class NixlTransfer(KVTransfer):
         local = [(base + r.src_start * pb, r.length * pb, self._device) for r in runs]
         remote = [(peer.base + r.dst_start * pb, r.length * pb, peer.device) for r in runs]
         self._xfer("WRITE", local, remote, peer, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+
+    def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
+                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+        """Some heads of each page are one strided run per layer, K/V and token of the page: a descriptor each
+        (layers * 2 * page_size per page), read and written in place on both sides."""
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        if self._whole(peer.kv_heads, src_heads, dst_heads):
+            return self.write_pages(peer_name, src_pages, dst_pages, timeout)
+        self._runs(peer_name, peer.num_pages, src_pages, dst_pages)  # the page checks
+        if not src_pages:
+            return
+        head_bytes = self.page_bytes // self.kv_heads // (self.pool.shape[1] * 2 * self.pool.shape[3])
+        rows = torch.arange(self.pool.shape[1] * 2 * self.pool.shape[3], dtype=torch.int64)  # token rows of a page
+        size = (src_heads[1] - src_heads[0]) * head_bytes
+
+        def addresses(base: int, pages: list[int], heads: int, first: int) -> list[int]:
+            page_bytes = rows.numel() * heads * head_bytes
+            at = torch.tensor(pages, dtype=torch.int64)[:, None] * page_bytes + rows[None, :] * heads * head_bytes
+            return (at.reshape(-1) + base + first * head_bytes).tolist()
+
+        local = [(a, size, self._device) for a in addresses(self.pool.data_ptr(), src_pages, self.kv_heads,
+                                                             src_heads[0])]
+        remote = [(a, size, peer.device) for a in addresses(peer.base, dst_pages, peer.kv_heads, dst_heads[0])]
+        self._xfer("WRITE", local, remote, peer, timeout,
+                   f"writing heads {src_heads[0]}..{src_heads[1] - 1} of {len(src_pages)} pages to {peer_name}")
 
     def _xfer(self, op: str, local: list[tuple], remote: list[tuple], peer: _Peer, timeout: float,
               what: str) -> None:

@@ -54,6 +54,7 @@ class _Peer:
     metadata: bytes
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
+    kv_heads: int = 1  # of the peer's pages
     staging: torch.Tensor | None = None  # CUDA pools only
     device_pool: torch.Tensor | None = None  # the peer's GPU pool as flat bytes, where CUDA IPC opened it
 
@@ -109,7 +110,7 @@ class TcpTransfer(KVTransfer):
             return
         if old is not None:
             self.remove_peer(peer_name)
-        peer = _Peer(str(md["host"]), int(md["port"]), int(md["num_pages"]), metadata)
+        peer = _Peer(str(md["host"]), int(md["port"]), int(md["num_pages"]), metadata, kv_heads=md["kv_heads"])
         self._send(peer, [], timeout, f"connecting to {peer_name} at {peer.host}:{peer.port}")
         if self.pool.is_cuda:
             peer.device_pool = cuda_ipc.open_pool(md.get("cuda_ipc"), peer.num_pages * self.page_bytes, peer_name)
@@ -125,6 +126,12 @@ class TcpTransfer(KVTransfer):
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
 
+    def peer_heads(self, peer_name: str) -> int:
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        return peer.kv_heads
+
     def remove_peer(self, peer_name: str) -> None:
         peer = self._peers.pop(peer_name, None)
         if peer is not None:
@@ -135,11 +142,37 @@ class TcpTransfer(KVTransfer):
         peer = self._peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
+        if peer.kv_heads != self.kv_heads:
+            raise TransferError(f"peer {peer_name} holds {peer.kv_heads} KV heads a page, this worker "
+                                f"{self.kv_heads}: write_heads moves some of them")
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
         if runs and peer.device_pool is not None:
             self._copy(peer.device_pool, runs)
         elif runs:
             self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+
+    def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
+                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+        peer = self._peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"peer {peer_name} is not registered")
+        if self._whole(peer.kv_heads, src_heads, dst_heads):
+            return self.write_pages(peer_name, src_pages, dst_pages, timeout)
+        runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
+        if not runs:
+            return
+        lo, hi = src_heads
+        parts = [self.pool[r.src_start:r.src_start + r.length, :, :, :, lo:hi] for r in runs]
+        if peer.device_pool is not None:  # the peer's pool on a GPU of this host: device copies into its heads
+            shape = (peer.num_pages, *self.pool.shape[1:4], peer.kv_heads, self.pool.shape[5])
+            theirs = peer.device_pool.view(self.pool.dtype).view(shape)
+            for r, part in zip(runs, parts):
+                theirs[r.dst_start:r.dst_start + r.length, :, :, :, dst_heads[0]:dst_heads[1]].copy_(part)
+            torch.cuda.current_stream(self.pool.device).synchronize()
+            return
+        per_page = self.page_bytes // self.kv_heads * (hi - lo)
+        self._send(peer, runs, timeout, f"writing heads {lo}..{hi - 1} of {len(src_pages)} pages to {peer_name}",
+                   heads=(dst_heads, parts, per_page))
 
     def _copy(self, dst: torch.Tensor, runs: list[Run]) -> None:
         """Device copies into the peer's pool, finished before returning: the peer reads the pages once told."""
@@ -149,7 +182,9 @@ class TcpTransfer(KVTransfer):
                 self._bytes[r.src_start * pb:(r.src_start + r.length) * pb], non_blocking=True)
         torch.cuda.current_stream(self.pool.device).synchronize()
 
-    def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str) -> None:
+    def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str, heads=None) -> None:
+        """`heads`: (destination heads, each run's pages cut to the heads sent, bytes of one page's cut) for a
+        message of some heads; None: whole pages."""
         deadline = time.monotonic() + timeout
 
         def left() -> float:
@@ -167,11 +202,19 @@ class TcpTransfer(KVTransfer):
                 tcp_wire.prove(peer.sock, self._token, what)
             sock = peer.sock
             sock.settimeout(left())
-            sock.sendall(tcp_wire.message_head(self.page_bytes, runs))
-            for r in runs:
-                for chunk in self._chunks(r.src_start, r.length, peer):
+            if heads is None:
+                sock.sendall(tcp_wire.message_head(self.page_bytes, runs))
+                for r in runs:
+                    for chunk in self._chunks(r.src_start, r.length, peer):
+                        sock.settimeout(left())
+                        sock.sendall(chunk)
+            else:
+                dst_heads, parts, per_page = heads
+                sock.sendall(tcp_wire.message_head(per_page, runs, dst_heads))
+                for part in parts:
+                    data = part.contiguous().cpu().reshape(-1).view(torch.uint8)
                     sock.settimeout(left())
-                    sock.sendall(chunk)
+                    sock.sendall(memoryview(data.numpy()))
             sock.settimeout(left())
             tcp_wire.expect_ack(sock, what)
         except TransferError:
@@ -261,18 +304,25 @@ class TcpTransfer(KVTransfer):
                     return  # the sender closed the connection
                 conn.settimeout(RECV_TIMEOUT)
                 magic, page_bytes, count = tcp_wire.HEADER.unpack(head)
-                if magic != tcp_wire.MAGIC or count > self.num_pages:
+                if magic not in (tcp_wire.MAGIC, tcp_wire.HEADS_MAGIC) or count > self.num_pages:
                     return  # not our protocol: drop it
+                heads = None
+                if magic == tcp_wire.HEADS_MAGIC:
+                    heads = tcp_wire.HEAD_RANGE.unpack(tcp_wire.recv_exact(conn, tcp_wire.HEAD_RANGE.size))
                 runs = tcp_wire.read_runs(conn, count)
-                error = self._check(page_bytes, runs) or self._claim(runs)
+                error = self._check(page_bytes, runs, heads) or self._claim(runs)
                 if error:
                     tcp_wire.refuse(conn, error)
                     return
                 try:
-                    if self._host_view is None and staging is None:
-                        staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-                    for dst, pages in runs:
-                        self._receive(conn, dst, pages, staging)
+                    if heads is not None:
+                        for dst, pages in runs:
+                            self._receive_heads(conn, dst, pages, heads)
+                    else:
+                        if self._host_view is None and staging is None:
+                            staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                        for dst, pages in runs:
+                            self._receive(conn, dst, pages, staging)
                 finally:
                     self._unclaim(runs)
                 tcp_wire.acknowledge(conn)
@@ -314,8 +364,13 @@ class TcpTransfer(KVTransfer):
                 self._busy[dst:dst + pages] = bytes(pages)
             self._windows.notify_all()
 
-    def _check(self, page_bytes: int, runs: list[tuple[int, int]]) -> str:
-        if page_bytes != self.page_bytes:
+    def _check(self, page_bytes: int, runs: list[tuple[int, int]], heads: tuple[int, int] | None = None) -> str:
+        if heads is not None:
+            lo, hi = heads
+            if not 0 <= lo < hi <= self.kv_heads or page_bytes != self.page_bytes // self.kv_heads * (hi - lo):
+                return (f"KV heads {lo}..{hi - 1} of {page_bytes} bytes a page sent to a pool of {self.kv_heads} "
+                        f"heads in pages of {self.page_bytes} bytes")
+        elif page_bytes != self.page_bytes and runs:  # (an empty message only checks that the receiver is alive)
             return f"pages of {page_bytes} bytes sent to a pool with pages of {self.page_bytes} bytes"
         for dst, pages in runs:
             if dst + pages > self.num_pages:
@@ -331,6 +386,13 @@ class TcpTransfer(KVTransfer):
             n = min(STAGING_BYTES, b - lo)
             tcp_wire.recv_into(conn, memoryview(staging.numpy())[:n])
             self._bytes[lo:lo + n].copy_(staging[:n])
+
+    def _receive_heads(self, conn: socket.socket, dst: int, pages: int, heads: tuple[int, int]) -> None:
+        """Some heads of each page: received whole, then copied into those heads of the pool's pages."""
+        lo, hi = heads
+        part = torch.empty((pages, *self.pool.shape[1:4], hi - lo, self.pool.shape[5]), dtype=self.pool.dtype)
+        tcp_wire.recv_into(conn, memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+        self.pool[dst:dst + pages, :, :, :, lo:hi].copy_(part)
 
     def close(self) -> None:
         if self._closed:

@@ -6,7 +6,10 @@ the wire).
 
 Message: HEADER (magic, page_bytes, number of runs), the runs as (dst_start, pages) pairs, then the runs' bytes
 back to back; the receiver answers ACK (status 0 = stored; else an error message follows and it closes the
-connection). An empty message (no runs) is the liveness check `TcpTransfer.add_peer` uses.
+connection). An empty message (no runs) is the liveness check `TcpTransfer.add_peer` uses. A message of some
+of each page's KV heads (tensor-parallel peers) has the magic HEADS_MAGIC, the bytes of those heads of one
+page in place of page_bytes, and HEAD_RANGE (the destination heads [lo, hi)) after the header; its bytes are
+each run's pages with only those heads, [pages, layers, 2, page_size, heads, head_dim] contiguous.
 """
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ from pdserve.shared import cluster_auth
 from pdserve.shared.transfer.base import Run, TransferError
 
 MAGIC = b"PDKV"
+HEADS_MAGIC = b"PDKH"
 CHALLENGE = struct.Struct(f"!4s{cluster_auth.CHALLENGE_BYTES}s")  # magic, nonce
 HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
 RUN = struct.Struct("!QQ")  # dst_start page, number of pages
+HEAD_RANGE = struct.Struct("!II")  # the destination heads [lo, hi) of a HEADS_MAGIC message
 ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
 
 
@@ -37,9 +42,13 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def message_head(page_bytes: int, runs: list[Run]) -> bytes:
-    """What precedes a message's page bytes: its header and where each run goes."""
-    return HEADER.pack(MAGIC, page_bytes, len(runs)) + b"".join(RUN.pack(r.dst_start, r.length) for r in runs)
+def message_head(page_bytes: int, runs: list[Run], heads: tuple[int, int] | None = None) -> bytes:
+    """What precedes a message's page bytes: its header and where each run goes (and into which heads)."""
+    if heads is None:
+        head = HEADER.pack(MAGIC, page_bytes, len(runs))
+    else:
+        head = HEADER.pack(HEADS_MAGIC, page_bytes, len(runs)) + HEAD_RANGE.pack(*heads)
+    return head + b"".join(RUN.pack(r.dst_start, r.length) for r in runs)
 
 
 def read_runs(conn: socket.socket, count: int) -> list[tuple[int, int]]:

@@ -75,7 +75,7 @@ def test_bad_pages_and_unknown_peers_are_refused(source, target):
 def test_peer_with_other_page_bytes_or_backend_is_refused(source, backend):
     other = create_transfer(backend, _name("decode"), make_pool(8, seed=3, page_shape=(2, 2, 8, 2, 16)))
     try:
-        with pytest.raises(TransferError, match="pages of 2048 bytes, this worker 1024 bytes"):
+        with pytest.raises(TransferError, match="pages of 2048 bytes for 2 heads, this worker 1024 bytes for 2"):
             source.add_peer("decode", other.metadata())
     finally:
         other.close()
@@ -83,6 +83,27 @@ def test_peer_with_other_page_bytes_or_backend_is_refused(source, backend):
     with pytest.raises(TransferError, match=f"uses transfer backend '{foreign}'"):
         source.add_peer("decode", source.metadata().replace(backend.encode(), foreign.encode(), 1))
     assert not source.has_peer("decode")
+
+
+def test_some_heads_of_each_page_land_in_the_peers_heads_and_nothing_else_changes(source, backend):
+    """Tensor-parallel peers: a rank of 2 KV heads writes into a rank of 3, head ranges on both sides."""
+    peer = PeerProcess(backend, _name("decode"), num_pages=12, page_shape=(2, 2, 4, 3, 16))
+    try:
+        source.add_peer("decode", peer.metadata)
+        assert source.peer_heads("decode") == 3
+        src, dst = [3, 4, 9, 0], [5, 6, 11, 1]
+        source.write_heads("decode", src, dst, (0, 2), (1, 3))
+        source.write_heads("decode", [7], [0], (1, 2), (0, 1))
+        expected = peer.initial.clone()
+        expected[dst, :, :, :, 1:3] = source.pool[src]
+        expected[0, :, :, :, 0:1] = source.pool[7, :, :, :, 1:2]
+        assert torch.equal(peer.dump().view(torch.int16), expected.view(torch.int16))
+        with pytest.raises(TransferError, match="write_heads moves some of them"):
+            source.write_pages("decode", [0], [0])
+        with pytest.raises(TransferError, match="not as many"):
+            source.write_heads("decode", [0], [0], (0, 2), (0, 1))
+    finally:
+        peer.stop()
 
 
 def test_killed_peer_raises_within_the_timeout_and_a_restarted_one_works(source, backend):
