@@ -21,7 +21,7 @@ from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.tensor_parallel import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, TPRank, lead_step,
-                                            path_payload)
+                                            bytes_payload)
 from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class ModelRunner:
         Tensor-parallel: rank 0 has every other rank read the same directory and build its own shards, and
         raises unless all of them could."""
         if self.tp is not None and self.tp.leads:
-            self.tp.box.post(WEIGHTS, [], path_payload(str(checkpoint.directory)))
+            self.tp.box.post(WEIGHTS, [], bytes_payload(str(checkpoint.directory).encode()))
         staged, error = None, None
         try:
             check_finite(checkpoint.tensors)

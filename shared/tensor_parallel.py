@@ -29,7 +29,7 @@ from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, che
 from pdserve.shared.tp_shards import Shards
 
 log = logging.getLogger(__name__)
-STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD = 1, 2, 3, 4, 5, 6
+STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV = 1, 2, 3, 4, 5, 6, 7
 START_TIMEOUT_S = 600.0  # for the other ranks to load their shards
 
 
@@ -85,31 +85,35 @@ def _read_step(rank: TPRank, header: list[int], device: torch.device) -> tuple[F
     return fb, list(zip(copies[0::2], copies[1::2]))
 
 
-def follow(rank: TPRank, runner) -> None:
-    """A follower's life after its model is loaded: the pool's size from the leader, then the leader's steps
-    until it says stop (or is gone: RankGone)."""
+def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
+    """A follower's life after its model is loaded: the pool's size from the leader (and this rank's KV
+    transfer agent, in a disaggregated worker), then the leader's steps until it says stop (or is gone:
+    RankGone)."""
     kind, header = rank.box.fetch(START_TIMEOUT_S)
     if kind != POOL:
         raise RankGone(f"tensor-parallel rank {rank.shards.rank}: expected the pool's size first, got kind {kind}")
     runner.build_pool(header[0])
+    kv = rank_transfers(transfer, rank, runner) if transfer is not None else None
     log.info("tensor-parallel rank %d of %d: %d KV pages, following rank 0", rank.shards.rank, rank.shards.size,
              header[0])
     staged = None  # the weights rank 0 had every rank build, until it swaps or drops them
     while True:
-        kind, header = rank.box.fetch(None)
+        kind, header = rank.box.fetch(None, kv.poll if kv is not None else None)
         if kind == STOP:
             return
         if kind == STEP:
             fb, copies = _read_step(rank, header, runner.device)
             runner.run_step(fb, copies)
         elif kind == WEIGHTS:
-            staged = _build_weights(runner, read_path(rank.box.payload))
+            staged = _build_weights(runner, read_bytes(rank.box.payload).decode())
         elif kind == SWAP:
             runner.swap_weights(staged)
             staged = None
         elif kind == DISCARD:
             staged = None
             rank.group.barrier(START_TIMEOUT_S)
+        elif kind == KV and kv is not None:
+            kv.apply()
         else:
             raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
 
@@ -132,15 +136,44 @@ def _build_weights(runner, path: str):
         return None
 
 
-def path_payload(path: str) -> torch.Tensor:
-    raw = path.encode()
+def bytes_payload(raw: bytes) -> torch.Tensor:
+    """Bytes as a mailbox payload (its length first)."""
     padded = len(raw).to_bytes(8, "little") + raw + b"\0" * (-len(raw) % 8)
     return torch.frombuffer(bytearray(padded), dtype=torch.int64)
 
 
-def read_path(payload: torch.Tensor) -> str:
+def read_bytes(payload: torch.Tensor) -> bytes:
     n = int(payload[0])
-    return payload[1:1 + -(-n // 8)].numpy().tobytes()[:n].decode()
+    return payload[1:1 + -(-n // 8)].numpy().tobytes()[:n]
+
+
+# ------------------------------------------------------------------------------------------------ KV transfer
+@dataclass(frozen=True)
+class TransferSpec:
+    """How each rank of a disaggregated worker makes its KV transfer agent."""
+
+    backend: str  # "nixl" | "tcp"
+    name: str  # the worker's; rank r's agent is "{name}#r{r}"
+    receiver_host: str | None = None  # a decode worker's TCP agents listen on port + rank
+    receiver_port: int = 0
+
+
+def rank_transfers(spec: TransferSpec, rank: TPRank | None, runner):
+    """This rank's agent over its pool, and (every rank together) the worker's transfer across its ranks."""
+    from pdserve.shared.tp_transfer import RankTransfers
+    from pdserve.shared.transfer import create_transfer
+
+    r = rank.shards.rank if rank is not None else 0
+    kwargs = {}
+    if spec.backend == "tcp" and spec.receiver_host is not None:
+        kwargs = {"host": spec.receiver_host, "port": spec.receiver_port + r if spec.receiver_port else 0}
+    agent = create_transfer(spec.backend, spec.name if rank is None else f"{spec.name}#r{r}", runner.pool.buffer,
+                            **kwargs)
+    mc, size = runner.model_config, rank.shards.size if rank is not None else 1
+    ranges = [Shards.plan(mc, i, size).kv_heads if size > 1 else (0, mc.num_kv_heads) for i in range(size)]
+    metadatas = rank.group.all_gather_bytes(agent.metadata(), START_TIMEOUT_S) if rank is not None else \
+        [agent.metadata()]
+    return RankTransfers(agent, rank, ranges, metadatas)
 
 
 # ------------------------------------------------------------------------------------------------ the ranks' processes
@@ -196,6 +229,7 @@ class Launch:
     cpus: list[set[int]]
     timeout_s: float
     base_gpu_id: int = 0
+    transfer: TransferSpec | None = None  # a disaggregated worker's: every rank makes its own agent
     collectives: str = "shm"  # on CPUs: "shm" (ShmGroup), or "torch" (gloo); GPUs always use NCCL
 
 
@@ -305,7 +339,7 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
         mc = ModelConfig.from_dir(config.model_path)
         tp = TPRank(Shards.plan(mc, rank, launch.size), box, _group(box, cuda, init_method, launch))
         runner = ModelRunner(config, mc, tp=tp)
-        follow(tp, runner)
+        follow(tp, runner, launch.transfer)
     except RankGone as exc:
         log.error("%s", exc)
         os._exit(1)

@@ -116,9 +116,10 @@ class Mailbox:
         return [int(self.ctrl[self._pid_at(r)]) for r in range(self.size)]
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, ready, timeout_s: float | None, what: str, watch: list[int]) -> None:
+    def _wait(self, ready, timeout_s: float | None, what: str, watch: list[int], idle=None) -> None:
         """Until `ready()`; spins briefly, then sleeps between checks (longer the longer it waits) and checks
-        that the ranks in `watch` are alive. timeout_s None: as long as they are."""
+        that the ranks in `watch` are alive. timeout_s None: as long as they are. `idle()`: called at each
+        check while it sleeps (a KV agent's progress)."""
         if ready():
             return
         start = time.monotonic()
@@ -133,6 +134,8 @@ class Mailbox:
             naps += 1
             if naps % 64 == 0:
                 self._check_alive(watch, what)
+            if idle is not None:
+                idle()
             time.sleep(0.0001 if waited < 0.1 else 0.001 if waited < 1 else 0.005)
 
     def _check_alive(self, ranks: list[int], what: str) -> None:
@@ -165,10 +168,10 @@ class Mailbox:
         self.seen += 1
         self.ctrl[0] = self.seen
 
-    def fetch(self, timeout_s: float | None) -> tuple[int, list[int]]:
+    def fetch(self, timeout_s: float | None, idle=None) -> tuple[int, list[int]]:
         """Follower: (kind, header) of the leader's next post; its payload is `self.payload` until the next."""
         want = self.seen + 1
-        self._wait(lambda: self.ctrl[0] >= want, timeout_s, "waiting for the next step", [0])
+        self._wait(lambda: self.ctrl[0] >= want, timeout_s, "waiting for the next step", [0], idle)
         self.seen = want
         return int(self.ctrl[1]), self.ctrl[8:8 + _HEADER_INTS].tolist()
 
@@ -239,6 +242,16 @@ class ShmGroup:
         slots = self.box.exchange(torch.tensor([int(failed)], dtype=torch.uint8), timeout_s)
         return [r for r in range(self.size) if slots[r, 0]]
 
+    def all_gather_bytes(self, data: bytes, timeout_s: float) -> list[bytes]:
+        """Every rank's `data` (at most a slot, less 8 bytes), in rank order."""
+        raw = len(data).to_bytes(8, "little") + data
+        slots = self.box.exchange(torch.frombuffer(bytearray(raw), dtype=torch.uint8), timeout_s)
+        out = []
+        for r in range(self.size):
+            n = int.from_bytes(slots[r, :8].numpy().tobytes(), "little")
+            out.append(slots[r, 8:8 + n].numpy().tobytes())
+        return out
+
 
 class TorchGroup:
     """The collectives of a forward step through torch.distributed: NCCL between GPU ranks (the step's tensors
@@ -269,6 +282,11 @@ class TorchGroup:
 
     def barrier(self, timeout_s: float) -> None:
         self.failed_ranks(False, timeout_s)
+
+    def all_gather_bytes(self, data: bytes, timeout_s: float) -> list[bytes]:
+        out: list = [None] * self.size
+        self.dist.all_gather_object(out, data)
+        return out
 
     def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
         flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in range(self.size)]

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.services.worker.engine_admin_calls import AdminCalls, runs
 from pdserve.services.worker.metrics import WorkerMetrics
-from pdserve.services.worker.settings import expert_settings, tp_ranks, wiring_for
+from pdserve.services.worker.settings import expert_settings, tp_ranks, transfer_spec, wiring_for
 from pdserve.shared.compat import Compat
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import ModelConfig, Role
@@ -32,6 +32,7 @@ from pdserve.shared.req import Req, TransferTarget
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scoring import (DecoderPooling, ScoreResult, check_inputs, check_sequences, plan_groups,
                                     pool_group, prefill_prefix, score_group, step_budget)
+from pdserve.shared.tensor_parallel import rank_transfers
 
 log = logging.getLogger("pdserve.worker")
 GRAMMAR_TIMEOUT_S = 30.0
@@ -78,17 +79,10 @@ class EngineCalls(AdminCalls):
             raise ValueError(f"--expert-distribution-recorder-mode {self.experts.mode}: the model "
                              f"{runner.model_config.architecture} has no experts (not a Mixture-of-Experts model)")
         self.transfer, self.backend = None, "none"
-        if wiring.transfer is not None:
-            from pdserve.shared.transfer import available_backends, create_transfer
-
-            backend = args.transfer_backend
-            if backend == "auto":
-                backend = "nixl" if "nixl" in available_backends() else "tcp"
-            kwargs = {}
-            if backend == "tcp" and wiring.transfer == "receiver":  # TCP's receiving side listens
-                kwargs = {"host": args.host, "port": args.transfer_port or args.port + 2000}
-            self.transfer = create_transfer(backend, args.worker_name, runner.pool.buffer, **kwargs)
-            self.backend = backend
+        spec = transfer_spec(args, wiring)
+        if spec is not None:  # every rank of a tensor-parallel worker makes its agent at this point
+            self.transfer = rank_transfers(spec, runner.tp, runner)
+            self.backend = spec.backend
         self.metrics = WorkerMetrics(args.served_model_name or config.model_path, role, runner.pool.page_size,
                                      runner.pool.num_pages, runner.lora.pool.num_slots if runner.lora else None)
         self.engine = Engine(config, role, runner,
@@ -215,7 +209,7 @@ class EngineCalls(AdminCalls):
     def call_kv_answered(self, rid: str, pages: list[int], firsts: list, cached_tokens: int) -> float:
         """The prefill worker answered after its last write: close the window before the engine takes the pages
         (caching them may free some for the next request reserved at once); returns when it closed."""
-        self.transfer.close_window(pages)
+        self._on_kv_thread(lambda: self.transfer.close_window(pages))
         closed = time.monotonic()
         tokens = [FirstToken(t, lps(lp)) for t, lp in firsts]
         self.on_engine(lambda: self.engine.role.kv_ready(rid, tokens, cached_tokens))
@@ -226,7 +220,7 @@ class EngineCalls(AdminCalls):
         """The Prefill call ended: no write can land in `pages` once its window is closed; an aborted request's
         pages go back to the pool then."""
         if not closed:
-            self.transfer.close_window(pages)
+            self._on_kv_thread(lambda: self.transfer.close_window(pages))
         self.on_engine(lambda: self.engine.role.kv_settled(rid))
 
     # ------------------------------------------------------------ prefill: filling a decode worker's pages
@@ -268,8 +262,13 @@ class EngineCalls(AdminCalls):
     def call_add_peer(self, name: str, metadata: bytes) -> tuple[bool, bytes]:
         """Connect a registering decode worker (idempotent); returns whether it was known, and our metadata."""
         known = self.transfer.has_peer(name)
-        self.transfer.add_peer(name, metadata)
+        self._on_kv_thread(lambda: self.transfer.add_peer(name, metadata))
         return known, self.transfer.metadata()
+
+    def _on_kv_thread(self, fn):
+        """`fn()` here, or on the engine thread in a tensor-parallel worker, whose every rank takes part in a KV
+        operation when rank 0's engine thread posts it (the only thread that posts to the ranks)."""
+        return fn() if self.runner.tp is None else self.on_engine(fn)
 
     @runs("engine")
     def call_remove_peer(self, name: str) -> None:  # on the engine thread: no transfer to it is under way

@@ -61,12 +61,24 @@ def tp_ranks(args: argparse.Namespace, config, role: Role):
     from pdserve.shared.tensor_parallel import Launch, Ranks, cpu_sets
     from pdserve.shared.tp_shards import check_tp_size
 
-    if role is not Role.COLOCATED:
-        raise ValueError(f"--tp-size {size} on a {role.value} worker: moving KV pages between tensor-parallel "
-                         "prefill and decode ranks is not built yet; serve a tensor-parallel model with "
-                         "`pdserve colocated --tp-size N`")
     if args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     check_tp_size(ModelConfig.from_dir(config.model_path), size)
     cpus = [] if config.device.startswith("cuda") else cpu_sets(size, args.cpu_binding)
-    return Ranks(config, Launch(size, cpus, args.dist_timeout, args.base_gpu_id))
+    return Ranks(config, Launch(size, cpus, args.dist_timeout, args.base_gpu_id,
+                                transfer=transfer_spec(args, wiring_for(role))))
+
+
+def transfer_spec(args: argparse.Namespace, wiring: Wiring):
+    """How a disaggregated worker's ranks make their KV transfer agents (None: a colocated worker has none)."""
+    if wiring.transfer is None:
+        return None
+    from pdserve.shared.tensor_parallel import TransferSpec
+    from pdserve.shared.transfer import available_backends
+
+    backend = args.transfer_backend
+    if backend == "auto":
+        backend = "nixl" if "nixl" in available_backends() else "tcp"
+    if wiring.transfer == "receiver":  # TCP's receiving side listens: rank r on port + r
+        return TransferSpec(backend, args.worker_name, args.host, args.transfer_port or args.port + 2000)
+    return TransferSpec(backend, args.worker_name)

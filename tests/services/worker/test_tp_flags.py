@@ -24,13 +24,6 @@ def test_the_alias_and_the_default():
     assert parse("colocated", "--tensor-parallel-size", "2").tp_size == 2
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_disaggregated_worker_refuses_tensor_parallelism_and_says_what_to_run(tiny_models, role):
-    args = parse(role, "--tp-size", "2", "--model-path", str(tiny_models["llama"]))
-    with pytest.raises(ValueError, match=f"--tp-size 2 on a {role} worker.*pdserve colocated --tp-size N"):
-        tp_ranks(args, runtime_config(args, args.model_path), Role(role))
-
-
 def test_tp_size_one_starts_no_ranks(tiny_models):
     args = parse("colocated", "--model-path", str(tiny_models["llama"]))
     assert tp_ranks(args, runtime_config(args, args.model_path), Role.COLOCATED) is None
