@@ -79,9 +79,10 @@ class TcpTransfer(KVTransfer):
         self._handshake_timeout = handshake_timeout
         self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self._token = token if token is not None else cluster_auth.cluster_token()
-        # Receiving side: pages peers may write (1), and pages a message is being written into (1).
+        # Receiving side: pages peers may write (1), and how many messages are being written into each page (two
+        # at once where a tensor-parallel peer's ranks each write their own heads of the same pages).
         self._open = bytearray(self.num_pages)
-        self._busy = bytearray(self.num_pages)
+        self._busy = [0] * self.num_pages
         self._windows = threading.Condition()
         self._bytes = pool.reshape(-1).view(torch.uint8)  # the pool's memory as flat bytes
         self._host_view = None if pool.is_cuda else memoryview(self._bytes.numpy())
@@ -351,17 +352,19 @@ class TcpTransfer(KVTransfer):
         with self._windows:
             for dst, pages in runs:
                 span = range(dst, dst + pages)
-                if not all(self._open[p] and not self._busy[p] for p in span):
+                if not all(self._open[p] for p in span):
                     return (f"destination pages {dst}..{dst + pages - 1} are not reserved for a transfer now "
                             f"(the request was aborted, or they were never asked for)")
             for dst, pages in runs:
-                self._busy[dst:dst + pages] = b"\1" * pages
+                for p in range(dst, dst + pages):
+                    self._busy[p] += 1
         return ""
 
     def _unclaim(self, runs: list[tuple[int, int]]) -> None:
         with self._windows:
             for dst, pages in runs:
-                self._busy[dst:dst + pages] = bytes(pages)
+                for p in range(dst, dst + pages):
+                    self._busy[p] -= 1
             self._windows.notify_all()
 
     def _check(self, page_bytes: int, runs: list[tuple[int, int]], heads: tuple[int, int] | None = None) -> str:

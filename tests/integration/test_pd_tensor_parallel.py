@@ -42,7 +42,7 @@ def one_process(default_model_dir, prompts) -> list[list[int]]:
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(1, 2, "tcp"), (2, 1, "nixl"), (2, 2, "tcp")])
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(1, 2, "tcp"), (2, 1, "nixl"), (2, 1, "tcp"), (2, 2, "tcp")])
 def test_pd_between_tensor_parallel_sizes_answers_as_one_process(prefill_tp, decode_tp, backend, prompts,
                                                                  one_process):
     prefill, paddr = start_worker("prefill", None, *FP32, "--transfer-backend", backend,
