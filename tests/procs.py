@@ -153,7 +153,8 @@ STREAMS = 8
 class Streams:
     """STREAMS long greedy generations on one worker (gRPC), each noting its tokens and how it ended."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, prefill: str = "") -> None:
+        """`prefill`: the prefill worker's address, for streams to a decode worker."""
         import grpc
 
         from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -165,6 +166,7 @@ class Streams:
         self.channel = grpc.insecure_channel(addr)
         stub = pb_grpc.WorkerStub(self.channel)
         params = params_to_proto(SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
+        self.prefill = prefill
         self.threads = [threading.Thread(target=self._run, args=(stub, i, params), daemon=True)
                         for i in range(STREAMS)]
         for t in self.threads:
@@ -176,7 +178,8 @@ class Streams:
         from pdserve.proto import worker_pb2 as pb
 
         try:
-            for msg in stub.Generate(pb.GenerateRequest(rid=f"s{i}", input_ids=[1, 5, 9, 13], sampling=params),
+            for msg in stub.Generate(pb.GenerateRequest(rid=f"s{i}", input_ids=[1, 5, 9, 13], sampling=params,
+                                                             prefill_addr=self.prefill),
                                      timeout=120):
                 self.tokens[i] += sum(len(c.token_ids) for c in msg.choices)
             self.ended[i] = "finished"

@@ -1,6 +1,7 @@
 """A tensor-parallel worker is three processes here: its front, its engine process (rank 0) and rank 1, which
-rank 0 starts. What a user sees when rank 1 dies under load (every stream ends with an error within seconds, the
-worker exits for its supervisor to restart it, nothing is left behind), and a split the model cannot take.
+rank 0 starts. What a user sees when rank 1 of a decode worker dies under load (every stream ends with an error
+within seconds, the worker exits for its supervisor to restart it, nothing is left behind), and a split the
+model cannot take.
 """
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ def shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("pdserve-tp-*")} if Path("/dev/shm").is_dir() else set()
 
 
-def test_a_rank_killed_under_load_ends_every_stream_and_the_worker_leaving_nothing(model):
+def test_a_decode_rank_killed_under_load_ends_every_stream_and_the_worker_leaving_nothing(model):
     before = shm_files()
-    proc, addr = start_worker("colocated", None, "--model-path", model, "--dtype", "float32", "--tp-size", "2",
-                              "--dist-timeout", "30")
+    prefill, paddr = start_worker("prefill", None, "--model-path", model, "--dtype", "float32",
+                                  "--transfer-backend", "tcp")
+    proc, addr = start_worker("decode", None, "--model-path", model, "--dtype", "float32", "--tp-size", "2",
+                              "--dist-timeout", "30", "--transfer-backend", "tcp", "--prefill", paddr)
     try:
+        prefill.wait_healthy(180)
         proc.wait_healthy(180)
         engine, = children(proc.popen.pid)
         rank1, = children(engine)
         assert "tensor-parallel over 2 ranks" in proc.tail(40)
-        streams = Streams(addr)
+        streams = Streams(addr, prefill=paddr)
         streams.wait_flowing()
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
@@ -50,6 +54,7 @@ def test_a_rank_killed_under_load_ends_every_stream_and_the_worker_leaving_nothi
         assert shm_files() <= before  # the ranks' shared memory went with them
     finally:
         proc.kill()
+        prefill.kill()
 
 
 def test_a_split_the_model_cannot_take_is_a_start_error_naming_the_numbers(model):
