@@ -15,7 +15,7 @@ import torch
 
 from fixtures import make_tiny_model
 
-from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig
+from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig, SpeculativeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
@@ -209,3 +209,25 @@ def test_torch_distributed_collectives_give_the_same_logits(tiny_models):
     with Split(config(tiny_models["qwen2"]), 2, collectives="torch") as runner:
         got = steps(runner)
     torch.testing.assert_close(got, whole(str(tiny_models["qwen2"])), atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ what requests carry
+def test_int8_under_two_ranks_stays_as_close_to_the_model_as_one_process(tiny_models):
+    """w8a8_int8 quantizes each rank's slice (a row-parallel layer's activations per rank): the logits stay
+    within int8's own distance of the unquantized model."""
+    plain = whole(str(tiny_models["qwen2"]))
+    with Split(config(tiny_models["qwen2"], quantization="w8a8_int8"), 2) as runner:
+        int8 = steps(runner)
+    assert not torch.equal(int8, plain)
+    cosine = torch.nn.functional.cosine_similarity(int8.flatten(), plain.flatten(), dim=0).item()
+    assert cosine > 0.995, cosine
+
+
+def test_speculative_decoding_under_two_ranks_gives_the_greedy_tokens(tiny_models):
+    """n-gram drafts verified by a forward of every rank: the tokens of plain greedy decoding in one process."""
+    repetitive = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 40, 41, 42, 40, 41]]
+    cfg = config(tiny_models["llama"])
+    plain = generate(ModelRunner(cfg), repetitive, 20)
+    with Split(config(tiny_models["llama"], speculative=SpeculativeConfig(num_draft_tokens=4)), 2) as runner:
+        drafted = generate(runner, repetitive, 20)
+    assert [ids for ids, _ in drafted] == [ids for ids, _ in plain]
