@@ -7,9 +7,9 @@ Ctrl-C/SIGTERM, restarting any service that dies meanwhile -> stop in reverse st
 child's process group, SIGKILL after a grace period).
 
 Ports: the gateway, jobs and Redis ports are the user's (a busy one is an error naming its flag). Unless
---worker-port is given, the workers' block (each gRPC port, +1000 HTTP, +2000 KV) is chosen at start-up
-outside the kernel's ephemeral range, where an outgoing connection cannot take one as its local port, and
-free; a worker that still loses its port to a race during start-up makes `up` start again on the next block.
+--worker-port is given, the workers' block (each gRPC port, +1000 HTTP, +2000 KV, + rank for the ranks of a
+tensor-parallel decode worker) is chosen at start-up outside the kernel's ephemeral range, where an outgoing
+connection cannot take one as its local port, and free; a worker that still loses its port to a race during start-up makes `up` start again on the next block.
 
 Secrets: a Redis password and an admin key generated per run, in 0600 files of the state dir; the Redis URL
 reaches jobs and the gateway only, in their environment. Beyond loopback the gateway needs an API key.

@@ -63,14 +63,23 @@ def add_own_arguments(parser: argparse.ArgumentParser) -> None:
                              "URL with a password in the variable: a flag shows in `ps`)")
     parser.add_argument("--redis-port", type=int, default=6379, help="port of the redis-server `up` starts")
     parser.add_argument("--jobs-port", type=int, default=30010, help="jobs (Files/Batches) service port")
+    parser.add_argument("--prefill-tp-size", type=int, default=None, metavar="N",
+                        help="--tp-size of the prefill workers (default: --tp-size, else 1)")
+    parser.add_argument("--decode-tp-size", type=int, default=None, metavar="N",
+                        help="--tp-size of the decode workers (default: --tp-size, else 1); a decode worker's "
+                             "ranks receive KV on its KV port + rank")
     parser.add_argument("--worker-port", type=int, default=None,
-                        help="gRPC port of the first worker; the next workers count up from it; each worker's "
-                             "HTTP port is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000 "
-                             f"(default: from {DEFAULT_WORKER_PORT}, the first free block outside the kernel's "
-                             "ephemeral port range)")
+                        help="gRPC port of the first worker; the next workers count up from it (past a "
+                             "tensor-parallel decode worker by its --decode-tp-size); each worker's HTTP port "
+                             "is its gRPC port + 1000, a decode worker's KV port its gRPC port + 2000 (rank r's "
+                             f"+ r) (default: from {DEFAULT_WORKER_PORT}, the first free block outside the "
+                             "kernel's ephemeral port range)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per worker (default: decode and colocated workers share all cores, "
-                             "prefill workers get an equal share of them)")
+                        help="torch threads per worker, per rank of a tensor-parallel one (default: decode and "
+                             "colocated workers share all cores, prefill workers get an equal share of them; a "
+                             "worker of --tp-size N: the cores one rank gets, all / N). On a CPU each rank of a "
+                             "tensor-parallel worker is pinned to its own cores (--cpu-binding, else all cores "
+                             "split evenly) and computes with one thread per core of them, whatever --threads says")
     parser.add_argument("--state-dir", default=str(default_state_dir()),
                         help="Redis data and service logs (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
@@ -90,6 +99,13 @@ def validate(args: argparse.Namespace) -> None:
             raise UpError(f"{flag} must be between 1 and 64, got {value}")
     if args.threads is not None and args.threads < 1:
         raise UpError(f"--threads must be at least 1, got {args.threads}")
+    if args.colocated and (args.prefill_tp_size is not None or args.decode_tp_size is not None):
+        raise UpError("--colocated runs one worker: give its size with --tp-size, not --prefill-tp-size/"
+                      "--decode-tp-size")
+    for flag, value in (("--tp-size", getattr(args, "tp_size", None)), ("--prefill-tp-size", args.prefill_tp_size),
+                        ("--decode-tp-size", args.decode_tp_size)):
+        if value is not None and value < 1:
+            raise UpError(f"{flag} must be at least 1, got {value}")
     if not args.api_key and not args.allow_insecure and not is_loopback(args.host):
         raise UpError(f"--host {args.host} serves the API beyond this machine with no API key: set one "
                       "(PDSERVE_API_KEY, or --api-key) or pass --allow-insecure to serve it to anyone who can "
@@ -168,13 +184,21 @@ def services_label(commands: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
+def tp_size(args: argparse.Namespace, role: str) -> int:
+    """The --tp-size of a worker role: its own flag (--prefill-tp-size, --decode-tp-size), else --tp-size (every
+    worker's), else 1."""
+    own = getattr(args, f"{role}_tp_size", None)
+    return own if own is not None else getattr(args, "tp_size", None) or 1
+
+
 def passed_flags(args: argparse.Namespace, own_parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    """Child command ("embedding": the --embedding-model worker) -> the flags given to `up` that it takes."""
+    """Child command ("embedding": the --embedding-model worker) -> the flags given to `up` that it takes, but
+    --tp-size: the plan gives each worker its own (`tp_size`)."""
     given = vars(args)
     flags: dict[str, list[str]] = {command: [] for command in (*CHILDREN, "embedding")}
     for option, uses in passed_actions(own_parser).items():
         dest = uses[0][1].dest
-        if dest not in given:
+        if dest not in given or dest == "tp_size":
             continue
         for command, action in uses:
             tokens = command_line(action, given[dest])

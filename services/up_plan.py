@@ -3,7 +3,8 @@
 A plan starts nothing and checks nothing (`up_preflight.py` checks it, `supervisor.py` runs it). Stages: redis
 0; prefill workers, colocated workers, the embedding worker and jobs 1; decode workers 2 (they register with
 prefill); the gateway 3. Workers take consecutive gRPC ports from --worker-port, each with its HTTP port at
-+1000 and a decode worker's KV port at +2000.
++1000 and a decode worker's KV port at +2000; the ranks of a tensor-parallel decode worker receive KV on that
+port + rank, so the next worker starts that many ports further (`port_span`) and no two KV ranges overlap.
 
 Secrets: the Redis password, the admin key and the cluster token are made per run unless the operator gave
 them. Redis's config and the admin key go into 0600 files of the state dir (`Plan.private_files`); each secret
@@ -23,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pdserve.services.supervisor import PortUse, Service, UpError
-from pdserve.services.up_flags import own_parser, passed_flags
+from pdserve.services.up_flags import own_parser, passed_flags, tp_size
 from pdserve.services.up_preflight import DEFAULT_WORKER_PORT
 from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token
 
@@ -86,8 +87,12 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     # core; prefill runs in short bursts and gets an equal share, overlapping decode while it runs (with
     # --threads 1 on a 2-core machine each role keeps a core of its own: steadier decode latency under long
     # prompts, half the decode throughput).
+    # A tensor-parallel worker's ranks are each pinned to their own cores on a CPU (by default all cores split
+    # evenly: --threads cannot change that), so its threads are the cores one rank gets, for every rank.
     decoders = sum(count for role, count in roles if role != "prefill")
-    threads_of = {role: args.threads or max(1, cpus // (decoders if role != "prefill" else runtimes))
+    tp_of = {role: tp_size(args, role) for role, _ in roles}
+    threads_of = {role: args.threads or max(1, cpus // (tp_of[role] if tp_of[role] > 1 else
+                                                        decoders if role != "prefill" else runtimes))
                   for role, _ in roles}
     model_name = args.served_model_name or model_dir.name
     given = passed_flags(args, own_parser())
@@ -98,17 +103,21 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     workers: dict[str, list[str]] = {}  # role -> host:port of each worker
     index = 0
     for role, count in roles:
+        tp = tp_of[role]
         for i in range(count):
             port = worker_port + index
-            index += 1
+            index += port_span(role, tp)
             name = role if count == 1 else f"{role}-{i}"
             workers.setdefault(role, []).append(f"{local}:{port}")
             ports = [PortUse(port, local, f"{name} gRPC port", "--worker-port"),
                      PortUse(port + 1000, local, f"{name} HTTP port (gRPC port + 1000)", "--worker-port")]
-            extra = list(given[role])
+            extra = list(given[role]) + (["--tp-size", str(tp)] if tp > 1 else [])
             if role == "decode":
                 ports.append(PortUse(port + 2000, local, f"{name} KV transfer port (gRPC port + 2000)",
                                      "--worker-port"))
+                # Rank r of a tensor-parallel decode worker receives KV on the KV port + r.
+                ports += [PortUse(port + 2000 + r, local, f"{name} rank {r} KV transfer port (gRPC port + "
+                                  f"{2000 + r})", "--worker-port") for r in range(1, tp)]
                 extra += ["--transfer-port", str(port + 2000)]
                 for prefill in workers["prefill"]:
                     extra += ["--prefill", prefill]
@@ -160,10 +169,22 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     return Plan(services, f"{gateway_url}/v1", model_name, args.api_key, private)
 
 
+def port_span(role: str, tp: int) -> int:
+    """How many consecutive gRPC ports a worker takes from --worker-port: one, but a decode worker of --tp-size
+    N takes N, as its ranks' KV ports are its KV port + 0..N-1 (gRPC port + 2000 + r): spaced so, the next
+    worker's KV port lies past its last rank's, and no two decode workers' KV ranges overlap. The ports skipped
+    serve nothing."""
+    return tp if role == "decode" else 1
+
+
 def worker_count(args: argparse.Namespace) -> int:
-    """Worker processes `up` starts, the --embedding-model worker included: each takes a gRPC port in turn."""
-    runtimes = 1 if args.colocated else (args.prefill or 1) + (args.decode or 1)
-    return runtimes + (1 if args.embedding_model else 0)
+    """Consecutive gRPC ports the workers `up` starts take (`port_span` each), the --embedding-model worker
+    included: the block `up` chooses for them (each with +1000 and +2000)."""
+    if args.colocated:
+        return 1 + (1 if args.embedding_model else 0)
+    spans = (args.prefill or 1) * port_span("prefill", tp_size(args, "prefill")) + \
+        (args.decode or 1) * port_span("decode", tp_size(args, "decode"))
+    return spans + (1 if args.embedding_model else 0)
 
 
 def embedding_worker(args: argparse.Namespace, port: int, pdserve: list[str], cpus: int,

@@ -69,8 +69,9 @@ def worker_block(base: int, count: int) -> list[int]:
 def choose_worker_base(count: int, ephemeral: range, reserved: set[int], is_free: Callable[[int], bool],
                        start: int = DEFAULT_WORKER_PORT) -> int:
     """The first worker gRPC port, from `start` up in steps of WORKER_BASE_STEP (then below `start`, down), whose
-    block of `count` workers (each port, +1000, +2000) lies outside `ephemeral`, holds none of `reserved` (the
-    gateway, jobs and Redis ports) and is free now."""
+    block of `count` consecutive gRPC ports (each port, +1000, +2000: a tensor-parallel decode worker takes as
+    many as its ranks, for their KV ports) lies outside `ephemeral`, holds none of `reserved` (the gateway, jobs
+    and Redis ports) and is free now."""
     top = 65535 - max(WORKER_PORT_OFFSETS) - count + 1
     upward = range(start, top + 1, WORKER_BASE_STEP)
     downward = range(start - WORKER_BASE_STEP, 1024, -WORKER_BASE_STEP)
