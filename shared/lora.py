@@ -70,12 +70,37 @@ class LoraAdapter:
     weights: dict[tuple[int, str], LoraWeights]  # (layer, fused linear) -> its fused A and B, only those touched
 
 
-def linear_shapes(config: ModelConfig) -> dict[str, LinearShape]:
-    """The fused linears' input width and sub-module output sizes for this model."""
+def linear_shapes(config: ModelConfig, shards=None) -> dict[str, LinearShape]:
+    """The fused linears' input width and sub-module output sizes for this model (for one tensor-parallel rank's
+    shards of it, with `shards`)."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
+    if shards is not None:
+        q, kv = shards.num_heads * config.head_dim, shards.num_kv_heads * config.head_dim
+        inter = shards.intermediate[1] - shards.intermediate[0]
     return {"qkv": LinearShape(h, (q, kv, kv)), "o": LinearShape(q, (h,)),
             "gate_up": LinearShape(h, (inter, inter)), "down": LinearShape(inter, (h,))}
+
+
+def shard_weights(linear: str, weights: LoraWeights, config: ModelConfig, shards) -> LoraWeights:
+    """One tensor-parallel rank's part of an adapter's fused A and B for `linear`, cut as its base layer is: a
+    column-parallel layer (qkv, gate_up) keeps all of A and its rows of B; a row-parallel one (o, down) its
+    columns of A and all of B, so its partial deltas add up over the ranks with the base layer's."""
+    D = config.head_dim
+    (h0, h1), (k0, k1), (i0, i1) = shards.heads, shards.kv_heads, shards.intermediate
+    q = config.num_heads * D
+    kv = config.num_kv_heads * D
+    a, b = weights
+    if linear == "qkv":
+        b = torch.cat([b[h0 * D:h1 * D], b[q + k0 * D:q + k1 * D], b[q + kv + k0 * D:q + kv + k1 * D]])
+    elif linear == "gate_up":
+        inter = config.intermediate_size
+        b = torch.cat([b[i0:i1], b[inter + i0:inter + i1]])
+    elif linear == "o":
+        a = a[:, h0 * D:h1 * D]
+    elif linear == "down":
+        a = a[:, i0:i1]
+    return LoraWeights(a.contiguous(), b.contiguous())
 
 
 def check_target_modules(names: Sequence[str] | None) -> tuple[str, ...]:
@@ -99,16 +124,21 @@ class LoraPool:
 
     def __init__(self, model_config: ModelConfig, *, max_loras: int, max_rank: int,
                  target_modules: Sequence[str] | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shards=None) -> None:
+        """`shards`: one tensor-parallel rank's, whose slots hold each adapter cut as the base layers are.
+        `mirror` (set by rank 0 of a tensor-parallel worker): told of every slot written or emptied, so that every
+        rank's slots hold the same adapters."""
         if max_loras < 1:
             raise ValueError(f"--max-loras-per-batch must be >= 1, got {max_loras}")
         if max_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_rank}")
         self.model_config, self.max_rank, self.dtype, self.device = model_config, max_rank, dtype, device
         self.target_modules = check_target_modules(target_modules)
+        self.shards = shards
+        self.mirror = None
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [S], 0 for an empty slot
         self._layers: dict[tuple[int, str], LoraLayer] = {}
-        for linear, shape in linear_shapes(model_config).items():
+        for linear, shape in linear_shapes(model_config, shards).items():
             if model_config.moe is not None and linear in ("gate_up", "down"):
                 continue
             if not any(m in self.target_modules for m in FUSED_LINEARS[linear]):
@@ -181,6 +211,14 @@ class LoraPool:
             raise LoraError(f"adapter {name!r}: cannot evict it while {self._uses[slot]} running requests use it")
         self._clear(slot)
 
+    def put(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """A follower rank of a tensor-parallel worker: slot `slot` holds `adapter` (None: empty), as rank 0's
+        mirror said."""
+        if self._adapters[slot] is not None:
+            self._clear(slot)
+        if adapter is not None:
+            self._write(slot, adapter)
+
     def layer(self, i: int, linear: str) -> LoraLayer | None:
         """Layer `i`'s tensors for fused `linear`, or None when no slot's adapter changes it (skip the op)."""
         return self._layers[(i, linear)] if self._touched[(i, linear)] > 0 else None
@@ -210,12 +248,20 @@ class LoraPool:
         rank = adapter.rank
         for key, weights in adapter.weights.items():
             lora_a, lora_b, offsets = self._layers[key]
+            if self.shards is not None:
+                weights = shard_weights(key[1], weights, self.model_config, self.shards)
             n_sub = len(offsets) - 1
             lora_a[slot].view(n_sub, self.max_rank, -1)[:, :rank] = weights.a.view(n_sub, rank, -1)
             lora_b[slot, :, :rank] = weights.b
             self._touched[key] += 1
         self.ranks[slot] = rank
         self._adapters[slot] = adapter
+        if self.mirror is not None:
+            try:
+                self.mirror.wrote(slot, adapter)
+            except LoraError:
+                self._clear(slot)
+                raise
 
     def _clear(self, slot: int) -> None:
         """Zero what the slot's adapter wrote: the rest of the slot is zero already."""
@@ -228,3 +274,5 @@ class LoraPool:
         self.ranks[slot] = 0
         self._adapters[slot] = None
         self._uses[slot] = 0
+        if self.mirror is not None:
+            self.mirror.cleared(slot)

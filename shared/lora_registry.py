@@ -23,7 +23,7 @@ class LoraRegistry:
 
     @classmethod
     def from_config(cls, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device | str) -> LoraRegistry:
+                    device: torch.device | str, shards=None) -> LoraRegistry:
         """The pool sized by `config` (its unset limits taken from the start-up adapters) with them loaded."""
         found = [load_adapter(name, path, model_config, max_rank=config.max_rank or 1 << 20,
                               target_modules=config.target_modules, dtype=dtype, device=device)
@@ -33,7 +33,7 @@ class LoraRegistry:
         if targets is None and found:
             targets = tuple(sorted({m for a in found for m in a.target_modules}))
         pool = LoraPool(model_config, max_loras=config.max_loras_per_batch, max_rank=max_rank,
-                        target_modules=targets, dtype=dtype, device=device)
+                        target_modules=targets, dtype=dtype, device=device, shards=shards)
         registry = cls(pool)
         for adapter in found:
             registry._adapters[adapter.name] = adapter

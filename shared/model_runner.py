@@ -20,8 +20,8 @@ from pdserve.shared.linear import cpu_has_bf16
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
-from pdserve.shared.tensor_parallel import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, TPRank, lead_step,
-                                            bytes_payload)
+from pdserve.shared.tensor_parallel import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, LoraMirror, TPRank,
+                                            bytes_payload, lead_step)
 from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:
 def _check_tp_features(config: RuntimeConfig) -> None:
     """What a tensor-parallel worker does not do yet, refused at start with the reason."""
     refused = []
-    if config.lora is not None:
-        refused.append("--enable-lora (adapters would have to be sharded as their base layers)")
     if config.tiers is not None:
         refused.append("--enable-hierarchical-cache (each rank would store its own KV heads)")
     if config.decode_graphs == "static":
@@ -103,8 +101,11 @@ class ModelRunner:
             log.info("deterministic mode: %d batch-invariance checks passed on this machine", checks)
         self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
         if config.lora is not None:
-            self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device)
+            self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device,
+                                                 self.tp.shards if self.tp else None)
             self.model.lora = self.lora.pool
+            if self.tp is not None and self.tp.leads:  # every rank's slots follow rank 0's
+                self.lora.pool.mirror = LoraMirror(self.tp)
         self.layout = KVLayout(1, config.cache.page_size, mc.num_layers, self.model.num_kv_heads, mc.head_dim,
                                self.dtype)  # this rank's KV heads
         self.graphs: DecodeGraphs | None = None

@@ -10,6 +10,7 @@ the radix cache) is rank 0's alone: the followers hold no requests.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import pickle
@@ -29,7 +30,7 @@ from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, che
 from pdserve.shared.tp_shards import Shards
 
 log = logging.getLogger(__name__)
-STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV = 1, 2, 3, 4, 5, 6, 7
+STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV, LORA = 1, 2, 3, 4, 5, 6, 7, 8
 START_TIMEOUT_S = 600.0  # for the other ranks to load their shards
 
 
@@ -114,8 +115,57 @@ def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
             rank.group.barrier(START_TIMEOUT_S)
         elif kind == KV and kv is not None:
             kv.apply()
+        elif kind == LORA:
+            _put_adapter(rank, runner, header)
         else:
             raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
+
+
+class LoraMirror:
+    """Rank 0's LoRA slots, told to every other rank as they change (on the engine thread, which schedules)."""
+
+    def __init__(self, rank: TPRank) -> None:
+        self.rank = rank
+
+    def wrote(self, slot: int, adapter) -> None:
+        from pdserve.shared.lora import LoraError
+
+        info = {"name": adapter.name, "path": adapter.path, "version": adapter.version}
+        self.rank.box.post(LORA, [slot, 1], bytes_payload(json.dumps(info).encode()))
+        failed = self.rank.group.failed_ranks(False, START_TIMEOUT_S)
+        if failed:
+            raise LoraError(f"adapter {adapter.name!r}: tensor-parallel rank(s) {failed} could not load it (their "
+                            "logs say why)")
+
+    def cleared(self, slot: int) -> None:
+        self.rank.box.post(LORA, [slot, 0])
+        self.rank.group.barrier(START_TIMEOUT_S)
+
+
+def _put_adapter(rank: TPRank, runner, header: list[int]) -> None:
+    """A follower: the adapter rank 0 put in a slot (read from the same files, cut to this rank's shards)."""
+    from pdserve.shared.lora import LoraError
+    from pdserve.shared.lora_checkpoint import load_adapter
+
+    slot, write = header[:2]
+    pool = runner.lora.pool
+    if not write:
+        pool.put(slot, None)
+        rank.group.barrier(START_TIMEOUT_S)
+        return
+    failed = False
+    try:
+        info = json.loads(read_bytes(rank.box.payload))
+        adapter = load_adapter(info["name"], info["path"], pool.model_config, max_rank=pool.max_rank,
+                               target_modules=pool.target_modules, dtype=pool.dtype, device=pool.device)
+        if adapter.version != info["version"]:
+            raise LoraError(f"adapter {info['name']!r}: its files changed since rank 0 loaded them")
+        pool.put(slot, adapter)
+    except LoraError as exc:
+        log.error("tensor-parallel rank %d: %s", rank.shards.rank, exc)
+        pool.put(slot, None)
+        failed = True
+    rank.group.failed_ranks(failed, START_TIMEOUT_S)
 
 
 def _build_weights(runner, path: str):

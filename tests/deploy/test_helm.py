@@ -21,6 +21,7 @@ VALUE_SETS = {
     "3-prefill-2-decode": ["-f", str(CHART / "ci" / "scaled-values.yaml")],
     "embedding": ["-f", str(CHART / "ci" / "embedding-values.yaml")],
     "kv-tiers": ["-f", str(CHART / "ci" / "kv-tiers-values.yaml")],
+    "tensor-parallel": ["-f", str(CHART / "ci" / "tp-values.yaml")],
 }
 ROLES = ("gateway", "prefill", "decode", "jobs")
 

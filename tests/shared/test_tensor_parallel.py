@@ -15,7 +15,7 @@ import torch
 
 from fixtures import make_tiny_model
 
-from pdserve.shared.config import CacheConfig, ModelConfig, Role, RuntimeConfig, SpeculativeConfig
+from pdserve.shared.config import CacheConfig, LoraConfig, ModelConfig, Role, RuntimeConfig, SpeculativeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.page_allocator import PageAllocator
@@ -136,8 +136,10 @@ def test_four_ranks_over_two_kv_heads(tiny_models):
     torch.testing.assert_close(got, whole(str(tiny_models["qwen2"])), atol=1e-4, rtol=0)
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their logprobs of each prompt, through the engine (all prompts batched together)."""
+def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
+             adapters: list[str | None] | None = None) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs of each prompt (with adapters[i], when given), through the engine, all
+    prompts batched together."""
     engine = Engine(runner.config, Role.COLOCATED, runner)
     tokens: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
@@ -148,7 +150,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int) -> lis
 
     for i, ids in enumerate(prompts):
         engine.add_request(Req(rid=str(i), input_ids=ids, on_output=collect, params=SamplingParams(
-            temperature=0, max_new_tokens=max_new, min_new_tokens=max_new, return_logprob=True)))
+            temperature=0, max_new_tokens=max_new, min_new_tokens=max_new, return_logprob=True)),
+            lora=adapters[i] if adapters else None)
     while engine.has_work():
         engine.step()
     return [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
@@ -231,3 +234,20 @@ def test_speculative_decoding_under_two_ranks_gives_the_greedy_tokens(tiny_model
     with Split(config(tiny_models["llama"], speculative=SpeculativeConfig(num_draft_tokens=4)), 2) as runner:
         drafted = generate(runner, repetitive, 20)
     assert [ids for ids, _ in drafted] == [ids for ids, _ in plain]
+
+
+def test_lora_adapters_sharded_as_their_layers_answer_as_one_process(default_model_dir, default_model_adapters, chat):
+    """Three adapters (attention only; every module, rsLoRA; v, up and down) and the base model in one batch, on
+    the default model's uneven 2 + 1 split, against the same in one process; two slots, so adapters also move in
+    and out of slots on every rank as the batch goes."""
+    names = list(default_model_adapters)
+    lora = LoraConfig(paths=tuple((n, str(p)) for n, p in default_model_adapters.items()), max_loras_per_batch=2)
+    prompts = [chat("Write a SQL query."), chat("Write a poem."), chat("Say yes."), chat("Hello")]
+    adapters = names + [None]
+    cfg = config(default_model_dir, lora=lora)
+    alone = generate(ModelRunner(cfg), prompts, 8, adapters)
+    with Split(cfg, 2) as runner:
+        split = generate(runner, prompts, 8, adapters)
+    for (ids_a, lps_a), (ids_b, lps_b) in zip(alone, split):
+        assert ids_b == ids_a
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4

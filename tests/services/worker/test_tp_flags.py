@@ -30,7 +30,6 @@ def test_tp_size_one_starts_no_ranks(tiny_models):
 
 
 @pytest.mark.parametrize("flags,reason", [
-    (["--enable-lora", "--max-lora-rank", "8"], "--enable-lora"),
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"], "--enable-hierarchical-cache"),
 ])
 def test_features_not_split_yet_are_refused_with_the_reason(tiny_models, tmp_path, flags, reason):
