@@ -28,7 +28,7 @@ from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch
-from pdserve.shared.tensor_parallel import Launch, Ranks, cpu_sets
+from pdserve.shared.tp_ranks import Launch, Ranks, cpu_sets
 
 PROMPTS = [[1, 520, 33, 900, 12, 7, 4410, 88, 301], [1, 2, 3, 4, 5], list(range(100, 160))]
 

@@ -20,8 +20,8 @@ from pdserve.shared.linear import cpu_has_bf16
 from pdserve.shared.lora_registry import LoraRegistry
 from pdserve.shared.models.llama import ForwardBatch, LlamaForCausalLM
 from pdserve.shared.scheduler import Batch
-from pdserve.shared.tensor_parallel import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, LoraMirror, TPRank,
-                                            bytes_payload, lead_step)
+from pdserve.shared.tp_step import (DISCARD, POOL, START_TIMEOUT_S, SWAP, WEIGHTS, LoraMirror, TPRank,
+                                    bytes_payload, lead_step)
 from pdserve.shared.weights import Checkpoint, WeightsError, check_finite, read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def free_memory_bytes(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, config: RuntimeConfig, model_config: ModelConfig | None = None,
                  tp: TPRank | None = None) -> None:
-        """`tp`: this process is one rank of a tensor-parallel worker (shared/tensor_parallel.py); rank 0's
+        """`tp`: this process is one rank of a tensor-parallel worker (shared/tp_step.py); rank 0's
         runner leads every step, a follower's builds its pool when rank 0 says how large (`build_pool`)."""
         self.config = config
         self.model_config = model_config or ModelConfig.from_dir(config.model_path)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
-from pdserve.shared.tensor_parallel import KV, TPRank, bytes_payload, read_bytes
+from pdserve.shared.tp_shards import Shards
+from pdserve.shared.tp_step import KV, START_TIMEOUT_S, TPRank, bytes_payload, read_bytes
 from pdserve.shared.transfer.base import KVTransfer, TransferError, b64, unb64
 
 log = logging.getLogger(__name__)
@@ -182,3 +184,30 @@ class RankTransfers:
 
     def _close(self, pages: list[int], timeout: float) -> None:
         self.agent.close_window(pages)
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """How each rank of a disaggregated worker makes its KV transfer agent."""
+
+    backend: str  # "nixl" | "tcp"
+    name: str  # the worker's; rank r's agent is "{name}#r{r}"
+    receiver_host: str | None = None  # a decode worker's TCP agents listen on port + rank
+    receiver_port: int = 0
+
+
+def rank_transfers(spec: TransferSpec, rank: TPRank | None, runner):
+    """This rank's agent over its pool, and (every rank together) the worker's transfer across its ranks."""
+    from pdserve.shared.transfer import create_transfer  # (imports a backend's package only when chosen)
+
+    r = rank.shards.rank if rank is not None else 0
+    kwargs = {}
+    if spec.backend == "tcp" and spec.receiver_host is not None:
+        kwargs = {"host": spec.receiver_host, "port": spec.receiver_port + r if spec.receiver_port else 0}
+    agent = create_transfer(spec.backend, spec.name if rank is None else f"{spec.name}#r{r}", runner.pool.buffer,
+                            **kwargs)
+    mc, size = runner.model_config, rank.shards.size if rank is not None else 1
+    ranges = [Shards.plan(mc, i, size).kv_heads if size > 1 else (0, mc.num_kv_heads) for i in range(size)]
+    metadatas = rank.group.all_gather_bytes(agent.metadata(), START_TIMEOUT_S) if rank is not None else \
+        [agent.metadata()]
+    return RankTransfers(agent, rank, ranges, metadatas)

@@ -32,7 +32,7 @@ from pdserve.shared.req import Req, TransferTarget
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scoring import (DecoderPooling, ScoreResult, check_inputs, check_sequences, plan_groups,
                                     pool_group, prefill_prefix, score_group, step_budget)
-from pdserve.shared.tensor_parallel import rank_transfers
+from pdserve.shared.tp_transfer import rank_transfers
 
 log = logging.getLogger("pdserve.worker")
 GRAMMAR_TIMEOUT_S = 30.0

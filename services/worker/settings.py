@@ -58,7 +58,7 @@ def tp_ranks(args: argparse.Namespace, config, role: Role):
     if size == 1:
         return None
     from pdserve.shared.config import ModelConfig
-    from pdserve.shared.tensor_parallel import Launch, Ranks, cpu_sets
+    from pdserve.shared.tp_ranks import Launch, Ranks, cpu_sets
     from pdserve.shared.tp_shards import check_tp_size
 
     if args.dist_timeout <= 0:
@@ -73,7 +73,7 @@ def transfer_spec(args: argparse.Namespace, wiring: Wiring):
     """How a disaggregated worker's ranks make their KV transfer agents (None: a colocated worker has none)."""
     if wiring.transfer is None:
         return None
-    from pdserve.shared.tensor_parallel import TransferSpec
+    from pdserve.shared.tp_transfer import TransferSpec
     from pdserve.shared.transfer import available_backends
 
     backend = args.transfer_backend

@@ -103,10 +103,6 @@ class KVTransfer(ABC):
         Whole pages on both sides are `write_pages`. Raises TransferError as write_pages does."""
         raise TransferError(f"the {self.name} transfer cannot write part of a page's KV heads")
 
-    def peer_heads(self, peer_name: str) -> int:
-        """The KV heads of a registered peer's pages."""
-        raise TransferError(f"peer {peer_name} is not registered")
-
     def _whole(self, peer_heads: int, src_heads: tuple[int, int], dst_heads: tuple[int, int]) -> bool:
         if src_heads[1] - src_heads[0] != dst_heads[1] - dst_heads[0]:
             raise TransferError(f"heads {src_heads[0]}..{src_heads[1] - 1} cannot fill peer heads "

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from pdserve.shared.transfer.base import b64, unb64
+from pdserve.shared.transfer.base import Run, b64, unb64
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +62,25 @@ def open_pool(shared: dict | None, nbytes: int, peer_name: str) -> torch.Tensor 
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         log.info("KV pages to %s go through the socket: its GPU pool cannot be opened here (%s)", peer_name, exc)
         return None
+
+
+def copy_pages(pool: torch.Tensor, dst: torch.Tensor, runs: list[Run]) -> None:
+    """Device copies of whole pages into a peer's pool (`dst`, its flat bytes as `open_pool` gave them), finished
+    before returning: the peer reads the pages once told."""
+    src = pool.reshape(-1).view(torch.uint8)
+    pb = src.numel() // pool.shape[0]
+    for r in runs:
+        dst[r.dst_start * pb:(r.dst_start + r.length) * pb].copy_(
+            src[r.src_start * pb:(r.src_start + r.length) * pb], non_blocking=True)
+    torch.cuda.current_stream(pool.device).synchronize()
+
+
+def copy_heads(pool: torch.Tensor, dst: torch.Tensor, dst_kv_heads: int, runs: list[Run],
+               parts: list[torch.Tensor], dst_heads: tuple[int, int]) -> None:
+    """Device copies of some heads of each page (`parts`, each run's pages cut to them) into heads [dst_heads) of
+    a peer's pool of `dst_kv_heads` heads a page."""
+    num_pages = dst.numel() // (pool[0].numel() // pool.shape[4] * dst_kv_heads * pool.element_size())
+    theirs = dst.view(pool.dtype).view(num_pages, *pool.shape[1:4], dst_kv_heads, pool.shape[5])
+    for r, part in zip(runs, parts):
+        theirs[r.dst_start:r.dst_start + r.length, :, :, :, dst_heads[0]:dst_heads[1]].copy_(part)
+    torch.cuda.current_stream(pool.device).synchronize()

@@ -91,12 +91,6 @@ class NixlTransfer(KVTransfer):
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
 
-    def peer_heads(self, peer_name: str) -> int:
-        peer = self._peers.get(peer_name)
-        if peer is None:
-            raise TransferError(f"peer {peer_name} is not registered")
-        return peer.kv_heads
-
     def remove_peer(self, peer_name: str) -> None:
         peer = self._peers.pop(peer_name, None)
         if peer is not None:

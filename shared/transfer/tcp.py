@@ -114,7 +114,7 @@ class TcpTransfer(KVTransfer):
         peer = _Peer(str(md["host"]), int(md["port"]), int(md["num_pages"]), metadata, kv_heads=md["kv_heads"])
         self._send(peer, [], timeout, f"connecting to {peer_name} at {peer.host}:{peer.port}")
         if self.pool.is_cuda:
-            peer.device_pool = cuda_ipc.open_pool(md.get("cuda_ipc"), peer.num_pages * self.page_bytes, peer_name)
+            peer.device_pool = cuda_ipc.open_pool(md.get("cuda_ipc"), peer.num_pages * md["page_bytes"], peer_name)
         log.info("KV pages to %s go %s", peer_name,
                  "by device copies (CUDA IPC)" if peer.device_pool is not None else f"over TCP to {peer.host}")
         self._peers[peer_name] = peer
@@ -126,12 +126,6 @@ class TcpTransfer(KVTransfer):
 
     def has_peer(self, peer_name: str) -> bool:
         return peer_name in self._peers
-
-    def peer_heads(self, peer_name: str) -> int:
-        peer = self._peers.get(peer_name)
-        if peer is None:
-            raise TransferError(f"peer {peer_name} is not registered")
-        return peer.kv_heads
 
     def remove_peer(self, peer_name: str) -> None:
         peer = self._peers.pop(peer_name, None)
@@ -148,7 +142,7 @@ class TcpTransfer(KVTransfer):
                                 f"{self.kv_heads}: write_heads moves some of them")
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
         if runs and peer.device_pool is not None:
-            self._copy(peer.device_pool, runs)
+            cuda_ipc.copy_pages(self.pool, peer.device_pool, runs)
         elif runs:
             self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}")
 
@@ -165,23 +159,10 @@ class TcpTransfer(KVTransfer):
         lo, hi = src_heads
         parts = [self.pool[r.src_start:r.src_start + r.length, :, :, :, lo:hi] for r in runs]
         if peer.device_pool is not None:  # the peer's pool on a GPU of this host: device copies into its heads
-            shape = (peer.num_pages, *self.pool.shape[1:4], peer.kv_heads, self.pool.shape[5])
-            theirs = peer.device_pool.view(self.pool.dtype).view(shape)
-            for r, part in zip(runs, parts):
-                theirs[r.dst_start:r.dst_start + r.length, :, :, :, dst_heads[0]:dst_heads[1]].copy_(part)
-            torch.cuda.current_stream(self.pool.device).synchronize()
-            return
+            return cuda_ipc.copy_heads(self.pool, peer.device_pool, peer.kv_heads, runs, parts, dst_heads)
         per_page = self.page_bytes // self.kv_heads * (hi - lo)
         self._send(peer, runs, timeout, f"writing heads {lo}..{hi - 1} of {len(src_pages)} pages to {peer_name}",
                    heads=(dst_heads, parts, per_page))
-
-    def _copy(self, dst: torch.Tensor, runs: list[Run]) -> None:
-        """Device copies into the peer's pool, finished before returning: the peer reads the pages once told."""
-        pb = self.page_bytes
-        for r in runs:
-            dst[r.dst_start * pb:(r.dst_start + r.length) * pb].copy_(
-                self._bytes[r.src_start * pb:(r.src_start + r.length) * pb], non_blocking=True)
-        torch.cuda.current_stream(self.pool.device).synchronize()
 
     def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str, heads=None) -> None:
         """`heads`: (destination heads, each run's pages cut to the heads sent, bytes of one page's cut) for a

@@ -22,7 +22,7 @@ from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch
-from pdserve.shared.tensor_parallel import Launch, Ranks, cpu_sets
+from pdserve.shared.tp_ranks import Launch, Ranks, cpu_sets
 from pdserve.shared.tp_group import RankGone
 from pdserve.shared.tp_shards import Shards, check_tp_size
 

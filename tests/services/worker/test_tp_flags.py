@@ -9,7 +9,7 @@ from pdserve.services.worker.cli import add_arguments, runtime_config
 from pdserve.services.worker.settings import tp_ranks
 from pdserve.shared.config import ModelConfig, Role
 from pdserve.shared.model_runner import ModelRunner
-from pdserve.shared.tensor_parallel import TPRank
+from pdserve.shared.tp_step import TPRank
 from pdserve.shared.tp_shards import Shards
 
 

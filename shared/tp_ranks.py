@@ -1,11 +1,5 @@
-"""A tensor-parallel worker's ranks in lock-step: rank 0 leads, the others follow its steps.
-
-Rank 0 is the worker everyone else sees: it schedules, samples and answers. Before each forward it posts the
-step (`lead_step`: the flattened ForwardBatch and the page copies) in the mailbox (shared/tp_group.py); each
-follower (`follow`) reads it, makes the same page copies in its own pool (every rank's pool has the same pages,
-each holding its own KV heads), and runs the same forward on its shards, meeting rank 0 in every all-reduce.
-Only rank 0 reads the logits. Whatever else touches the pool or the weights on rank 0 (a sampler, a grammar,
-the radix cache) is rank 0's alone: the followers hold no requests.
+"""A tensor-parallel worker's rank processes: the cores each one runs on, the processes rank 0 starts, and the
+life of a follower rank (`follow`: the leader's posts, shared/tp_step.py, until it says stop or is gone).
 """
 from __future__ import annotations
 
@@ -25,65 +19,13 @@ from pathlib import Path
 import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
-from pdserve.shared.models.llama import ForwardBatch
 from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, check_platform
 from pdserve.shared.tp_shards import Shards
+from pdserve.shared.tp_step import (DISCARD, KV, LORA, POOL, START_TIMEOUT_S, STEP, STOP, SWAP, WEIGHTS, TPRank,
+                                    read_bytes, read_step)
+from pdserve.shared.tp_transfer import TransferSpec, rank_transfers
 
 log = logging.getLogger(__name__)
-STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV, LORA = 1, 2, 3, 4, 5, 6, 7, 8
-START_TIMEOUT_S = 600.0  # for the other ranks to load their shards
-
-
-@dataclass
-class TPRank:
-    """One rank of a tensor-parallel worker: its part of the model, and how it talks to the others."""
-
-    shards: Shards
-    box: Mailbox
-    group: ShmGroup | TorchGroup
-
-    @property
-    def leads(self) -> bool:
-        return self.shards.rank == 0
-
-    def stop(self) -> None:
-        """Leader: the followers exit their loops."""
-        self.box.post(STOP, [])
-
-
-# ------------------------------------------------------------------------------------------------ the step
-def lead_step(rank: TPRank, fb: ForwardBatch, page_copies: list[tuple[int, int]]) -> None:
-    """Leader: post `fb` and the step's page copies for the followers."""
-    parts = [fb.input_ids, fb.positions, fb.slots, fb.last_rows, fb.page_table.reshape(-1), fb.seq_lens,
-             fb.extend_lens, fb.q_start]
-    if fb.lora_slots is not None:
-        parts.append(fb.lora_slots)
-    payload = torch.cat([p.to(torch.int64) for p in parts])
-    copies = [x for pair in page_copies for x in pair]
-    header = [int(fb.is_decode), fb.input_ids.numel(), fb.seq_lens.numel(), fb.page_table.shape[1],
-              fb.last_rows.numel(), int(fb.lora_slots is not None), len(page_copies), payload.numel()]
-    if not isinstance(rank.group, TorchGroup):
-        rank.box.post(STEP, header, torch.cat([payload, torch.tensor(copies, dtype=torch.int64)]))
-    else:  # the mailbox says what comes; the tensors go through the group (device to device on GPUs)
-        rank.box.post(STEP, header, torch.tensor(copies, dtype=torch.int64))
-        rank.group.broadcast(payload)
-
-
-def _read_step(rank: TPRank, header: list[int], device: torch.device) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-    is_decode, T, B, W, n_last, has_lora, n_copies, n = header[:8]
-    if not isinstance(rank.group, TorchGroup):
-        raw = rank.box.payload[:n + 2 * n_copies].clone()
-        payload, copies = raw[:n], raw[n:].tolist()
-    else:
-        copies = rank.box.payload[:2 * n_copies].tolist()
-        payload = rank.group.broadcast(torch.empty(n, dtype=torch.int64, device=device))
-    sizes = [T, T, T, n_last, B * W, B, B, B] + ([T] if has_lora else [])
-    pieces = list(payload.split(sizes))
-    i32 = [p.to(torch.int32) for p in pieces[4:]]
-    fb = ForwardBatch(is_decode=bool(is_decode), input_ids=pieces[0], positions=pieces[1], slots=pieces[2],
-                      last_rows=pieces[3], page_table=i32[0].view(B, W), seq_lens=i32[1], extend_lens=i32[2],
-                      q_start=i32[3], lora_slots=i32[4] if has_lora else None)
-    return fb, list(zip(copies[0::2], copies[1::2]))
 
 
 def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
@@ -103,7 +45,7 @@ def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
         if kind == STOP:
             return
         if kind == STEP:
-            fb, copies = _read_step(rank, header, runner.device)
+            fb, copies = read_step(rank, header, runner.device)
             runner.run_step(fb, copies)
         elif kind == WEIGHTS:
             staged = _build_weights(runner, read_bytes(rank.box.payload).decode())
@@ -119,27 +61,6 @@ def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
             _put_adapter(rank, runner, header)
         else:
             raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
-
-
-class LoraMirror:
-    """Rank 0's LoRA slots, told to every other rank as they change (on the engine thread, which schedules)."""
-
-    def __init__(self, rank: TPRank) -> None:
-        self.rank = rank
-
-    def wrote(self, slot: int, adapter) -> None:
-        from pdserve.shared.lora import LoraError
-
-        info = {"name": adapter.name, "path": adapter.path, "version": adapter.version}
-        self.rank.box.post(LORA, [slot, 1], bytes_payload(json.dumps(info).encode()))
-        failed = self.rank.group.failed_ranks(False, START_TIMEOUT_S)
-        if failed:
-            raise LoraError(f"adapter {adapter.name!r}: tensor-parallel rank(s) {failed} could not load it (their "
-                            "logs say why)")
-
-    def cleared(self, slot: int) -> None:
-        self.rank.box.post(LORA, [slot, 0])
-        self.rank.group.barrier(START_TIMEOUT_S)
 
 
 def _put_adapter(rank: TPRank, runner, header: list[int]) -> None:
@@ -184,46 +105,6 @@ def _build_weights(runner, path: str):
     except WeightsError as exc:
         log.error("tensor-parallel rank %d cannot build the new weights: %s", runner.tp.shards.rank, exc)
         return None
-
-
-def bytes_payload(raw: bytes) -> torch.Tensor:
-    """Bytes as a mailbox payload (its length first)."""
-    padded = len(raw).to_bytes(8, "little") + raw + b"\0" * (-len(raw) % 8)
-    return torch.frombuffer(bytearray(padded), dtype=torch.int64)
-
-
-def read_bytes(payload: torch.Tensor) -> bytes:
-    n = int(payload[0])
-    return payload[1:1 + -(-n // 8)].numpy().tobytes()[:n]
-
-
-# ------------------------------------------------------------------------------------------------ KV transfer
-@dataclass(frozen=True)
-class TransferSpec:
-    """How each rank of a disaggregated worker makes its KV transfer agent."""
-
-    backend: str  # "nixl" | "tcp"
-    name: str  # the worker's; rank r's agent is "{name}#r{r}"
-    receiver_host: str | None = None  # a decode worker's TCP agents listen on port + rank
-    receiver_port: int = 0
-
-
-def rank_transfers(spec: TransferSpec, rank: TPRank | None, runner):
-    """This rank's agent over its pool, and (every rank together) the worker's transfer across its ranks."""
-    from pdserve.shared.tp_transfer import RankTransfers
-    from pdserve.shared.transfer import create_transfer
-
-    r = rank.shards.rank if rank is not None else 0
-    kwargs = {}
-    if spec.backend == "tcp" and spec.receiver_host is not None:
-        kwargs = {"host": spec.receiver_host, "port": spec.receiver_port + r if spec.receiver_port else 0}
-    agent = create_transfer(spec.backend, spec.name if rank is None else f"{spec.name}#r{r}", runner.pool.buffer,
-                            **kwargs)
-    mc, size = runner.model_config, rank.shards.size if rank is not None else 1
-    ranges = [Shards.plan(mc, i, size).kv_heads if size > 1 else (0, mc.num_kv_heads) for i in range(size)]
-    metadatas = rank.group.all_gather_bytes(agent.metadata(), START_TIMEOUT_S) if rank is not None else \
-        [agent.metadata()]
-    return RankTransfers(agent, rank, ranges, metadatas)
 
 
 # ------------------------------------------------------------------------------------------------ the ranks' processes
@@ -364,7 +245,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_FOLLOWER_ENTRY = "from pdserve.shared.tensor_parallel import follower_entry; follower_entry()"
+_FOLLOWER_ENTRY = "from pdserve.shared.tp_ranks import follower_entry; follower_entry()"
 
 
 def follower_entry() -> None:
