@@ -161,6 +161,7 @@ class Launch:
     timeout_s: float
     base_gpu_id: int = 0
     transfer: TransferSpec | None = None  # a disaggregated worker's: every rank makes its own agent
+    threads: int | None = None  # compute threads per CPU rank (--threads); None: one per core of the rank
     collectives: str = "shm"  # on CPUs: "shm" (ShmGroup), or "torch" (gloo); GPUs always use NCCL
 
 
@@ -200,7 +201,7 @@ class Ranks:
         finally:
             self.box.unlink()
         if not self.cuda:
-            _pin(launch.cpus[0])
+            _pin(launch.cpus[0], launch.threads)
 
     def check_alive(self) -> None:
         for r, proc in enumerate(self.procs, start=1):
@@ -234,9 +235,11 @@ def _group(box: Mailbox, cuda: bool, init_method: str, launch: Launch) -> ShmGro
     return ShmGroup(box, launch.timeout_s)
 
 
-def _pin(cpus: set[int]) -> None:
+def _pin(cpus: set[int], threads: int | None) -> None:
+    """This process on `cpus`, with `threads` compute threads (at most one per core; a container's CPU quota is
+    not a core set, so --threads is how to stay within it)."""
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    torch.set_num_threads(min(threads, len(cpus)) if threads else len(cpus))
 
 
 def _free_port() -> int:
@@ -264,7 +267,7 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
     if cuda:
         config = replace(config, device=f"cuda:{launch.base_gpu_id + rank}")
     else:
-        _pin(launch.cpus[rank])
+        _pin(launch.cpus[rank], launch.threads)
     try:
         box = Mailbox(path, rank, launch.size, create=False)
         mc = ModelConfig.from_dir(config.model_path)

@@ -86,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_lora_arguments(parser)
     add_expert_arguments(parser)
     add_tp_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None, help="torch compute threads (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch compute threads (default: all cores; with --tp-size on a CPU: per rank, at most "
+                             "the cores of the rank, default all of them)")
     parser.add_argument("--random-seed", type=int, default=None,
                         help="seed of the generator that requests without a seed of their own sample from "
                              "(default: random)")

@@ -66,7 +66,7 @@ def tp_ranks(args: argparse.Namespace, config, role: Role):
     check_tp_size(ModelConfig.from_dir(config.model_path), size)
     cpus = [] if config.device.startswith("cuda") else cpu_sets(size, args.cpu_binding)
     return Ranks(config, Launch(size, cpus, args.dist_timeout, args.base_gpu_id,
-                                transfer=transfer_spec(args, wiring_for(role))))
+                                transfer=transfer_spec(args, wiring_for(role)), threads=args.threads))
 
 
 def transfer_spec(args: argparse.Namespace, wiring: Wiring):
