@@ -1,0 +1,479 @@
+"""Tensor parallelism on a CPU: the all-reduce a tensor-parallel step is made of, then a worker split over 2 ranks
+against the same worker in one process, served over HTTP, each beside its baseline measured in the same run.
+
+    .venv/bin/python benchmarks/bench_tp.py [--parts collectives,served] [--concurrency 1,32] [--requests N]
+        [--warmup 4] [--output-len 128] [--prompt-len 40] [--ar-iters 500] [--ar-blocks 5] [--up-args="..."]
+        [--model-path DIR] [--json FILE] [--keep-logs]
+
+collectives  an all-reduce (sum) between two processes, each pinned to a core of its own with one torch thread,
+             of a [1, 576] and a [32, 576] tensor (the default model's hidden size: one decode step's partial sums,
+             and 32 streams') in fp32 and bf16: torch.distributed's gloo (init_process_group("gloo") over
+             tcp://127.0.0.1) against pdserve's shared-memory ShmGroup (shared/tp_group.py: the benchmark creates
+             the Mailbox, both ranks attach to it), the one tensor-parallel workers use on CPUs. Each is first
+             checked to sum (1 + 2 = 3 on both ranks), then timed in-place on rank 0: --ar-blocks blocks of
+             --ar-iters calls after a warm-up; the median block's microseconds per call, and gloo/shm.
+served       `pdserve up --colocated` (TP 1: one worker process computing on every core) against
+             `pdserve up --colocated --tp-size 2` (rank 0 in the worker, rank 1 a process it starts, each pinned to
+             its own cores), the default model, one server at a time (servers.py: free loopback ports, a temporary
+             --state-dir): the load of bench_serving.py (`pdserve bench`'s: a warm-up, then each concurrency
+             level, 4 x concurrency requests by default, streamed chat completions of --output-len tokens with
+             ignore_eos, ~40-token distinct prompts, greedy), then one greedy chat request ("What is the capital of
+             France?", temperature 0, max_tokens 32). Prints each server's table (tok/s, TTFT, ITL), the ratios
+             TP2/TP1 of output tok/s and TTFT p50 at the highest concurrency and of ITL p50 at the lowest, and
+             whether both gave the same greedy text (a bf16 model may round differently when its sums are split:
+             reported, not required).
+
+No targets: the figures are this machine's. The default size takes about 2 minutes on a 2-core machine when nothing
+else runs there (4-5 beside other work). The last line says how many cores other processes kept busy during each
+measurement (the machine's busy time in /proc/stat less this benchmark's and its servers'): ranks pinned to a core
+each, which meet in every layer, suffer most from a busy neighbour, so figures taken beside more than 0.1 of a core
+are flagged. Servers, rank processes and whatever they started are stopped on exit, Ctrl-C and errors included.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import os
+import queue
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import servers
+from bench_serving import level, quotient
+from kv_tiers_load import Answer, ask_all
+from pdserve.benchclient import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
+                                 parse_concurrencies, run_sweep)
+
+PARTS = ("collectives", "served")
+HIDDEN = 576  # SmolLM2-135M's hidden size: what a layer's all-reduce carries per token
+SHAPES = ((1, HIDDEN), (32, HIDDEN))
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("gloo", "shm")
+GREEDY_PROMPT = "What is the capital of France?"
+GREEDY_TOKENS = 32
+BUSY_ELSEWHERE = 0.1  # cores other processes may keep busy before the figures are flagged as disturbed
+SERVED = (("tp1", []), ("tp2", ["--tp-size", "2"]))  # (label, extra `pdserve up --colocated` flags)
+
+
+def say(message: str) -> None:
+    print(f"[tp] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- other work on the machine
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core has spent busy since boot (/proc/stat: user, nice, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / TICK
+
+
+def ours_s(root: int | None) -> float:
+    """CPU seconds of this process, the children it has waited for, and `root` with its living descendants (and
+    the children they waited for)."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    if root is not None:
+        for pid in [root, *(p for p, _ in servers.descendants(root))]:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(x) for x in stat[11:15]) / TICK  # utime, stime, cutime, cstime
+    return total
+
+
+class Elsewhere:
+    """How many cores other processes kept busy, on average, between `__init__` and `cores()`: the machine's busy
+    time less this benchmark's and its servers'. Shared machines: a figure taken beside other work is not this
+    code's alone, and tensor-parallel ranks pinned to a core each suffer most from it."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = root
+        self.start = (time.monotonic(), machine_busy_s(), ours_s(root))
+
+    def cores(self) -> float:
+        wall, busy, ours = time.monotonic(), machine_busy_s(), ours_s(self.root)
+        return max(0.0, (busy - self.start[1]) - (ours - self.start[2])) / max(wall - self.start[0], 1e-9)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+@dataclass
+class Collective:
+    backend: str
+    shape: tuple[int, int]
+    dtype: str
+    us_per_call: float | None  # rank 0's, the median block
+    blocks_us: list[float]
+    summed_right: bool
+    error: str | None = None
+    elsewhere_cores: float | None = None  # other processes' load meanwhile (Elsewhere)
+
+
+def collective_rank(backend: str, rank: int, cpu: int, address: str, iters: int, blocks: int, warmup: int,
+                    results) -> None:
+    """One rank's process: pinned to `cpu`, one torch thread; every shape and dtype in turn, in step with the other
+    rank. Puts (rank, {(rows, cols, dtype): (blocks' us per call, summed right)}) or (rank, error) on `results`."""
+    try:
+        os.sched_setaffinity(0, {cpu})
+        torch.set_num_threads(1)
+        if backend == "gloo":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
+                                    timeout=datetime.timedelta(seconds=60))
+            reduce = dist.all_reduce
+        else:
+            from pdserve.shared.tp_group import Mailbox, ShmGroup
+
+            reduce = ShmGroup(Mailbox(address, rank, 2, create=False), 60.0).all_reduce
+        out = {}
+        for shape in SHAPES:
+            for name in DTYPES:
+                x = torch.full(shape, float(rank + 1), dtype=getattr(torch, name))
+                reduce(x)
+                right = bool((x == 3).all())
+                x.zero_()  # stays zero, in place: what is timed is the collective alone
+                for _ in range(warmup):
+                    reduce(x)
+                times = []
+                for _ in range(blocks):
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        reduce(x)
+                    times.append((time.perf_counter() - start) / iters * 1e6)
+                out[(*shape, name)] = (times, right)
+        if backend == "gloo":
+            dist.destroy_process_group()
+        results.put((rank, out))
+    except BaseException as exc:  # the parent reports it; the other rank's wait ends at its timeout
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def measure_collective(backend: str, cpus: list[int], args: argparse.Namespace) -> list[Collective]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    box = None
+    if backend == "gloo":
+        address = f"tcp://127.0.0.1:{servers.free_port_base((0,))}"
+    else:
+        from pdserve.shared.tp_group import Mailbox
+
+        box = Mailbox.create(2)  # both ranks attach to it; the file goes once they are done
+        address = box.path
+    procs = [ctx.Process(target=collective_rank, daemon=True,
+                         args=(backend, r, cpus[r], address, args.ar_iters, args.ar_blocks, args.ar_warmup, results))
+             for r in range(2)]
+    got: dict[int, object] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + args.ar_timeout
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                rank, out = results.get(timeout=1.0)
+                got[rank] = out
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and not results.qsize():
+                    break
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if box is not None:
+            box.unlink()
+    errors = [f"rank {r}: {out}" for r, out in sorted(got.items()) if isinstance(out, str)]
+    missing = [f"rank {r}: no result (exit code {procs[r].exitcode})" for r in range(2) if r not in got]
+    rows = []
+    for shape in SHAPES:
+        for name in DTYPES:
+            if errors or missing:
+                rows.append(Collective(backend, shape, name, None, [], False, "; ".join(errors + missing)))
+                continue
+            times, right0 = got[0][(*shape, name)]
+            _, right1 = got[1][(*shape, name)]
+            rows.append(Collective(backend, shape, name, statistics.median(times), times, right0 and right1))
+    return rows
+
+
+def run_collectives(args: argparse.Namespace) -> list[Collective]:
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = allowed[:2] if len(allowed) >= 2 else allowed * 2
+    if len(allowed) < 2:
+        say(f"only core {allowed[0]} is available: both ranks share it")
+    say(f"all-reduce between 2 processes on cores {cpus[0]} and {cpus[1]}, one torch thread each: "
+        f"{args.ar_blocks} blocks of {args.ar_iters} calls per case")
+    rows = []
+    for backend in BACKENDS:
+        elsewhere = Elsewhere()
+        found = measure_collective(backend, cpus, args)
+        other = elsewhere.cores()
+        for c in found:
+            c.elsewhere_cores = other
+        for c in found:
+            figure = f"{c.us_per_call:.1f} us" if c.us_per_call is not None else f"failed: {c.error}"
+            say(f"{backend} {list(c.shape)} {c.dtype}: {figure}{'' if c.summed_right or c.error else ', WRONG SUM'}")
+        rows += found
+    return rows
+
+
+def collective_ratio(rows: list[Collective], shape: tuple[int, int], dtype: str) -> float | None:
+    us = {c.backend: c.us_per_call for c in rows if c.shape == shape and c.dtype == dtype}
+    gloo, shm = us.get("gloo"), us.get("shm")
+    return gloo / shm if gloo is not None and shm else None
+
+
+def print_collectives(rows: list[Collective]) -> None:
+    print("\nall-reduce, 2 processes, one core and one torch thread each (us per call, median block)")
+    table = [("shape", "dtype", "gloo us", "shm us", "gloo/shm", "sums right")]
+    for shape in SHAPES:
+        for name in DTYPES:
+            mine = {c.backend: c for c in rows if c.shape == shape and c.dtype == name}
+            cells = [f"{mine[b].us_per_call:.1f}" if b in mine and mine[b].us_per_call is not None else "-"
+                     for b in BACKENDS]
+            ratio = collective_ratio(rows, shape, name)
+            right = ", ".join(f"{b} {'yes' if mine[b].summed_right else 'no'}" for b in BACKENDS if b in mine)
+            table.append((str(list(shape)), name.replace("float32", "fp32").replace("bfloat16", "bf16"), *cells,
+                          "-" if ratio is None else f"{ratio:.1f}", right))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.ljust(w) if i < 2 or i == 5 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    for c in rows:
+        if c.error:
+            print(f"{c.backend} failed: {c.error}")
+            break
+
+
+# ---------------------------------------------------------------- served
+
+
+@dataclass
+class Served:
+    label: str
+    command: str
+    ready_s: float
+    summaries: list[LevelSummary]
+    greedy: Answer
+    follower_cores: list[str]  # each follower rank's cores (Cpus_allowed_list), none for TP 1
+    elsewhere_cores: float  # other processes' load during the sweep (Elsewhere)
+
+
+def follower_cores(server: servers.Server) -> list[str]:
+    """The cores of every follower rank the server's worker started (`... follower_entry()` processes)."""
+    assert server.popen is not None
+    found = []
+    for pid, _ in servers.descendants(server.popen.pid):
+        try:
+            if b"follower_entry" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        found += [line.split(":", 1)[1].strip() for line in status.splitlines()
+                  if line.startswith("Cpus_allowed_list:")]
+    return found
+
+
+def measure_server(label: str, extra: list[str], args: argparse.Namespace, model_dir: Path, model_name: str,
+                   work: Path, load: Load, concurrencies: list[int]) -> Served:
+    server = servers.pdserve_server("colocated", model_dir, model_name, work / label,
+                                    [*extra, *shlex.split(args.up_args)])
+    server.name = label
+    command = shlex.join(server.argv)
+    say(f"starting {label}: {command}")
+    server.start()
+    try:
+        try:
+            ready_s = server.wait_ready(args.startup_timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n--- last lines of {server.log_path}:\n{server.log_tail()}\n---") from None
+        cores = follower_cores(server)
+        say(f"{label} ready after {ready_s:.0f} s" + (f"; follower ranks on cores {', '.join(cores)}" if cores else ""))
+        target = Target(server.base_url, model_name)
+
+        def on_level(s: LevelSummary) -> None:
+            say(f"{label} concurrency {s.concurrency}: {s.output_tok_s:.1f} tok/s, ITL p50 {s.itl_ms_p50 or 0:.1f} ms, "
+                f"{s.completed} ok, {s.failed} failed")
+
+        assert server.popen is not None
+        elsewhere = Elsewhere(server.popen.pid)
+        summaries = asyncio.run(run_sweep(target, load, concurrencies, args.requests, args.warmup, ErrorReporter(),
+                                          on_level))
+        other = elsewhere.cores()
+        greedy = ask_all(target, [GREEDY_PROMPT], GREEDY_TOKENS)[0]
+        say(f"{label} greedy: {greedy.text!r}" if greedy.ok else f"{label} greedy request failed: {greedy.error}")
+        return Served(label, command, ready_s, summaries, greedy, cores, other)
+    finally:
+        with servers.signals_deferred():  # a second Ctrl-C must not cut the stop short and leave ranks behind
+            server.stop()
+        say(f"{label} stopped")
+
+
+def served_ratios(served: dict[str, Served], concurrencies: list[int]) -> list[tuple[str, float | None]]:
+    if "tp1" not in served or "tp2" not in served:
+        return []
+    one, two = served["tp1"].summaries, served["tp2"].summaries
+    high, low = max(concurrencies), min(concurrencies)
+
+    def streams(n: int) -> str:
+        return f"{n} stream{'s' if n > 1 else ''}"
+
+    return [(f"TP2/TP1 output tok/s, {streams(high)}", quotient(level(two, high), level(one, high), "output_tok_s")),
+            (f"TP2/TP1 ITL p50, {streams(low)}", quotient(level(two, low), level(one, low), "itl_ms_p50")),
+            (f"TP2/TP1 TTFT p50, {streams(high)}", quotient(level(two, high), level(one, high), "ttft_ms_p50"))]
+
+
+def same_greedy(served: dict[str, Served]) -> bool | None:
+    one, two = served.get("tp1"), served.get("tp2")
+    if not one or not two or not one.greedy.ok or not two.greedy.ok:
+        return None
+    return one.greedy.text == two.greedy.text
+
+
+def print_served(served: dict[str, Served], concurrencies: list[int]) -> None:
+    rows = [(name, s) for name, run in served.items() for s in run.summaries]
+    print("\nserved: pdserve up --colocated, TP 1 against --tp-size 2 (times in ms)")
+    print(format_table([s for _, s in rows], "server", [name for name, _ in rows]))
+    for name, run in served.items():
+        if errors := format_errors(run.summaries):
+            print(f"{name} {errors}")
+    ratios = served_ratios(served, concurrencies)
+    if ratios:
+        print("\nratios")
+        for what, value in ratios:
+            print(f"  {what:<36} {'-' if value is None else f'{value:.2f}'}")
+    print(f"\ngreedy ({GREEDY_PROMPT!r}, temperature 0, max_tokens {GREEDY_TOKENS})")
+    for name, run in served.items():
+        print(f"  {name}: {run.greedy.text!r}" if run.greedy.ok else f"  {name}: failed: {run.greedy.error}")
+    same = same_greedy(served)
+    if same is not None:
+        verdict = "yes" if same else "no (bf16 sums split over ranks may round apart)"
+        print(f"  TP1 and TP2 gave the same text: {verdict}")
+
+
+def print_elsewhere(collectives: list[Collective], served: dict[str, Served]) -> None:
+    """Other processes' load during each measurement: figures taken beside other work are disturbed."""
+    found = [(f"{c.backend} all-reduce", c.elsewhere_cores) for c in collectives
+             if c.shape == SHAPES[0] and c.dtype == DTYPES[0] and c.elsewhere_cores is not None]
+    found += [(f"{name} load", run.elsewhere_cores) for name, run in served.items()]
+    if found:
+        print("other processes on this machine meanwhile, cores busy on average: "
+              + ", ".join(f"{what} {cores:.2f}" for what, cores in found))
+        if any(cores > BUSY_ELSEWHERE for _, cores in found):
+            print(f"  (above {BUSY_ELSEWHERE:g}: those figures were taken beside other work; rerun on a quiet machine)")
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help="which to run, in order (default: %(default)s)")
+    parser.add_argument("--concurrency", action="append", default=[], metavar="N[,N...]",
+                        help="concurrency levels (default: 1,32)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per level (default: 4 x concurrency)")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before measuring")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (ignore_eos)")
+    parser.add_argument("--prompt-len", type=int, default=40, help="approximate prompt tokens")
+    parser.add_argument("--ar-iters", type=int, default=500, help="all-reduce calls per timed block")
+    parser.add_argument("--ar-blocks", type=int, default=5, help="timed blocks per case (the median is reported)")
+    parser.add_argument("--ar-warmup", type=int, default=50, help="unmeasured all-reduce calls per case")
+    parser.add_argument("--ar-timeout", type=float, default=300.0, help="seconds for one backend's whole run")
+    parser.add_argument("--up-args", default="", help="extra flags for both `pdserve up`, one string")
+    parser.add_argument("--model-path", default=None, help="model for both servers (default: the default model)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every result as JSON")
+    args = parser.parse_args()
+    parts = [x for x in args.parts.split(",") if x]
+    if not parts or any(x not in PARTS for x in parts):
+        raise SystemExit(f"--parts takes a list of {', '.join(PARTS)}; got {args.parts!r}")
+    concurrencies = parse_concurrencies(args.concurrency or ["1,32"])
+    load = Load(output_len=args.output_len, prompt_len=args.prompt_len)
+
+    def interrupt(signum: int, frame: object) -> None:  # SIGTERM/SIGHUP unwind like Ctrl-C: servers stop
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-tp-"))
+    collectives: list[Collective] = []
+    served: dict[str, Served] = {}
+    failed: list[str] = []
+    try:
+        if "collectives" in parts:
+            collectives = run_collectives(args)
+            if any(c.error or not c.summed_right for c in collectives):
+                failed.append("collectives")
+        if "served" in parts:
+            try:
+                model_dir = servers.default_model_dir(args.model_path)
+            except subprocess.CalledProcessError as exc:
+                print(f"error: cannot prepare the model:\n{exc.stderr or exc.stdout}", file=sys.stderr)
+                return 1
+            say(f"model {model_dir}; {args.output_len} output tokens, ~{args.prompt_len}-token prompts, "
+                f"concurrency {','.join(map(str, concurrencies))}")
+            for label, extra in SERVED:
+                try:
+                    served[label] = measure_server(label, extra, args, model_dir, model_dir.name, work, load,
+                                                   concurrencies)
+                except RuntimeError as exc:
+                    failed.append(label)
+                    say(f"{label} skipped: {exc}")
+    except KeyboardInterrupt:
+        say("interrupted; every server and rank stopped")
+        return 130
+    finally:
+        if args.keep_logs or failed:
+            say(f"logs and state kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if collectives:
+        print_collectives(collectives)
+    if served:
+        print_served(served, concurrencies)
+    print(f"\n(one run, this machine, {time.monotonic() - started:.0f} s in all)\ncommand: "
+          f"{shlex.join([sys.executable, *sys.argv])}")
+    for run in served.values():
+        print(f"  {run.label}: {run.command}")
+    print_elsewhere(collectives, served)
+    if args.json:
+        payload = {
+            "args": vars(args),
+            "collectives": [asdict(c) | {"gloo_over_shm": collective_ratio(collectives, c.shape, c.dtype)}
+                            for c in collectives],
+            "servers": {name: {"command": run.command, "ready_s": run.ready_s, "follower_cores": run.follower_cores,
+                               "elsewhere_cores": run.elsewhere_cores,
+                               "levels": [asdict(s) for s in run.summaries], "greedy": asdict(run.greedy)}
+                        for name, run in served.items()},
+            "ratios": dict(served_ratios(served, concurrencies)),
+            "greedy_same": same_greedy(served),
+            "failed": failed,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
