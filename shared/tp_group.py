@@ -36,7 +36,8 @@ _LINE = 8  # int64s per cache line: each rank's counters sit on lines of their o
 _HEADER_INTS = 32
 _CTRL_INTS = _LINE * (4 + 2 * 16)  # mailbox seq, kind, header; then per rank: round seq, pid
 _MAX_RANKS = 16
-_SPIN_S = 0.002  # spin this long before sleeping between checks
+_SPIN_S = 0.002  # spin this long before sleeping between checks (inside a step, where the ranks meet often)
+_NEXT_STEP_SPIN_S = 0.0001
 
 
 class RankGone(RuntimeError):
@@ -116,7 +117,8 @@ class Mailbox:
         return [int(self.ctrl[self._pid_at(r)]) for r in range(self.size)]
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, ready, timeout_s: float | None, what: str, watch: list[int], idle=None) -> None:
+    def _wait(self, ready, timeout_s: float | None, what: str, watch: list[int], idle=None,
+              spin_s: float = _SPIN_S) -> None:
         """Until `ready()`; spins briefly, then sleeps between checks (longer the longer it waits) and checks
         that the ranks in `watch` are alive. timeout_s None: as long as they are. `idle()`: called at each
         check while it sleeps (a KV agent's progress)."""
@@ -126,7 +128,7 @@ class Mailbox:
         naps = 0
         while not ready():
             waited = time.monotonic() - start
-            if waited < _SPIN_S:
+            if waited < spin_s:
                 continue
             if timeout_s is not None and waited > timeout_s:
                 raise RankGone(f"tensor-parallel rank {self.rank}: no answer from the other ranks for {timeout_s:g} s "
@@ -171,7 +173,9 @@ class Mailbox:
     def fetch(self, timeout_s: float | None, idle=None) -> tuple[int, list[int]]:
         """Follower: (kind, header) of the leader's next post; its payload is `self.payload` until the next."""
         want = self.seen + 1
-        self._wait(lambda: self.ctrl[0] >= want, timeout_s, "waiting for the next step", [0], idle)
+        # Between steps rank 0 samples, schedules and answers: a follower sleeps almost at once rather than spin
+        # through it on a core the worker's other processes (its front, the gateway) may need meanwhile.
+        self._wait(lambda: self.ctrl[0] >= want, timeout_s, "waiting for the next step", [0], idle, _NEXT_STEP_SPIN_S)
         self.seen = want
         return int(self.ctrl[1]), self.ctrl[8:8 + _HEADER_INTS].tolist()
 
