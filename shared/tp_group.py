@@ -93,6 +93,8 @@ class Mailbox:
         self.slots = torch.frombuffer(self.map, dtype=torch.uint8, count=2 * size * SLOT_BYTES,
                                       offset=_CTRL_INTS * 8 + PAYLOAD_BYTES).view(2, size, SLOT_BYTES)
         self.round = 0  # this rank's collective rounds so far
+        self._seqs = np.array([self._seq_at(r) for r in range(size)])
+        self._others = [r for r in range(size) if r != rank]
         self.seen = 0  # the mailbox posts read (follower) or made (leader)
         self.ctrl[self._pid_at(rank)] = os.getpid()
 
@@ -180,20 +182,25 @@ class Mailbox:
         return int(self.ctrl[1]), self.ctrl[8:8 + _HEADER_INTS].tolist()
 
     # ------------------------------------------------------------------ collective rounds
-    def exchange(self, data: torch.Tensor, timeout_s: float) -> torch.Tensor:
-        """One round: publish `data` (uint8, at most SLOT_BYTES), wait for every rank's; returns the slots of this
-        round [size, SLOT_BYTES]. Two parities: a rank reuses a parity only after every rank finished the round
-        before, which it has read the other parity's slots before joining."""
+    def own_slot(self) -> torch.Tensor:
+        """This rank's slot of the next round (uint8 [SLOT_BYTES]): write into it, then `publish`."""
+        return self.slots[(self.round + 1) & 1, self.rank]
+
+    def publish(self, timeout_s: float) -> torch.Tensor:
+        """End this rank's part of a round (its slot written) and wait for every rank's; returns the round's slots
+        [size, SLOT_BYTES]. Two parities: a rank reuses a parity only after every rank finished the round before,
+        which it has read the other parity's slots before joining."""
         self.round += 1
-        parity = self.round & 1
-        slots = self.slots[parity]
-        slots[self.rank, :data.numel()].copy_(data)
         self.ctrl[self._seq_at(self.rank)] = self.round
-        seqs = [self._seq_at(r) for r in range(self.size)]
         want = self.round
-        others = [r for r in range(self.size) if r != self.rank]
-        self._wait(lambda: min(self.ctrl[s] for s in seqs) >= want, timeout_s, "summing a layer", others)
-        return slots
+        seqs = self._seqs
+        self._wait(lambda: self.ctrl[seqs].min() >= want, timeout_s, "summing a layer", self._others)
+        return self.slots[self.round & 1]
+
+    def exchange(self, data: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """One round with `data` (uint8, at most SLOT_BYTES) as this rank's part."""
+        self.own_slot()[:data.numel()].copy_(data)
+        return self.publish(timeout_s)
 
 
 class ShmGroup:
@@ -206,16 +213,15 @@ class ShmGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (any float dtype), in place and returned: summed in fp32 in rank order."""
-        flat = x.reshape(-1)
+        flat = x.view(-1)  # (a view: the sums land in x)
         per_round = SLOT_BYTES // 4
         for lo in range(0, flat.numel(), per_round):
             part = flat[lo:lo + per_round]
             n = part.numel()
-            src = part.float().contiguous()
-            slots = self.box.exchange(src.view(torch.uint8), self.timeout_s)
-            values = slots[:, :n * 4].view(torch.float32)  # [size, n]
-            total = values[0].clone()
-            for r in range(1, self.size):
+            self.box.own_slot()[:n * 4].view(torch.float32).copy_(part)  # widened to fp32 on the way in
+            values = self.box.publish(self.timeout_s)[:, :n * 4].view(torch.float32)  # [size, n]
+            total = values[0] + values[1]
+            for r in range(2, self.size):
                 total += values[r]
             part.copy_(total)
         return x
