@@ -192,15 +192,37 @@ class Mailbox:
         which it has read the other parity's slots before joining."""
         self.round += 1
         self.ctrl[self._seq_at(self.rank)] = self.round
-        want = self.round
-        seqs = self._seqs
-        self._wait(lambda: self.ctrl[seqs].min() >= want, timeout_s, "summing a layer", self._others)
+        self.wait_round(timeout_s)
         return self.slots[self.round & 1]
+
+    def wait_round(self, timeout_s: float) -> None:
+        """Until every rank has published round `self.round`."""
+        want, seqs = self.round, self._seqs
+        self._wait(lambda: self.ctrl[seqs].min() >= want, timeout_s, "summing a layer", self._others)
+
+    @property
+    def seq_addresses(self) -> list[int]:
+        """Where each rank's round number lives in this process (for the native round)."""
+        base = self.ctrl.ctypes.data
+        return [base + 8 * int(i) for i in self._seqs]
 
     def exchange(self, data: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """One round with `data` (uint8, at most SLOT_BYTES) as this rank's part."""
         self.own_slot()[:data.numel()].copy_(data)
         return self.publish(timeout_s)
+
+
+_NATIVE_SPINS = 50_000  # checks (with a pause each) before the native round hands the wait back: ~1-2 ms
+
+
+def _native_round():
+    """The native CPU kernels' module where it builds here (it holds the round in C++), else None."""
+    from pdserve.kernels import native
+
+    try:
+        return native.load()
+    except native.NativeUnavailable:
+        return None
 
 
 class ShmGroup:
@@ -210,14 +232,27 @@ class ShmGroup:
         self.box = mailbox
         self.rank, self.size = mailbox.rank, mailbox.size
         self.timeout_s = timeout_s
+        self._native = _native_round()
+        self._seq_addresses = mailbox.seq_addresses
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x (any float dtype), in place and returned: summed in fp32 in rank order."""
         flat = x.view(-1)  # (a view: the sums land in x)
         per_round = SLOT_BYTES // 4
+        box = self.box
         for lo in range(0, flat.numel(), per_round):
             part = flat[lo:lo + per_round]
             n = part.numel()
+            if self._native is not None and part.dtype in (torch.float32, torch.bfloat16):
+                # The round in C++ (the same protocol): it spins a while; past that, wait here, checking liveness.
+                own = box.own_slot()[:n * 4].view(torch.float32)
+                box.round += 1
+                values = box.slots[box.round & 1][:, :n * 4].view(torch.float32)
+                if not self._native.shm_all_reduce(part, own, values, self._seq_addresses, self.rank, box.round,
+                                                   _NATIVE_SPINS):
+                    box.wait_round(self.timeout_s)
+                    self._native.shm_sum(part, values)
+                continue
             self.box.own_slot()[:n * 4].view(torch.float32).copy_(part)  # widened to fp32 on the way in
             values = self.box.publish(self.timeout_s)[:, :n * 4].view(torch.float32)  # [size, n]
             total = values[0] + values[1]

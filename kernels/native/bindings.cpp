@@ -38,6 +38,10 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& scale, const
                            const at::Tensor& col_scale, const at::Tensor& col_sum, const c10::optional<at::Tensor>& bias,
                            const c10::optional<at::Tensor>& residual);
 
+void shm_sum(at::Tensor x, const at::Tensor& values);
+bool shm_all_reduce(at::Tensor x, at::Tensor own_slot, const at::Tensor& values, std::vector<int64_t> seqs,
+                    int64_t rank, int64_t round, int64_t spin);
+
 // The vector paths this build compiled (see common.h): what a log line or a test needs to name the build.
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -55,6 +59,8 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rmsnorm", &pdserve::rmsnorm, release());
+  m.def("shm_sum", &pdserve::shm_sum, release());
+  m.def("shm_all_reduce", &pdserve::shm_all_reduce, release());
   m.def("silu_and_mul", &pdserve::silu_and_mul, release());
   m.def("rotary_store_kv", &pdserve::rotary_store_kv, release());
   m.def("row_sums", &pdserve::row_sums, release());
