@@ -340,10 +340,7 @@ def main() -> int:
                         choices=("write_through", "write_through_selective", "write_back"))
     parser.add_argument("--prefetch-policy", default="best_effort", choices=("best_effort", "wait_complete", "timeout"))
     parser.add_argument("--prefetch-timeout", type=float, default=None, help="seconds (default: the server's)")
-    parser.add_argument("--up-args", default="", help="extra flags for every `pdserve up`, one string")
-    parser.add_argument("--model-path", default=None, help="model for every server (default: the default model)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
+    servers.add_server_arguments(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the checks as JSON")
     args = parser.parse_args()
     cases = [x for x in args.cases.split(",") if x]

@@ -194,10 +194,7 @@ def main() -> int:
     parser.add_argument("--ar-blocks", type=int, default=5, help="timed blocks per case (the median is reported)")
     parser.add_argument("--ar-warmup", type=int, default=50, help="unmeasured all-reduce calls per case")
     parser.add_argument("--ar-timeout", type=float, default=300.0, help="seconds for one backend's whole run")
-    parser.add_argument("--up-args", default="", help="extra flags for both `pdserve up`, one string")
-    parser.add_argument("--model-path", default=None, help="model for both servers (default: the default model)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
+    servers.add_server_arguments(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every result as JSON")
     args = parser.parse_args()
     parts = [x for x in args.parts.split(",") if x]

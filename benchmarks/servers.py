@@ -246,3 +246,11 @@ def signals_deferred():
             signal.signal(sig, handler)
         if pending:
             raise KeyboardInterrupt
+
+
+def add_server_arguments(parser) -> None:
+    """The flags of a benchmark that starts `pdserve up` servers (servers.pdserve_server)."""
+    parser.add_argument("--up-args", default="", help="extra flags for every `pdserve up`, one string")
+    parser.add_argument("--model-path", default=None, help="model for every server (default: the default model)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
