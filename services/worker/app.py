@@ -71,7 +71,8 @@ class WorkerApp:
             context_length=info["context_length"], max_running_requests=info["max_running_requests"],
             architecture=info["architecture"], model_type=info["model_type"], kernels=info["kernels"],
             lora_enabled=info["lora_enabled"], max_lora_rank=info["max_lora_rank"],
-            max_loras_per_batch=info["max_loras_per_batch"], weights=weights_to_proto(self.weights))
+            max_loras_per_batch=info["max_loras_per_batch"], weights=weights_to_proto(self.weights),
+            tp_size=info["tp_size"])
 
     def healthy(self) -> bool:
         """Ready, its engine process alive, and (PD) its KV transfer still able to take pages."""

@@ -12,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from fixtures import make_tiny_model
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
 from procs import Streams, alive, children, start_worker
 
 ENDED_WITHIN_S = 10.0
@@ -41,6 +44,8 @@ def test_a_decode_rank_killed_under_load_ends_every_stream_and_the_worker_leavin
         engine, = children(proc.popen.pid)
         rank1, = children(engine)
         assert "tensor-parallel over 2 ranks" in proc.tail(40)
+        with grpc.insecure_channel(addr) as channel:  # what the gateway's /get_server_info lists per worker
+            assert pb_grpc.WorkerStub(channel).Info(pb.Empty(), timeout=30).tp_size == 2
         streams = Streams(addr, prefill=paddr)
         streams.wait_flowing()
         os.kill(rank1, signal.SIGKILL)

@@ -86,6 +86,7 @@ class Worker:
                 "max_total_tokens": self.info.max_total_tokens if self.info else None,
                 "max_running_requests": self.info.max_running_requests if self.info else None,
                 "context_length": self.info.context_length if self.info else None,
+                "tp_size": (self.info.tp_size or 1) if self.info else None,
                 # Speculative decoding totals since the worker started, where it speculates.
                 "speculative": ({"drafting_reqs": self.load.spec_drafting_reqs,
                                  "draft_tokens": self.load.spec_draft_tokens,
