@@ -105,6 +105,25 @@ def test_some_heads_of_each_page_land_in_the_peers_heads_and_nothing_else_change
         peer.stop()
 
 
+def test_heads_into_a_peer_holding_just_those_heads_land_whole(source, backend, monkeypatch):
+    """A wide rank into a narrower one (2 heads a page into 1): NIXL packs them into the peer's page layout first,
+    a few pages at a time here (its staging buffer cut to 3 pages of the peer's)."""
+    if backend == "nixl":
+        from pdserve.shared.transfer import nixl
+
+        monkeypatch.setattr(nixl, "STAGING_BYTES", 3 * source.page_bytes // 2)
+    peer = PeerProcess(backend, _name("decode"), num_pages=12, page_shape=(2, 2, 4, 1, 16))
+    try:
+        source.add_peer("decode", peer.metadata)
+        src, dst = [3, 4, 5, 9, 0, 1, 2], [5, 6, 7, 11, 0, 1, 3]
+        source.write_heads("decode", src, dst, (1, 2), (0, 1))
+        expected = peer.initial.clone()
+        expected[dst] = source.pool[src][:, :, :, :, 1:2]
+        assert torch.equal(peer.dump().view(torch.int16), expected.view(torch.int16))
+    finally:
+        peer.stop()
+
+
 def test_killed_peer_raises_within_the_timeout_and_a_restarted_one_works(source, backend):
     name = _name("decode")
     peer = PeerProcess(backend, name)
