@@ -45,7 +45,6 @@ import contextlib
 import json
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -347,12 +346,7 @@ def main() -> int:
     if not cases or any(x not in CASES for x in cases):
         raise SystemExit(f"--cases takes a list of {', '.join(CASES)}; got {args.cases!r}")
 
-    def interrupt(signum: int, frame: object) -> None:  # SIGTERM/SIGHUP unwind like Ctrl-C: servers stop
-        print(f"[tiers] {signal.Signals(signum).name}", flush=True)
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    servers.unwind_on_termination()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-tiers-"))
     checks: list[Check] = []

@@ -29,7 +29,6 @@ import asyncio
 import json
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from servers import (VLLM_SETUP_HINT, Server, default_model_dir, layout, pdserve_server, signals_deferred,
-                     vllm_server)
+                     unwind_on_termination, vllm_server)
 
 from pdserve.benchclient import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
                                  parse_concurrencies, report, run_sweep)
@@ -210,11 +209,7 @@ def main() -> int:
     load = Load(output_len=args.output_len, prompt_len=args.prompt_len)
 
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops the server that is running.
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    unwind_on_termination()
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-serving-"))
     results: dict[str, list[LevelSummary]] = {}

@@ -36,7 +36,6 @@ import asyncio
 import json
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -203,11 +202,7 @@ def main() -> int:
     concurrencies = parse_concurrencies(args.concurrency or ["1,32"])
     load = Load(output_len=args.output_len, prompt_len=args.prompt_len)
 
-    def interrupt(signum: int, frame: object) -> None:  # SIGTERM/SIGHUP unwind like Ctrl-C: servers stop
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
+    servers.unwind_on_termination()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-tp-"))
     collectives: list[Collective] = []

@@ -254,3 +254,13 @@ def add_server_arguments(parser) -> None:
     parser.add_argument("--model-path", default=None, help="model for every server (default: the default model)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and state afterwards")
+
+
+def unwind_on_termination() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so a benchmark's `finally` stops the servers it started."""
+    def interrupt(signum: int, frame: object) -> None:
+        print(f"[bench] {signal.Signals(signum).name}", flush=True)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
