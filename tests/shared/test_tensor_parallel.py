@@ -137,7 +137,7 @@ def test_four_ranks_over_two_kv_heads(tiny_models):
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
-             adapters: list[str | None] | None = None) -> list[tuple[list[int], list[float]]]:
+             adapters: list[str | None] | None = None, spec: dict | None = None) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their logprobs of each prompt (with adapters[i], when given), through the engine, all
     prompts batched together."""
     engine = Engine(runner.config, Role.COLOCATED, runner)
@@ -154,6 +154,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
             lora=adapters[i] if adapters else None)
     while engine.has_work():
         engine.step()
+    if spec is not None:  # what speculative decoding drafted and got accepted
+        spec["accepted_tokens"] = engine.speculator.accepted_tokens
     return [(tokens[str(i)], lps[str(i)]) for i in range(len(prompts))]
 
 
@@ -231,9 +233,11 @@ def test_speculative_decoding_under_two_ranks_gives_the_greedy_tokens(tiny_model
     repetitive = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 40, 41, 42, 40, 41]]
     cfg = config(tiny_models["llama"])
     plain = generate(ModelRunner(cfg), repetitive, 20)
+    spec: dict = {}
     with Split(config(tiny_models["llama"], speculative=SpeculativeConfig(num_draft_tokens=4)), 2) as runner:
-        drafted = generate(runner, repetitive, 20)
+        drafted = generate(runner, repetitive, 20, spec=spec)
     assert [ids for ids, _ in drafted] == [ids for ids, _ in plain]
+    assert spec["accepted_tokens"] > 0  # drafts were verified by the split model, and some kept
 
 
 def test_lora_adapters_sharded_as_their_layers_answer_as_one_process(default_model_dir, default_model_adapters, chat):
