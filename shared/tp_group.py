@@ -20,6 +20,7 @@ requires x86-64 (`check_platform`).
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -300,29 +301,75 @@ class ShmGroup:
 
 class TorchGroup:
     """The collectives of a forward step through torch.distributed: NCCL between GPU ranks (the step's tensors
-    go device to device too), or gloo between CPU ranks (slower than ShmGroup here; for comparison)."""
+    go device to device too), or gloo between CPU ranks (slower than ShmGroup on one machine; the way between
+    machines). A collective that fails (a peer's connection closed, or nothing from it for `timeout_s`) leaves
+    the ranks out of step for good: it raises RankGone. A CPU rank widens a bf16/fp16 sum to fp32, so a layer
+    rounds once, as under ShmGroup."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: torch.device,
+                 store=None) -> None:
+        """`store`: meet there (a worker across machines, shared/tp_nodes.py) rather than at `init_method`."""
         import datetime
 
         import torch.distributed as dist
 
         self.dist = dist
         self.rank, self.size, self.device = rank, size, device
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+        self.timeout_s = timeout_s
+        where = {"store": store} if store is not None else {"init_method": init_method}
+        with self._gone_if_failed("forming the group"):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout_s), **where)
+
+    @contextlib.contextmanager
+    def _gone_if_failed(self, what: str, timeout_s: float | None = None):
+        """Any failure of a collective as RankGone; `timeout_s` longer than the group's: for this one only (a
+        vote while the ranks load a model or move KV)."""
+        longer = timeout_s is not None and timeout_s > self.timeout_s
+        if longer:
+            self._set_timeout(timeout_s)
+        try:
+            yield
+        except RankGone:
+            raise
+        except Exception as exc:
+            raise RankGone(f"tensor-parallel rank {self.rank}: a collective failed while {what}: {exc}") from None
+        finally:
+            if longer:
+                self._set_timeout(self.timeout_s)
+
+    def _set_timeout(self, seconds: float) -> None:
+        import datetime
+
+        from torch.distributed import distributed_c10d
+
+        try:
+            distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+        except (AttributeError, ValueError):  # an older torch: the group's own timeout holds
+            pass
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.dist.all_reduce(x)
+        try:  # (no context manager on the hottest call: two per layer)
+            if self.device.type == "cpu" and x.dtype != torch.float32:
+                wide = x.float()
+                self.dist.all_reduce(wide)
+                x.copy_(wide)
+            else:
+                self.dist.all_reduce(x)
+        except Exception as exc:
+            raise RankGone(f"tensor-parallel rank {self.rank}: a collective failed while summing a layer: {exc}") \
+                from None
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.dist.all_gather(parts, x.contiguous())
+        with self._gone_if_failed("gathering the logits"):
+            self.dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        self.dist.broadcast(x, src=0)
+        with self._gone_if_failed("sending a step"):
+            self.dist.broadcast(x, src=0)
         return x
 
     def barrier(self, timeout_s: float) -> None:
@@ -330,10 +377,12 @@ class TorchGroup:
 
     def all_gather_bytes(self, data: bytes, timeout_s: float) -> list[bytes]:
         out: list = [None] * self.size
-        self.dist.all_gather_object(out, data)
+        with self._gone_if_failed("exchanging metadata", timeout_s):
+            self.dist.all_gather_object(out, data)
         return out
 
     def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
         flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in range(self.size)]
-        self.dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32, device=self.device))
+        with self._gone_if_failed("agreeing on an outcome", timeout_s):
+            self.dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32, device=self.device))
         return [r for r, f in enumerate(flags) if f.item()]

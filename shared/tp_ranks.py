@@ -1,5 +1,10 @@
 """A tensor-parallel worker's rank processes: the cores each one runs on, the processes rank 0 starts, and the
 life of a follower rank (`follow`: the leader's posts, shared/tp_step.py, until it says stop or is gone).
+
+On one machine the ranks talk through shared memory (shared/tp_group.py). Over several (`Launch.nodes`) rank 0
+serves the rendezvous store (shared/tp_nodes.py), posts through it (shared/tp_channel.py), sums through
+torch.distributed and watches the other nodes' processes (shared/tp_link.py); each starts its own ranks
+(shared/tp_remote.py).
 """
 from __future__ import annotations
 
@@ -19,7 +24,10 @@ from pathlib import Path
 import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
+from pdserve.shared.tp_channel import StoreBox
 from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, check_platform
+from pdserve.shared.tp_link import Link
+from pdserve.shared.tp_nodes import LINK, Nodes, client_store, form, join, master_store
 from pdserve.shared.tp_shards import Shards
 from pdserve.shared.tp_step import (DISCARD, KV, LORA, POOL, START_TIMEOUT_S, STEP, STOP, SWAP, WEIGHTS, TPRank,
                                     read_bytes, read_step)
@@ -163,55 +171,89 @@ class Launch:
     transfer: TransferSpec | None = None  # a disaggregated worker's: every rank makes its own agent
     threads: int | None = None  # compute threads per CPU rank (--threads); None: one per core of the rank
     collectives: str = "shm"  # on CPUs: "shm" (ShmGroup), or "torch" (gloo); GPUs always use NCCL
+    nodes: Nodes | None = None  # a worker over several machines: torch.distributed for everything
+
+    def local(self, rank: int) -> int:
+        """`rank`'s place among this machine's ranks (its cores, its GPU): cpus and GPUs are per machine."""
+        return rank - (self.nodes.local[0] if self.nodes is not None else 0)
 
 
 class Ranks:
-    """Rank 0's side of a tensor-parallel worker: the mailbox it creates and the follower processes it starts.
+    """Rank 0's side of a tensor-parallel worker: the mailbox it creates and the follower processes it starts
+    (on a worker over several machines: this machine's followers, the rendezvous and the other nodes' links).
     Build it on the thread that outlives the worker (the followers die with that thread: PR_SET_PDEATHSIG)."""
 
     def __init__(self, config: RuntimeConfig, launch: Launch) -> None:
         self.config, self.launch = config, launch
         self.cuda = config.device.startswith("cuda")
+        here = len(launch.nodes.local) if launch.nodes is not None else launch.size
         if self.cuda:
             import torch.cuda
 
             have = torch.cuda.device_count() - launch.base_gpu_id
-            if launch.size > have:
-                raise ValueError(f"--tp-size {launch.size} needs {launch.size} GPUs from --base-gpu-id "
-                                 f"{launch.base_gpu_id}; this machine shows {have}")
-        else:
+            if here > have:
+                raise ValueError(f"--tp-size {launch.size} needs {here} GPUs on this machine from --base-gpu-id "
+                                 f"{launch.base_gpu_id}; it shows {have}")
+        elif launch.nodes is None:
             check_platform()
         if launch.collectives not in ("shm", "torch"):
             raise ValueError(f"tensor-parallel collectives must be shm or torch, got {launch.collectives!r}")
+        self.procs: list[subprocess.Popen] = []
+        self.link: Link | None = None
+        if launch.nodes is None:
+            self._start_here()
+        else:
+            self._start_across(launch.nodes)
+        if not self.cuda:
+            _pin(launch.cpus[0], launch.threads)
+
+    def _start_here(self) -> None:
+        launch = self.launch
         self.init_method = f"tcp://127.0.0.1:{_free_port()}" if self.cuda or launch.collectives == "torch" else ""
         self.box = Mailbox.create(launch.size)
-        self.procs: list[subprocess.Popen] = []
         try:
             for r in range(1, launch.size):
-                # A fresh interpreter, its arguments pickled down a pipe (rank 0's own data, nothing a client sent).
-                proc = subprocess.Popen([sys.executable, "-c", _FOLLOWER_ENTRY], stdin=subprocess.PIPE)
-                self.procs.append(proc)
-                proc.stdin.write(pickle.dumps((config, r, launch, self.box.path, self.init_method,
-                                               logging.getLogger().level)))
-                proc.stdin.close()
+                self.procs.append(start_follower(self.config, r, launch, self.box.path, self.init_method))
             self.box.wait_attached(START_TIMEOUT_S, self.check_alive)
         except BaseException:
             self.close()
             raise
         finally:
             self.box.unlink()
-        if not self.cuda:
-            _pin(launch.cpus[0], launch.threads)
+
+    def _start_across(self, nodes: Nodes) -> None:
+        """Serve the rendezvous, start this machine's other ranks, and return once every rank of every node has
+        joined (each node's process linked)."""
+        self.init_method = ""
+        self.store = master_store(nodes, START_TIMEOUT_S)
+        self.link = Link.listen(self.launch.timeout_s)
+        self.store.set(LINK, str(self.link.port).encode())
+        self.link.start()
+        self.box = StoreBox(self.store, 0, self.launch.size)
+        log.info("tensor-parallel rank 0: %s", nodes.describe())
+        try:
+            for r in nodes.local[1:]:
+                self.procs.append(start_follower(self.config, r, self.launch))
+            form(self.store, self.launch.size, lambda: self.link.linked(range(1, nodes.count)), self.check_alive,
+                 START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def check_alive(self) -> None:
+        """RankGone when one of the other ranks (or another node) is gone; any thread may ask."""
         for r, proc in enumerate(self.procs, start=1):
             if proc.poll() is not None:
                 raise RankGone(f"tensor-parallel rank {r} exited (code {proc.returncode}); see its log above")
+        if self.link is not None:
+            self.link.check()
 
     def rank0(self, model_config: ModelConfig) -> TPRank:
         """Rank 0's TPRank (call on the thread that will step: the GPU group binds to it)."""
+        store = None if self.launch.nodes is None else _group_store(self.store)
+        box = self.box if isinstance(self.box, Mailbox) else None
         return TPRank(Shards.plan(model_config, 0, self.launch.size), self.box,
-                      _group(self.box, self.cuda, self.init_method, self.launch))
+                      _group(0, self.launch, self.cuda, self.init_method, box, store))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """The followers leave (told by a STOP post before this, or by rank 0's exit); any still there after
@@ -223,16 +265,28 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5.0)
+        if self.link is not None:
+            self.link.close()
 
 
-def _group(box: Mailbox, cuda: bool, init_method: str, launch: Launch) -> ShmGroup | TorchGroup:
+def _group(rank: int, launch: Launch, cuda: bool, init_method: str, box: Mailbox | None,
+           store=None) -> ShmGroup | TorchGroup:
+    """This rank's collectives: shared memory between CPU ranks of one machine, else torch.distributed (meeting
+    at `store` across machines, else at `init_method`)."""
     if cuda:
-        device = torch.device("cuda", launch.base_gpu_id + box.rank)
+        device = torch.device("cuda", launch.base_gpu_id + launch.local(rank))
         torch.cuda.set_device(device)
-        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s, device)
-    if launch.collectives == "torch":
-        return TorchGroup(box.rank, box.size, init_method, launch.timeout_s, torch.device("cpu"))
+        return TorchGroup(rank, launch.size, init_method, launch.timeout_s, device, store)
+    if launch.collectives == "torch" or box is None:
+        return TorchGroup(rank, launch.size, init_method, launch.timeout_s, torch.device("cpu"), store)
     return ShmGroup(box, launch.timeout_s)
+
+
+def _group_store(store):
+    """The process group's keys apart from the posts and the rendezvous."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore("group/", store)
 
 
 def _pin(cpus: set[int], threads: int | None) -> None:
@@ -251,6 +305,24 @@ def _free_port() -> int:
 _FOLLOWER_ENTRY = "from pdserve.shared.tp_ranks import follower_entry; follower_entry()"
 
 
+def start_follower(config: RuntimeConfig, rank: int, launch: Launch, path: str = "",
+                   init_method: str = "") -> subprocess.Popen:
+    """A follower rank's process: a fresh interpreter, its arguments pickled down a pipe (rank 0's own data,
+    nothing a client sent). `path`: the mailbox on this machine; none for a worker over several machines."""
+    env = None
+    if launch.nodes is not None:  # quiet the store's notes on each wait that times out while the worker is idle
+        env = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    proc = subprocess.Popen([sys.executable, "-c", _FOLLOWER_ENTRY], stdin=subprocess.PIPE, env=env)
+    try:
+        proc.stdin.write(pickle.dumps((config, rank, launch, path, init_method, logging.getLogger().level)))
+        proc.stdin.close()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def follower_entry() -> None:
     _die_with_parent()
     _follower_main(*pickle.load(sys.stdin.buffer))
@@ -265,13 +337,13 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
     setup_logging(logging.getLevelName(log_level).lower(), with_pid=True)
     cuda = config.device.startswith("cuda")
     if cuda:
-        config = replace(config, device=f"cuda:{launch.base_gpu_id + rank}")
+        config = replace(config, device=f"cuda:{launch.base_gpu_id + launch.local(rank)}")
     else:
-        _pin(launch.cpus[rank], launch.threads)
+        _pin(launch.cpus[launch.local(rank)], launch.threads)
     try:
-        box = Mailbox(path, rank, launch.size, create=False)
+        box, group = _attach(rank, launch, cuda, path, init_method)
         mc = ModelConfig.from_dir(config.model_path)
-        tp = TPRank(Shards.plan(mc, rank, launch.size), box, _group(box, cuda, init_method, launch))
+        tp = TPRank(Shards.plan(mc, rank, launch.size), box, group)
         runner = ModelRunner(config, mc, tp=tp)
         follow(tp, runner, launch.transfer)
     except RankGone as exc:
@@ -281,6 +353,16 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
         log.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
     os._exit(0)
+
+
+def _attach(rank: int, launch: Launch, cuda: bool, path: str, init_method: str):
+    """A follower's mailbox and group: rank 0's shared memory, or across machines its store."""
+    if launch.nodes is None:
+        box = Mailbox(path, rank, launch.size, create=False)
+        return box, _group(rank, launch, cuda, init_method, box)
+    store = client_store(launch.nodes, START_TIMEOUT_S)
+    join(store, rank, lambda: None, START_TIMEOUT_S)
+    return StoreBox(store, rank, launch.size), _group(rank, launch, cuda, "", None, _group_store(store))
 
 
 def _die_with_parent() -> None:

@@ -9,7 +9,7 @@ import sys
 
 from pathlib import Path
 
-from pdserve.services.worker.settings import add_expert_arguments, add_tp_arguments
+from pdserve.services.worker.settings import add_expert_arguments, add_tp_arguments, serve_node, tp_nodes
 from pdserve.services.worker.tier_flags import add_tier_arguments, tier_config
 from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
                                    SchedulerConfig, SpeculativeConfig)
@@ -210,6 +210,7 @@ def main(args: argparse.Namespace, command: str) -> int:
     try:
         model_path = str(resolve_model_path(args.model_path))
         config = runtime_config(args, model_path)
+        nodes = tp_nodes(args)
     except (ModelNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -224,6 +225,12 @@ def main(args: argparse.Namespace, command: str) -> int:
 
         try:
             KVFiles.check_directory(config.tiers.storage_dir)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    if nodes is not None and nodes.rank > 0:  # this machine's ranks only: node 0 runs the worker's endpoints
+        try:
+            return serve_node(args, config, Role(command))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -1,0 +1,172 @@
+"""A tensor-parallel worker over several machines: which ranks each node holds, and how they meet.
+
+`--nnodes K --node-rank R --dist-init-addr HOST:PORT` (SGLang's flags) with `--tp-size N`: node R holds ranks
+R*N/K .. (R+1)*N/K - 1. Node 0 runs the worker everyone talks to (its engine process is rank 0); every other node
+runs only its ranks (shared/tp_remote.py). They meet at HOST:PORT, where rank 0 serves torch.distributed's
+TCPStore (`master_store`): each rank says it joined, rank 0 says the group is formed once every rank and every
+node's liveness link (shared/tp_link.py) is there, and only then do the ranks build their process group (gloo on
+CPUs, NCCL on GPUs) on the same store. A node started again while an earlier group still stands is refused, so a
+group is never joined half-way through its life.
+
+The torch imports are inside the functions: a worker's front parses these flags without loading torch.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+FORMED, LINK = "formed", "link"  # store keys: the group stands; rank 0's liveness port
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of one tensor-parallel worker, as this machine sees them."""
+
+    count: int  # --nnodes
+    rank: int  # --node-rank: this machine's
+    host: str  # rank 0's node, where the ranks meet (--dist-init-addr, else MASTER_ADDR)
+    port: int
+    size: int  # --tp-size: the ranks on all the nodes
+
+    @property
+    def per_node(self) -> int:
+        return self.size // self.count
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    @property
+    def local(self) -> range:
+        """The ranks this node runs."""
+        return self.ranks_of(self.rank)
+
+    def describe(self) -> str:
+        first, last = self.local[0], self.local[-1]
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        return f"node {self.rank} of {self.count} ({ranks} of {self.size}), meeting at {self.host}:{self.port}"
+
+
+def plan_nodes(size: int, count: int, rank: int, addr: str | None, environ=os.environ) -> Nodes | None:
+    """The nodes of a worker from its flags (None: one machine). A ValueError names the numbers for what cannot
+    be: a node rank not below the node count, ranks that do not spread evenly, no place to meet."""
+    if count < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {count}")
+    if not 0 <= rank < count:
+        raise ValueError(f"--node-rank {rank} is not a node of --nnodes {count} (nodes are numbered 0 to "
+                         f"{count - 1})")
+    if count == 1:
+        return None
+    if size % count:
+        raise ValueError(f"--tp-size {size} does not spread evenly over --nnodes {count}: each node holds the same "
+                         f"number of ranks, so the size must be a multiple of the nodes")
+    if addr:
+        host, port = parse_addr(addr, "--dist-init-addr")
+    elif environ.get("MASTER_ADDR"):
+        if not environ.get("MASTER_PORT"):
+            raise ValueError(f"--nnodes {count}: MASTER_ADDR={environ['MASTER_ADDR']} is set but MASTER_PORT is not")
+        host, port = parse_addr(f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}", "MASTER_ADDR:MASTER_PORT")
+    else:
+        raise ValueError(f"--nnodes {count} needs the address where the ranks meet: --dist-init-addr HOST:PORT (rank "
+                         f"0's node and a free port there), or MASTER_ADDR and MASTER_PORT in the environment")
+    return Nodes(count, rank, host, port, size)
+
+
+def parse_addr(addr: str, what: str) -> tuple[str, int]:
+    """HOST:PORT, tcp://HOST:PORT or [IPv6]:PORT -> (host, port)."""
+    text = addr.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {addr!r} is not HOST:PORT")
+    return host, int(port)
+
+
+# ------------------------------------------------------------------------------------------------ the store
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def master_store(nodes: Nodes, timeout_s: float):
+    """Rank 0: the TCPStore the ranks meet at, listening on the rendezvous port of every interface."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(nodes.host, nodes.port, None, True, timeout=_timeout(timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise ValueError(f"cannot serve the ranks' rendezvous on port {nodes.port} (--dist-init-addr "
+                         f"{nodes.host}:{nodes.port}): {exc}") from None
+
+
+def client_store(nodes: Nodes, timeout_s: float):
+    """Another rank or node: rank 0's store, once it is up (tried again until `timeout_s`)."""
+    import torch.distributed as dist
+
+    from pdserve.shared.tp_group import RankGone
+
+    try:
+        return dist.TCPStore(nodes.host, nodes.port, None, False, timeout=_timeout(timeout_s))
+    except (RuntimeError, OSError) as exc:
+        raise RankGone(f"no tensor-parallel rank 0 at {nodes.host}:{nodes.port} within {timeout_s:g} s: {exc}") \
+            from None
+
+
+def refuse_late_node(store, nodes: Nodes) -> None:
+    """A node started again while the group it was part of still stands cannot join it: the worker's rank 0
+    notices this node's ranks are gone (within --dist-timeout) and exits, and the next start meets afresh."""
+    from pdserve.shared.tp_group import RankGone
+
+    if store.check([FORMED]):
+        raise RankGone(f"node {nodes.rank}: the worker at {nodes.host}:{nodes.port} already formed its group "
+                       f"(an earlier start of this node?); it stops once it misses this node's ranks, and the next "
+                       f"start meets afresh")
+
+
+def join(store, rank: int, alive, timeout_s: float) -> None:
+    """A rank other than 0: say it joined, and wait until rank 0 says the group is formed."""
+    store.set(f"joined/{rank}", b"1")
+    _wait(lambda: store.check([FORMED]), alive, timeout_s, lambda: f"rank {rank} waiting for rank 0 to form the group")
+
+
+def form(store, size: int, nodes_linked, alive, timeout_s: float) -> None:
+    """Rank 0: wait until every rank joined and `nodes_linked()` (every other node's liveness link is up), then
+    say the group is formed. `alive()` raises when a rank or node is gone meanwhile."""
+    store.set("joined/0", b"1")
+    keys = [f"joined/{r}" for r in range(size)]
+    told = [False]
+
+    def ready() -> bool:
+        if store.check(keys) and nodes_linked():
+            return True
+        if not told[0]:
+            told[0] = True
+            log.info("tensor-parallel rank 0: waiting for the other nodes' ranks to join")
+        return False
+
+    def missing() -> str:
+        gone = [r for r in range(size) if not store.check([f"joined/{r}"])]
+        return f"rank 0 waiting for rank(s) {gone} to join"
+
+    _wait(ready, alive, timeout_s, missing)
+    store.set(FORMED, b"1")
+
+
+def _wait(ready, alive, timeout_s: float, what) -> None:
+    import torch.distributed as dist
+
+    from pdserve.shared.tp_group import RankGone
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ready():
+                return
+        except dist.DistNetworkError as exc:  # (a rank's only: rank 0's store is in rank 0's process)
+            raise RankGone(f"tensor-parallel {what()}: rank 0 is gone ({exc})") from None
+        alive()
+        if time.monotonic() > deadline:
+            raise RankGone(f"tensor-parallel {what()}: nothing for {timeout_s:g} s")
+        time.sleep(0.05)
