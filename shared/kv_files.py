@@ -14,6 +14,12 @@ short, torn, corrupted or written for another key fails its check on read, is de
 the page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
 skipped write, and a counter, never an exception for the caller.
 
+Runs of pages (`read_run`, `write_run`, what the tier uses) go through NIXL's POSIX plugin when NIXL loads
+(kv_file_io.py): one transfer per run, every page file's header and payload, the same format, temporary names and
+checks as one page at a time. Without NIXL, and for a run whose transfer fails (counted in `io_fallbacks`), plain
+file I/O. `io` says which is in use ("nixl-posix" or "file"); `KVFiles(..., io="file")`, or the environment
+variable PDSERVE_KV_FILE_IO=file, forces plain file I/O.
+
 The methods do blocking I/O: the engine calls them from its tier threads (kv_tiers.py), never its own.
 """
 from __future__ import annotations
@@ -30,6 +36,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.shared.kv_file_io import NAME as NIXL, NixlFileIO, NixlIOError, nixl_file_io
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +95,28 @@ class FileCounts:
     bytes_written: int = 0
     corrupt: int = 0  # files that failed their check (deleted)
     errors: int = 0  # reads or writes that failed with an OSError
+    io_fallbacks: int = 0  # runs whose NIXL transfer failed, done again with plain file I/O
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class KVFiles:
-    def __init__(self, directory: str, page_bytes: int) -> None:
+    def __init__(self, directory: str, page_bytes: int, io: str | None = None) -> None:
+        """`io`: "nixl-posix" (the default when NIXL loads) or "file"; None reads PDSERVE_KV_FILE_IO."""
         self.root = Path(directory)
         self.page_bytes = page_bytes
+        self.file_bytes = HEADER.size + page_bytes
         self.counts = FileCounts()
+        self._nixl: NixlFileIO | None = None
+        io = io or os.environ.get("PDSERVE_KV_FILE_IO") or NIXL
+        if io not in (NIXL, "file"):
+            raise ValueError(f"KV file I/O (PDSERVE_KV_FILE_IO) is {NIXL!r} or 'file', got {io!r}")
+        why = "io='file' or PDSERVE_KV_FILE_IO=file"
+        if io == NIXL:
+            self._nixl, why = nixl_file_io()
+        if self._nixl is not None:
+            log.info("KV storage tier %s: page runs through NIXL's POSIX plugin, one transfer per run", directory)
+        else:
+            log.info("KV storage tier %s: plain file I/O (%s)", directory, why)
         self._identity = ""
         self._lock = threading.Lock()  # guards `_identity` against a flush renaming its directory
         self._occupancy = (0, 0)  # (pages, bytes) at the latest count
@@ -133,17 +155,26 @@ class KVFiles:
         except OSError:
             return False
 
+    @property
+    def io(self) -> str:
+        """Which I/O moves page runs: "nixl-posix" or "file"."""
+        return NIXL if self._nixl is not None and self._nixl.usable else "file"
+
     def read(self, key: str) -> bytes | None:
         """The page stored under `key`, or None (absent, or failed its check: then deleted)."""
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                data = f.read(HEADER.size + self.page_bytes + 1)
+                data = f.read(self.file_bytes + 1)
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._count_error("read", exc)
             return None
+        return self._accept(data, key, path)
+
+    def _accept(self, data: bytes | memoryview, key: str, path: Path) -> bytes | None:
+        """The page in `data` (a whole file's bytes), or None when it fails its check (then the file is deleted)."""
         problem = self._check(data, key)
         if problem is not None:
             self.counts.corrupt += 1
@@ -153,9 +184,9 @@ class KVFiles:
             return None
         self.counts.pages_read += 1
         self.counts.bytes_read += self.page_bytes
-        return data[HEADER.size:]
+        return bytes(data[HEADER.size:])
 
-    def _check(self, data: bytes, key: str) -> str | None:
+    def _check(self, data: bytes | memoryview, key: str) -> str | None:
         if len(data) < HEADER.size:
             return "truncated header"
         magic, fmt, size, digest, stored_key = HEADER.unpack_from(data)
@@ -169,6 +200,123 @@ class KVFiles:
             return "checksum mismatch"
         return None
 
+    def read_run(self, keys: list[str]) -> list[bytes]:
+        """The pages stored under `keys`, in order, up to the first one absent or failing its check (that file is
+        deleted, as by `read`). With NIXL, one transfer reads every file of the run of the right length."""
+        if self._nixl is None or not self._nixl.usable:
+            return self._read_plain(keys)
+        opened: list[tuple[str, Path, int]] = []
+        tail = None  # a file of the wrong length ending the run: `read` checks, counts and deletes it
+        for key in keys:
+            path = self._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                self._count_error("read", exc)
+                break
+            try:
+                whole = os.fstat(fd).st_size == self.file_bytes
+            except OSError:
+                whole = False
+            if not whole:
+                os.close(fd)
+                tail = key
+                break
+            opened.append((key, path, fd))
+        pages: list[bytes] = []
+        if opened:
+            try:
+                data = self._nixl.read([fd for _, _, fd in opened], self.file_bytes)
+            except NixlIOError as exc:
+                self._fell_back(exc)
+                return self._read_plain(keys)
+            size = self.file_bytes
+            for i, (key, path, _) in enumerate(opened):
+                page = self._accept(data[i * size:(i + 1) * size], key, path)
+                if page is None:
+                    return pages
+                pages.append(page)
+        if tail is not None:
+            page = self.read(tail)
+            pages += [page] if page is not None else []
+        return pages
+
+    def _read_plain(self, keys: list[str]) -> list[bytes]:
+        pages = []
+        for key in keys:
+            page = self.read(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def write_run(self, keys: list[str], payloads: list[bytes | memoryview]) -> list[bool]:
+        """Store each page under its key (`write`, for a run); whether each was. With NIXL, one transfer writes
+        every page not stored yet, each under a temporary name renamed once written."""
+        for payload in payloads:
+            if len(payload) != self.page_bytes:
+                raise ValueError(f"a page is {self.page_bytes} bytes, got {len(payload)}")
+        if self._nixl is None or not self._nixl.usable:
+            return [self.write(key, payload) for key, payload in zip(keys, payloads)]
+        ok = [True] * len(keys)
+        todo: list[tuple[int, Path, Path, int]] = []  # (index, path, temporary path, descriptor)
+        for i, key in enumerate(keys):
+            path = self._path(key)
+            if path.is_file():
+                continue
+            tmp = self._temporary(path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                todo.append((i, path, tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+            except OSError as exc:
+                self._count_error("write", exc)
+                ok[i] = False
+        if not todo:
+            return ok
+        size = self.file_bytes
+        data = bytearray(len(todo) * size)
+        view = memoryview(data)
+        for n, (i, _, _, _) in enumerate(todo):
+            view[n * size:n * size + HEADER.size] = self._header(keys[i], payloads[i])
+            view[n * size + HEADER.size:(n + 1) * size] = memoryview(payloads[i]).cast("B")
+        try:
+            self._nixl.write([fd for _, _, _, fd in todo], data, size)
+        except NixlIOError as exc:
+            self._fell_back(exc)
+            for i, _, tmp, _ in todo:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                ok[i] = self.write(keys[i], payloads[i])
+            return ok
+        for i, path, tmp, _ in todo:
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                self._count_error("write", exc)
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                ok[i] = False
+                continue
+            self.counts.pages_written += 1
+            self.counts.bytes_written += self.page_bytes
+        return ok
+
+    def _header(self, key: str, payload: bytes | memoryview) -> bytes:
+        return HEADER.pack(MAGIC, FORMAT, len(payload), hashlib.blake2b(payload, digest_size=32).digest(),
+                           key.encode("ascii"))
+
+    @staticmethod
+    def _temporary(path: Path) -> Path:
+        return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+
+    def _fell_back(self, exc: NixlIOError) -> None:
+        self.counts.io_fallbacks += 1
+        if self.counts.io_fallbacks in (1, 100, 10000):
+            log.warning("KV storage tier: a NIXL transfer failed (x%d), the run is done with plain file I/O: %s",
+                        self.counts.io_fallbacks, exc)
+
     def write(self, key: str, payload: bytes | memoryview) -> bool:
         """Store one page under `key` (skipped when a file is there already); False when it could not be."""
         if len(payload) != self.page_bytes:
@@ -176,9 +324,8 @@ class KVFiles:
         path = self._path(key)
         if path.is_file():
             return True
-        header = HEADER.pack(MAGIC, FORMAT, len(payload), hashlib.blake2b(payload, digest_size=32).digest(),
-                             key.encode("ascii"))
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        header = self._header(key, payload)
+        tmp = self._temporary(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WAIT_COMPLETE_LIMIT_S = 60.0  # wait_complete still gives up on a read this slow: it computes rather than hang
+READ_RUN = 16  # pages read at once (KVFiles.read_run: one NIXL transfer); a load given up stops after the current run
+WRITE_RUN = 64  # pages written at once (KVFiles.write_run); a job of more is written a run at a time
 
 
 @dataclass
@@ -149,14 +151,17 @@ class StorageTier:
         return True
 
     def _read(self, load: _Load) -> None:
-        """Reader thread: the stored pages after the pool's prefix, in order, up to the first missing one."""
-        for key in load.keys[load.first:]:
+        """Reader thread: the stored pages after the pool's prefix, in order, up to the first missing one, a run
+        of READ_RUN pages at a time."""
+        keys = load.keys[load.first:]
+        for start in range(0, len(keys), READ_RUN):
             if load.done:  # given up: stop reading
                 break
-            data = self.files.read(key)
-            if data is None:
+            run = keys[start:start + READ_RUN]
+            pages = self.files.read_run(run)
+            load.read.extend(pages)
+            if len(pages) < len(run):
                 break
-            load.read.append(data)
         self._done.put(lambda: self._loaded(load))
         self._wake()
 
@@ -248,10 +253,12 @@ class StorageTier:
         """Writer thread: each job's pages to their files, straight from the pool (locked) or from copies."""
         while True:
             keys, pages, locked = self._writes.get()
-            ok = []
-            for i, key in enumerate(keys):
-                data = pages[i] if isinstance(pages, torch.Tensor) else self.pool.buffer[pages[i]]
-                ok.append(self.files.write(key, data.cpu().reshape(-1).view(torch.uint8).numpy().data))
+            ok: list[bool] = []
+            for start in range(0, len(keys), WRITE_RUN):
+                run = range(start, min(start + WRITE_RUN, len(keys)))
+                data = [pages[i] if isinstance(pages, torch.Tensor) else self.pool.buffer[pages[i]] for i in run]
+                ok += self.files.write_run(keys[start:start + WRITE_RUN],
+                                           [d.cpu().reshape(-1).view(torch.uint8).numpy().data for d in data])
             self._done.put(lambda n=len(keys), locked=locked, ok=ok: self._written(n, locked, ok))
             self._wake()
 
@@ -300,7 +307,8 @@ class StorageTier:
                 "pages_read": files.pages_read, "bytes_read": files.bytes_read,
                 "pages_written": files.pages_written, "bytes_written": files.bytes_written,
                 "load_seconds": self.counts.load_seconds, "given_up": self.counts.given_up,
-                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": self.counts.writes_dropped}
+                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": self.counts.writes_dropped,
+                "io_fallbacks": files.io_fallbacks, "io": self.files.io}  # io: a name, the rest numbers
 
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)

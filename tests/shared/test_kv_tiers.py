@@ -3,12 +3,17 @@ before is served from the directory by a worker with a cold pool, with the same 
 missing or foreign files are computed again, never read wrong; the pool's accounting holds throughout."""
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from pdserve.services.worker.tier_metrics import TierMetrics
+from pdserve.shared import kv_tiers
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.kv_files import HEADER, KVFiles, chain_keys, identity_key
@@ -17,6 +22,19 @@ from pdserve.shared.sampling_params import SamplingParams
 
 PAGE = 4
 PROMPT = [(i * 37 + 11) % 500 + 1 for i in range(41)]  # 10 full pages, and one token to compute
+
+
+def nixl_imports() -> bool:
+    try:
+        importlib.import_module("nixl._api")
+    except ImportError:
+        return False
+    return True
+
+
+HAVE_NIXL = nixl_imports()
+NEEDS_NIXL = pytest.mark.skipif(not HAVE_NIXL, reason="nixl cannot be imported here: only plain file I/O to test")
+IO_PATHS = ["file", pytest.param("nixl-posix", marks=NEEDS_NIXL)]
 
 
 def engine_for(model_dir: Path, storage: Path | None, pages: int = 64, policy: str = "write_through",
@@ -88,6 +106,109 @@ def test_a_page_file_is_read_back_only_when_whole_and_its_own(tmp_path):
     assert files.read(a) is None and not files.contains(a)
 
 
+def files_with_run(directory: Path, io: str, pages: int = 8, page_bytes: int = 4096) -> tuple[KVFiles, list, list]:
+    """A KVFiles on `io` holding a run of `pages` random pages: (files, keys, payloads)."""
+    files = KVFiles(str(directory), page_bytes=page_bytes, io=io)
+    assert files.io == io  # NIXL, when it imports, must load its POSIX plugin
+    files.use(identity_key({"model": "m"}))
+    keys = chain_keys(files.identity, [(i, i + 1) for i in range(pages)])
+    payloads = [os.urandom(page_bytes) for _ in keys]
+    assert files.write_run(keys, payloads) == [True] * pages
+    return files, keys, payloads
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_a_run_of_pages_is_read_back_byte_exact(tmp_path, io):
+    files, keys, payloads = files_with_run(tmp_path, io, pages=12)
+    assert files.read_run(keys) == payloads
+    assert files.read_run(keys[3:5]) == payloads[3:5]
+    assert files.write_run(keys[:2], payloads[:2]) == [True, True]  # stored already: not written again
+    assert (files.counts.pages_read, files.counts.pages_written, files.counts.io_fallbacks) == (14, 12, 0)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".kv"]  # no temporary left
+    with pytest.raises(ValueError, match="4096 bytes"):
+        files.write_run(keys[:1], [b"short"])
+
+
+def torn(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:10])  # not even a header
+
+
+def truncated(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-3])
+
+
+def corrupted(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[HEADER.size + 100] ^= 0x10
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+@pytest.mark.parametrize("damage", [torn, truncated, corrupted, "foreign", "missing"])
+def test_a_damaged_file_ends_a_run_there_and_is_deleted(tmp_path, io, damage):
+    files, keys, payloads = files_with_run(tmp_path, io)
+    bad = files._path(keys[4])
+    if damage == "foreign":
+        shutil.copyfile(files._path(keys[6]), bad)  # a whole page file, under another page's name
+    elif damage == "missing":
+        bad.unlink()
+    else:
+        damage(bad)
+    assert files.read_run(keys) == payloads[:4]
+    assert not bad.exists() and files._path(keys[5]).exists()
+    assert files.counts.corrupt == (0 if damage == "missing" else 1)
+    assert files.read_run(keys[5:]) == payloads[5:]  # the pages after it are as good as ever
+
+
+@pytest.mark.parametrize("io", IO_PATHS)
+def test_a_directory_that_is_not_there_is_a_miss_and_a_counter(tmp_path, io):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    files = KVFiles(str(blocker / "kv"), page_bytes=64, io=io)
+    files.use(identity_key({"model": "m"}))
+    keys = chain_keys(files.identity, [(1, 2), (3, 4)])
+    assert files.write_run(keys, [bytes(64)] * 2) == [False, False]
+    assert files.read_run(keys) == []
+    assert files.counts.errors == 3 and files.counts.pages_written == 0  # two writes, the run's read
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("writer, reader", [("nixl-posix", "file"), ("file", "nixl-posix")])
+def test_runs_written_by_one_path_are_read_by_the_other(tmp_path, writer, reader):
+    _, keys, payloads = files_with_run(tmp_path, writer, pages=6)
+    other = KVFiles(str(tmp_path), page_bytes=4096, io=reader)
+    other.use(identity_key({"model": "m"}))
+    assert other.read_run(keys) == payloads
+    assert [other.read(key) for key in keys] == payloads
+
+
+@NEEDS_NIXL
+def test_a_failed_nixl_transfer_is_done_again_with_plain_io(tmp_path, monkeypatch):
+    files, keys, payloads = files_with_run(tmp_path / "a", "nixl-posix", pages=1)
+    real = files._nixl._transfer
+
+    def wrong_descriptors(op, fds, staging, size):  # each file swapped for one open the other way: NIXL fails
+        swapped = [os.open(os.devnull, os.O_RDONLY if op == "WRITE" else os.O_WRONLY) for _ in fds]
+        for fd in fds:
+            os.close(fd)
+        return real(op, swapped, staging, size)
+    monkeypatch.setattr(files._nixl, "_transfer", wrong_descriptors)
+    keys = chain_keys(files.identity, [(i + 100, i) for i in range(6)])
+    payloads = [os.urandom(4096) for _ in keys]
+    assert files.write_run(keys, payloads) == [True] * 6
+    assert files.read_run(keys) == payloads
+    assert files.counts.io_fallbacks == 2 and files.io == "nixl-posix" and files.counts.corrupt == 0
+    monkeypatch.undo()
+    assert files.read_run(keys) == payloads and files.counts.io_fallbacks == 2
+
+
+def test_plain_io_can_be_forced_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_FILE_IO", "file")
+    assert KVFiles(str(tmp_path), page_bytes=64).io == "file"
+    monkeypatch.delenv("PDSERVE_KV_FILE_IO")
+    assert KVFiles(str(tmp_path), page_bytes=64).io == ("nixl-posix" if HAVE_NIXL else "file")
+
+
 def test_keys_follow_the_prefix_the_namespace_and_the_identity():
     one, two = identity_key({"weights": "w1"}), identity_key({"weights": "w2"})
     base = chain_keys(one, [(1, 2), (3, 4)])
@@ -129,7 +250,9 @@ def test_a_cold_pool_serves_a_stored_prefix_with_the_same_tokens(tiny_models, tm
     again = run(cold, {"a": PROMPT})
     assert again["a"][0] == plain["a"][0]
     assert again["a"][1] == 40  # every full page of the prompt came from storage: cached_tokens counts them
-    assert cold.tiers.stats()["hits"] == 1
+    stats = cold.tiers.stats()
+    assert stats["hits"] == 1 and stats["io"] == ("nixl-posix" if HAVE_NIXL else "file")
+    TierMetrics(CollectorRegistry(), "m", PAGE).refresh(stats)  # the metrics take the numbers, leave the name
 
 
 def test_damaged_missing_and_foreign_files_are_computed_again(tiny_models, tmp_path):
@@ -193,13 +316,14 @@ def test_a_read_slower_than_its_deadline_computes_instead(tiny_models, tmp_path,
     run(writer, {"a": PROMPT})
     settle(writer)
     cold = engine_for(model, tmp_path, prefetch=prefetch, timeout_s=0.2)
-    real_read = cold.tiers.files.read
+    real_read_run = cold.tiers.files.read_run
+    monkeypatch.setattr(kv_tiers, "READ_RUN", 2)
 
-    def slow_read(key):  # a disk that answers two pages in time, then stalls
+    def slow_read_run(keys):  # a disk that answers a run of two pages in time, then stalls
         if cold.tiers.files.counts.pages_read >= 2:
             time.sleep(0.3)
-        return real_read(key)
-    monkeypatch.setattr(cold.tiers.files, "read", slow_read)
+        return real_read_run(keys)
+    monkeypatch.setattr(cold.tiers.files, "read_run", slow_read_run)
     started = time.monotonic()
     tokens, cached = run(cold, {"a": PROMPT})["a"]
     assert tokens == plain["a"][0]
