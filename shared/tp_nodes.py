@@ -13,6 +13,7 @@ The torch imports are inside the functions: a worker's front parses these flags 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import time
@@ -131,9 +132,33 @@ def join(store, rank: int, alive, timeout_s: float) -> None:
     _wait(lambda: store.check([FORMED]), alive, timeout_s, lambda: f"rank {rank} waiting for rank 0 to form the group")
 
 
-def form(store, size: int, nodes_linked, alive, timeout_s: float) -> None:
+def settings_of(config, backend: str | None) -> dict[str, str]:
+    """What every node must agree on: the runtime settings from its flags (all but the model's path, which may
+    be mounted elsewhere) and its KV transfer backend."""
+    from dataclasses import fields
+
+    mine = {f.name: repr(getattr(config, f.name)) for f in fields(config) if f.name != "model_path"}
+    return {**mine, "transfer_backend": backend or "none"}
+
+
+def tell_settings(store, node: int, settings: dict[str, str]) -> None:
+    store.set(f"settings/{node}", json.dumps(settings).encode())
+
+
+def check_settings(store, nodes: Nodes, mine: dict[str, str]) -> None:
+    """Rank 0: a ValueError naming the settings where another node's flags differ from this one's."""
+    for node in range(1, nodes.count):
+        theirs = json.loads(store.get(f"settings/{node}"))
+        differ = [f"{k} ({theirs.get(k)} there, {v} here)" for k, v in mine.items() if theirs.get(k) != v]
+        if differ:
+            raise ValueError(f"node {node} was started with other flags than node 0: {'; '.join(differ)}. Start "
+                             "every node of a worker with the same flags but --node-rank")
+
+
+def form(store, size: int, nodes_linked, alive, timeout_s: float, check=lambda: None) -> None:
     """Rank 0: wait until every rank joined and `nodes_linked()` (every other node's liveness link is up), then
-    say the group is formed. `alive()` raises when a rank or node is gone meanwhile."""
+    `check()` what they told and say the group is formed. `alive()` raises when a rank or node is gone
+    meanwhile."""
     store.set("joined/0", b"1")
     keys = [f"joined/{r}" for r in range(size)]
     told = [False]
@@ -151,6 +176,7 @@ def form(store, size: int, nodes_linked, alive, timeout_s: float) -> None:
         return f"rank 0 waiting for rank(s) {gone} to join"
 
     _wait(ready, alive, timeout_s, missing)
+    check()
     store.set(FORMED, b"1")
 
 

@@ -27,7 +27,8 @@ from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.tp_channel import StoreBox
 from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, check_platform
 from pdserve.shared.tp_link import Link
-from pdserve.shared.tp_nodes import LINK, Nodes, client_store, form, join, master_store
+from pdserve.shared.tp_nodes import (LINK, Nodes, check_settings, client_store, form, join, master_store,
+                                     settings_of)
 from pdserve.shared.tp_shards import Shards
 from pdserve.shared.tp_step import (DISCARD, KV, LORA, POOL, START_TIMEOUT_S, STEP, STOP, SWAP, WEIGHTS, TPRank,
                                     read_bytes, read_step)
@@ -234,9 +235,11 @@ class Ranks:
         try:
             for r in nodes.local[1:]:
                 self.procs.append(start_follower(self.config, r, self.launch))
+            mine = settings_of(self.config, _backend(self.launch))
             form(self.store, self.launch.size, lambda: self.link.linked(range(1, nodes.count)), self.check_alive,
-                 START_TIMEOUT_S)
-        except BaseException:
+                 START_TIMEOUT_S, lambda: check_settings(self.store, nodes, mine))
+        except BaseException as exc:
+            self.link.say(f"rank 0 could not start: {exc}")  # (the other nodes' logs say it too)
             self.close()
             raise
 
@@ -280,6 +283,10 @@ def _group(rank: int, launch: Launch, cuda: bool, init_method: str, box: Mailbox
     if launch.collectives == "torch" or box is None:
         return TorchGroup(rank, launch.size, init_method, launch.timeout_s, torch.device("cpu"), store)
     return ShmGroup(box, launch.timeout_s)
+
+
+def _backend(launch: Launch) -> str | None:
+    return launch.transfer.backend if launch.transfer is not None else None
 
 
 def _group_store(store):

@@ -16,7 +16,7 @@ import subprocess
 from pdserve.shared.config import RuntimeConfig
 from pdserve.shared.tp_group import RankGone
 from pdserve.shared.tp_link import BEAT_S, Link
-from pdserve.shared.tp_nodes import LINK, client_store, refuse_late_node
+from pdserve.shared.tp_nodes import LINK, client_store, refuse_late_node, settings_of, tell_settings
 from pdserve.shared.tp_ranks import Launch, start_follower
 from pdserve.shared.tp_step import START_TIMEOUT_S
 
@@ -41,6 +41,8 @@ def serve_node(config: RuntimeConfig, launch: Launch) -> int:
     try:
         store = client_store(nodes, START_TIMEOUT_S)
         refuse_late_node(store, nodes)
+        backend = launch.transfer.backend if launch.transfer is not None else None
+        tell_settings(store, nodes.rank, settings_of(config, backend))  # rank 0 checks them against its own
         link = Link.connect(nodes.host, int(store.get(LINK)), nodes.rank, launch.timeout_s)
     except (RankGone, RuntimeError, ValueError) as exc:  # (torch.distributed's errors are RuntimeErrors)
         log.error("node %d: %s", nodes.rank, exc)

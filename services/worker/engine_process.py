@@ -10,7 +10,8 @@ flags from the first frame, builds everything, says ("ready", info) and serves t
 - every output and event of one engine loop iteration in one ("step", ...) frame (`_flush`, the engine's
   `on_iteration` hook), so the front wakes once per step, not once per request.
 It exits when the front says stop, when the front dies (the kernel's parent-death signal, and its parent id
-checked every second), or on SIGTERM/SIGINT.
+checked every second), when a tensor-parallel rank or node is gone (checked every second too), or on
+SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class EngineHost(EngineCalls):
             if os.getppid() != parent:
                 log.error("the worker's front process is gone: the engine process exits")
                 break
-            if not self.engine.is_alive():  # its step loop ended for good (a lost tensor-parallel rank)
+            if not self.engine.is_alive() or not self._ranks_alive():  # a lost tensor-parallel rank
                 self.failed = True
                 break
             if message is None or message[0] != "batch":
@@ -114,6 +115,20 @@ class EngineHost(EngineCalls):
             if stop.asked or self._stop_asked:
                 break
         self.shutdown()
+
+    def _ranks_alive(self) -> bool:
+        """Whether every other rank (and node) of a tensor-parallel worker is still there: a step notices a lost
+        one itself, this notices it while the worker is idle."""
+        if self.ranks is None:
+            return True
+        from pdserve.shared.tp_group import RankGone
+
+        try:
+            self.ranks.check_alive()
+        except RankGone as exc:
+            log.error("%s: this worker stops, for its supervisor to start it again", exc)
+            return False
+        return True
 
     def _dispatch(self, item) -> None:
         try:

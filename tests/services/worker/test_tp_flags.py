@@ -39,3 +39,62 @@ def test_features_not_split_yet_are_refused_with_the_reason(tiny_models, tmp_pat
     shards = Shards.plan(ModelConfig.from_dir(args.model_path), 0, 2)
     with pytest.raises(ValueError, match=f"--tp-size > 1 does not work with {reason}"):
         ModelRunner(config, tp=TPRank(shards, box=None, group=None))
+
+
+# ------------------------------------------------------------------------------------------------ across nodes
+def nodes_of(*argv: str, environ: dict | None = None):
+    from pdserve.shared.tp_nodes import plan_nodes
+
+    args = parse("colocated", *argv)
+    return plan_nodes(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr, environ or {})
+
+
+def test_one_node_by_default():
+    args = parse("colocated", "--tp-size", "2")
+    assert (args.nnodes, args.node_rank, args.dist_init_addr) == (1, 0, None)
+    assert nodes_of("--tp-size", "2") is None
+
+
+def test_each_node_holds_an_even_run_of_ranks_and_meets_at_the_address():
+    nodes = nodes_of("--tp-size", "8", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.1.2.3:20000")
+    assert (nodes.host, nodes.port, nodes.per_node) == ("10.1.2.3", 20000, 4)
+    assert list(nodes.local) == [4, 5, 6, 7]
+    assert nodes_of("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "tcp://[fd00::1]:29500").host == "fd00::1"
+
+
+def test_the_platforms_master_address_is_the_fallback():
+    env = {"MASTER_ADDR": "leader.pd.svc", "MASTER_PORT": "29500"}
+    nodes = nodes_of("--tp-size", "2", "--nnodes", "2", "--node-rank", "1", environ=env)
+    assert (nodes.host, nodes.port) == ("leader.pd.svc", 29500)
+    flag = nodes_of("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.9:1234", environ=env)
+    assert (flag.host, flag.port) == ("10.0.0.9", 1234)  # the flag wins
+
+
+@pytest.mark.parametrize("argv,environ,message", [
+    (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "h:1"], {},
+     "--node-rank 2 is not a node of --nnodes 2 (nodes are numbered 0 to 1)"),
+    (["--node-rank", "1", "--tp-size", "2"], {}, "--node-rank 1 is not a node of --nnodes 1"),
+    (["--nnodes", "2", "--tp-size", "2"], {}, "--nnodes 2 needs the address where the ranks meet: "
+                                             "--dist-init-addr HOST:PORT"),
+    (["--nnodes", "2", "--tp-size", "2"], {"MASTER_ADDR": "h"}, "MASTER_ADDR=h is set but MASTER_PORT is not"),
+    (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "h:1"], {},
+     "--tp-size 3 does not spread evenly over --nnodes 2"),
+    (["--nnodes", "4", "--tp-size", "2", "--dist-init-addr", "h:1"], {},
+     "--tp-size 2 does not spread evenly over --nnodes 4"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "h"], {}, "--dist-init-addr 'h' is not HOST:PORT"),
+    (["--nnodes", "0"], {}, "--nnodes must be at least 1, got 0"),
+])
+def test_flags_that_cannot_go_together_are_start_errors_naming_the_numbers(argv, environ, message):
+    with pytest.raises(ValueError) as info:
+        nodes_of(*argv, environ=environ)
+    assert message in str(info.value)
+
+
+def test_the_worker_refuses_them_before_anything_starts(tiny_models, capsys, monkeypatch):
+    from pdserve.services.worker import cli
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setattr(cli, "setup_logging", lambda *a, **k: None)  # (its handler would outlive capsys)
+    args = parse("colocated", "--model-path", str(tiny_models["llama"]), "--tp-size", "2", "--nnodes", "2")
+    assert cli.main(args, "colocated") == 1
+    assert "error: --nnodes 2 needs the address where the ranks meet" in capsys.readouterr().err
