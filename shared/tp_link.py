@@ -159,7 +159,7 @@ class Link:
         peer.partial = lines.pop()
         said = [line.decode(errors="replace") for line in lines if line.strip()]
         if said:
-            self._lose(peer, said[-1])
+            self._lose(peer, said[0])
 
     def _send(self, data: bytes) -> None:
         for peer in list(self.peers.values()):

@@ -121,7 +121,7 @@ def refuse_late_node(store, nodes: Nodes) -> None:
     from pdserve.shared.tp_group import RankGone
 
     if store.check([FORMED]):
-        raise RankGone(f"node {nodes.rank}: the worker at {nodes.host}:{nodes.port} already formed its group "
+        raise RankGone(f"the worker at {nodes.host}:{nodes.port} already formed its group "
                        f"(an earlier start of this node?); it stops once it misses this node's ranks, and the next "
                        f"start meets afresh")
 

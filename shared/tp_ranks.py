@@ -269,6 +269,7 @@ class Ranks:
                 proc.kill()
                 proc.wait(5.0)
         if self.link is not None:
+            self.link.say("the worker stopped")
             self.link.close()
 
 
