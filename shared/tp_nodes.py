@@ -3,10 +3,11 @@
 `--nnodes K --node-rank R --dist-init-addr HOST:PORT` (SGLang's flags) with `--tp-size N`: node R holds ranks
 R*N/K .. (R+1)*N/K - 1. Node 0 runs the worker everyone talks to (its engine process is rank 0); every other node
 runs only its ranks (shared/tp_remote.py). They meet at HOST:PORT, where rank 0 serves torch.distributed's
-TCPStore (`master_store`): each rank says it joined, rank 0 says the group is formed once every rank and every
-node's liveness link (shared/tp_link.py) is there, and only then do the ranks build their process group (gloo on
-CPUs, NCCL on GPUs) on the same store. A node started again while an earlier group still stands is refused, so a
-group is never joined half-way through its life.
+TCPStore (`master_store`): each rank says it joined, each other node tells its settings, and rank 0 says the
+group is formed once every rank and every node's liveness link (shared/tp_link.py) is there and every node's
+settings are its own; only then do the ranks build their process group (gloo on CPUs, NCCL on GPUs) on the same
+store. A node started again while an earlier group still stands is refused, so a group is never joined half-way
+through its life.
 
 The torch imports are inside the functions: a worker's front parses these flags without loading torch.
 """
@@ -117,7 +118,7 @@ def client_store(nodes: Nodes, timeout_s: float):
 
 def refuse_late_node(store, nodes: Nodes) -> None:
     """A node started again while the group it was part of still stands cannot join it: the worker's rank 0
-    notices this node's ranks are gone (within --dist-timeout) and exits, and the next start meets afresh."""
+    notices this node's earlier process is gone and exits, and the next start meets afresh."""
     from pdserve.shared.tp_group import RankGone
 
     if store.check([FORMED]):
