@@ -21,14 +21,17 @@ from pdserve.shared.engine import Engine
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 from procs import Proc, alive, children, free_port, start_worker
-from test_pd_workers import FP32, QUESTIONS, generate, tokenizer  # noqa: F401 (a fixture)
+from test_pd_workers import FP32, QUESTIONS, generate
 
 NEW_TOKENS = 16
 GONE_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer):
+def prompts(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for q in QUESTIONS[:3]]
 
