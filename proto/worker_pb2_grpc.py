@@ -105,6 +105,11 @@ class WorkerStub:
                 request_serializer=worker__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=worker__pb2.UpdateWeightsReply.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/pdserve.Worker/KVEvents',
+                request_serializer=worker__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -196,6 +201,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +279,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=worker__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=worker__pb2.UpdateWeightsReply.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=worker__pb2.KVEventsRequest.FromString,
+                    response_serializer=worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -649,6 +665,33 @@ class Worker:
             '/pdserve.Worker/UpdateWeights',
             worker__pb2.UpdateWeightsRequest.SerializeToString,
             worker__pb2.UpdateWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.Worker/KVEvents',
+            worker__pb2.KVEventsRequest.SerializeToString,
+            worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

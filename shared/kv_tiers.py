@@ -18,20 +18,29 @@ the pool waits to be written), never queued without bound.
 
 Keys are chained over every page's tokens from the identity of the weights, dtype and page layout
 (kv_files.py); a weight update moves to a new identity, so KV of other weights is never found.
+
+The routers are told which pages are stored (`events`, kv_events.py) and under which `domain`: the directory's
+own id (a file in it, written by the first worker there) with the identity, so every worker that can read a
+page another stored names the place alike.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import queue
+import uuid
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from pdserve.shared.config import RuntimeConfig, TierConfig
+from pdserve.shared.kv_events import STORAGE, CacheEvents
 from pdserve.shared.kv_files import KVFiles, chain_keys, identity_key, model_fingerprint
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.req import Req, ReqStatus
@@ -91,6 +100,9 @@ class StorageTier:
         self.counts = TierCounts()
         self._identity = dict(identity)
         self.files.use(identity_key(self._identity))
+        self._directory_id = directory_id(self.files.root)
+        self.domain = self._domain()
+        self.events: CacheEvents | None = None  # told which pages are stored (set by the worker's engine host)
         self._wake = wake  # makes the engine loop look at `poll` soon (it may be waiting for work)
         self._loading: dict[int, _Load] = {}  # by id(req)
         self._done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run by `poll`, engine thread
@@ -107,12 +119,21 @@ class StorageTier:
         """Read and write under the new weights' identity from now on (the pool was flushed with them)."""
         self._identity.update(weights=model_fingerprint(model_path))
         self.files.use(identity_key(self._identity))
+        self.domain = self._domain()
+        if self.events is not None:
+            self.events.cleared(STORAGE)  # what was stored under the old weights answers nothing now
+
+    def _domain(self) -> str:
+        """Where stored pages can be read: the same for every worker on this directory with this identity."""
+        return hashlib.blake2b(f"{self._directory_id}:{self.files.identity}".encode(), digest_size=16).hexdigest()
 
     def flush(self) -> None:
         """Make every stored page unreachable (the files go in the background)."""
         self.files.flush()
         for node in self.cache.nodes():
             node.stored = False
+        if self.events is not None:
+            self.events.cleared(STORAGE)
 
     # ------------------------------------------------------------ PageHolder: loading requests are live
     def held_reqs(self) -> list[Req]:
@@ -205,8 +226,10 @@ class StorageTier:
         self.pool.buffer[torch.tensor(fresh, device=self.pool.buffer.device)] = staged.to(self.pool.buffer.device)
         result = self.cache.insert(tokens[:(have + len(pages)) * s], match.pages + fresh, namespace)
         self.scheduler.allocator.free(result.duplicates)
-        for node in self.cache.path(result.node)[have:]:
+        read = self.cache.path(result.node)[have:]
+        for node in read:
             node.stored = True
+        self._told_stored(read)
         return len(pages) - len(result.duplicates)
 
     # ------------------------------------------------------------ writes
@@ -225,7 +248,7 @@ class StorageTier:
         keys = [self._key(n) for n in todo]
         index = torch.tensor([n.page for n in todo], device=self.pool.buffer.device)
         copies = self.pool.buffer[index].to("cpu")  # one copy: these pages are reused by the step that follows
-        self._writes.put((keys, copies, None))
+        self._writes.put((keys, copies, (None, todo)))
 
     def _write_path(self, node: Node) -> None:
         todo = [n for n in self.cache.path(node) if not n.stored and self._full(n)]
@@ -252,23 +275,29 @@ class StorageTier:
     def _write_loop(self) -> None:
         """Writer thread: each job's pages to their files, straight from the pool (locked) or from copies."""
         while True:
-            keys, pages, locked = self._writes.get()
+            keys, pages, job = self._writes.get()
             ok: list[bool] = []
             for start in range(0, len(keys), WRITE_RUN):
                 run = range(start, min(start + WRITE_RUN, len(keys)))
                 data = [pages[i] if isinstance(pages, torch.Tensor) else self.pool.buffer[pages[i]] for i in run]
                 ok += self.files.write_run(keys[start:start + WRITE_RUN],
                                            [d.cpu().reshape(-1).view(torch.uint8).numpy().data for d in data])
-            self._done.put(lambda n=len(keys), locked=locked, ok=ok: self._written(n, locked, ok))
+            self._done.put(lambda n=len(keys), job=job, ok=ok: self._written(n, job, ok))
             self._wake()
 
-    def _written(self, count: int, locked: tuple[Node, list[Node]] | None, ok: list[bool]) -> None:
+    def _written(self, count: int, job: tuple[Node | None, list[Node]], ok: list[bool]) -> None:
+        """`job`: the node whose path was locked for the writer (None: written from copies) and the nodes."""
         self._pending_write_pages -= count
+        locked, nodes = job
         if locked is not None:
-            node, nodes = locked
-            self.cache.unlock(node)
-            for n, written in zip(nodes, ok):
-                n.stored = written
+            self.cache.unlock(locked)
+        for n, written in zip(nodes, ok):
+            n.stored = written
+        self._told_stored([n for n, written in zip(nodes, ok) if written])
+
+    def _told_stored(self, nodes: list[Node]) -> None:
+        if self.events is not None:
+            self.events.added(STORAGE, [n.route_hash for n in nodes if n.route_hash is not None])
 
     def _full(self, node: Node) -> bool:
         """Whether the node holds a whole page (a tail, the partly filled end of a sequence, is never stored)."""
@@ -313,3 +342,22 @@ class StorageTier:
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)
 
+
+def directory_id(root: Path) -> str:
+    """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
+    starting at once agree); its path where the file cannot be had."""
+    marker = root / ".pdserve-directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not marker.exists():
+            tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, marker)
+            except FileExistsError:
+                pass  # another worker's is there first
+            finally:
+                tmp.unlink()
+        return marker.read_text().strip()
+    except OSError:
+        return str(root.resolve())

@@ -15,6 +15,9 @@ Invariants: a node with `lock_ref > 0` (some running request reads it, or a
 descendant) is never evicted; only unlocked leaves are evicted, least recently
 used first. Pages handed to `insert` are owned by the tree afterwards, except
 the duplicates it returns, which the caller frees.
+
+With `events` (kv_events.CacheEvents), every full page outside a namespace is
+named as the routers name it (`route_hash`) and its coming and going recorded.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from pdserve.shared.kv_events import DEVICE, ROOT, CacheEvents, page_hash
 
 
 @dataclass(eq=False)
@@ -36,6 +41,7 @@ class Node:
     # The storage tier's (kv_tiers.py): the page's key there, once asked for, and whether it is stored.
     store_key: str | None = None
     stored: bool = False
+    route_hash: int | None = None  # its name for the routers (kv_events.py); None in a namespace, or a tail
 
 
 @dataclass
@@ -60,7 +66,8 @@ class InsertResult:
 class RadixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = Node(key=(), page=-1, parent=None, lock_ref=1)
+        self.root = Node(key=(), page=-1, parent=None, lock_ref=1, route_hash=ROOT)
+        self.events: CacheEvents | None = None
         self._num_pages = 0
         self._clock = itertools.count()
 
@@ -121,6 +128,10 @@ class RadixCache:
                 child = Node(key=key, page=page, parent=node)
                 node.children[key] = child
                 self._num_pages += 1
+                if self.events is not None and node.route_hash is not None and len(key) == self.page_size \
+                        and not isinstance(key[0], str):
+                    child.route_hash = page_hash(node.route_hash, key)
+                    self.events.added(DEVICE, [child.route_hash])
             elif child.page != page:
                 duplicates.append(page)
             child.last_access = now
@@ -158,6 +169,8 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, next(self._clock), parent))
         if on_evict is not None and gone:
             on_evict(gone)
+        if self.events is not None:
+            self.events.removed(DEVICE, [n.route_hash for n in gone if n.route_hash is not None])
         return freed
 
     def evictable_pages(self) -> int:
@@ -170,6 +183,8 @@ class RadixCache:
         pages = [n.page for n in self._nodes()]
         self.root.children.clear()
         self._num_pages = 0
+        if self.events is not None:
+            self.events.cleared(DEVICE)
         return pages
 
     def pages(self) -> list[int]:

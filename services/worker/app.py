@@ -24,6 +24,7 @@ from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.kv_events import KVFeed
 from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.pooling import PoolingService, engine_encode
 from pdserve.services.worker.rpc import Calls, Timeouts, WorkerService
@@ -47,6 +48,7 @@ class WorkerApp:
         flags = {**vars(args), "model_path": model_path, "worker_name": self.name}
         self.link = EngineLink(role.value, flags, on_exit=self._engine_exited)
         self.link.on_event = self._event
+        self.kv_feed = KVFeed()  # what its prefix cache holds, for the routers
         self.registry = CollectorRegistry()  # the front's own series, beside the engine's
         self.trace_spans_dropped = Counter(
             "pdserve_worker_trace_spans_dropped", "spans the trace collector did not take (unreachable, slow or "
@@ -82,6 +84,10 @@ class WorkerApp:
         kind = event[0]
         if kind == "reserved":
             self.wiring.prompts.reserved(*event[1:])
+        elif kind == "kv":
+            self.kv_feed.apply(*event[1:])
+        elif kind == "kv_domain":
+            self.kv_feed.set_domain(event[1])
         elif kind == "transfer_healthy":
             self.transfer_ok = event[1]
             log.log(logging.INFO if self.transfer_ok else logging.ERROR, "KV transfer %s",
@@ -118,6 +124,7 @@ class WorkerApp:
         worker = WorkerService(self.link, wiring, self.compat, self.info, self.timeouts, is_ready=self.healthy,
                                on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval,
                                generates=info["generates"])
+        worker.kv_feed = self.kv_feed
         pb_grpc.add_WorkerServicer_to_server(worker, server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(engine_encode(self.link), wiring.refuses_pooling), server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")

@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.services.worker import channel
 from pdserve.services.worker.engine_calls import EngineCalls
+from pdserve.shared.kv_events import CacheEvents
 from pdserve.shared.logs import setup_logging
 
 log = logging.getLogger("pdserve.worker")
@@ -78,6 +79,11 @@ class EngineHost(EngineCalls):
         self.failed = False
         super().__init__(command, args)
         self.engine.on_iteration = self._flush
+        # What the prefix cache gains and loses, told to the routers with each iteration's outputs.
+        self.cache_events = self.engine.cache.events = CacheEvents()
+        if self.engine.tiers is not None:
+            self.engine.tiers.events = self.cache_events
+        self._domain = ""
 
     # ------------------------------------------------------------ engine thread
     def emit(self, out) -> None:
@@ -91,6 +97,13 @@ class EngineHost(EngineCalls):
         if self.transfer is not None and self.transfer.healthy() != self._transfer_ok:
             self._transfer_ok = not self._transfer_ok
             self._events.append(("transfer_healthy", self._transfer_ok))
+        domain = self.engine.tiers.domain if self.engine.tiers is not None else ""
+        if domain != self._domain:  # before the pages stored under it
+            self._domain = domain
+            self._events.append(("kv_domain", domain))
+        kv = self.cache_events.drain()
+        if kv is not None:
+            self._events.append(kv)
         if self._outputs or self._events:
             outputs, events, self._outputs, self._events = self._outputs, self._events, [], []
             self.pipe.send(("step", outputs, events))

@@ -26,6 +26,7 @@ from pdserve.services.worker import spans
 from pdserve.services.worker.admin_rpc import AdminRpcs
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.kv_events import KVEventsRpc
 from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
@@ -112,7 +113,7 @@ async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_to
             return ready
 
 
-class WorkerService(WeightUpdates, AdminRpcs, pb_grpc.WorkerServicer):
+class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerServicer):
     def __init__(self, link: EngineLink, wiring: Wiring, compat: Compat, info: pb.InfoReply,
                  timeouts: Timeouts = Timeouts(), is_ready: Callable[[], bool] | None = None,
                  on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,

@@ -16,6 +16,7 @@ from pdserve.services.worker.tier_metrics import TierMetrics
 from pdserve.shared import kv_tiers
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
 from pdserve.shared.engine import Engine
+from pdserve.shared.kv_events import DEVICE, STORAGE, CacheEvents, prefix_hashes
 from pdserve.shared.kv_files import HEADER, KVFiles, chain_keys, identity_key
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
@@ -343,3 +344,24 @@ def test_deterministic_bf16_is_identical_with_and_without_the_tier(default_model
     cold = engine_for(default_model_dir, tmp_path, pages=256, **config)
     tokens, cached = run(cold, prompts, new_tokens=12)["a"]
     assert tokens == plain["a"][0] and cached == (len(ids) - 1) // PAGE * PAGE
+
+
+def test_the_routers_are_told_what_is_stored_and_where(tiny_models, tmp_path):
+    """What the tier tells (kv_events.py): the pages written and read, by the names a router gives the prompt's
+    pages, under a domain that every worker on the directory shares; a flush clears them."""
+    model = tiny_models["llama"]
+    names = prefix_hashes(PROMPT, PAGE, 64)[:10]
+    writer = engine_for(model, tmp_path / "kv")
+    writer.cache.events = writer.tiers.events = CacheEvents()
+    run(writer, {"a": PROMPT})
+    settle(writer)
+    _, cleared, added, _ = writer.tiers.events.drain()
+    assert set(names) <= set(added[DEVICE]) and set(names) <= set(added[STORAGE])
+    reader = engine_for(model, tmp_path / "kv")
+    reader.cache.events = reader.tiers.events = CacheEvents()
+    assert reader.tiers.domain == writer.tiers.domain != engine_for(model, tmp_path / "other").tiers.domain
+    assert run(reader, {"a": PROMPT})["a"][1] == 40
+    assert set(names) <= set(reader.tiers.events.drain()[2][STORAGE])  # read back: stored, as far as it knows
+    settle(reader)
+    assert reader.flush_cache()
+    assert reader.tiers.events.drain()[1] == [DEVICE, STORAGE]

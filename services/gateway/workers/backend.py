@@ -33,6 +33,7 @@ from pdserve.services.gateway.timelines import FlightRecorder
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.workers.generation import Generation, GenerationSettings
 from pdserve.services.gateway.workers.job import Job
+from pdserve.services.gateway.workers.kv_events import CacheFeeds
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
 from pdserve.services.gateway.workers.router import NoWorker, Pair, Router
 
@@ -100,6 +101,8 @@ class Backend:
         self.tokenizer = tokenizer
         self.pool = pool
         self.router = router
+        # The workers' cache events fill the router's tables (only a cache-aware router reads them).
+        self.feeds = CacheFeeds(pool, router) if getattr(router, "policy", "") == "cache_aware" else None
         self.metrics = metrics
         self.settings = settings
         self.default_context_length = default_context_length
@@ -238,6 +241,8 @@ class Backend:
         await self.pool.start()
 
     async def close(self) -> None:
+        if self.feeds is not None:
+            await self.feeds.close()
         await self.pool.close()
 
     @property

@@ -6,8 +6,17 @@ longest known prefix (its radix cache probably still holds those pages) unless t
 busier than the least loaded one. Decode workers the same way, from a table of their own, among those with
 room for the prompt: a decode worker holds the KV of the conversations it decoded (prompt and output), and
 computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwise by load and free KV
-pages. `round_robin` ignores both, for comparison. The prefix tables are the router's only state: bounded
-LRU maps from hashes of leading pages of token ids to the worker address that last served them.
+pages. `round_robin` ignores both, for comparison.
+
+What a worker holds the router learns two ways. The workers tell it (kv_events.py): each streams the pages its
+pool gains and loses, and those its storage tier stores, so the router knows a prefix that another gateway
+sent, that the worker computed before this gateway started, or that sits in a storage directory the worker
+shares with others; and it knows a prefix is gone once evicted. Between a request and the events it causes, and
+for workers that do not stream, it goes by its own routing history: bounded LRU maps from hashes of leading pages
+of token ids to the worker address that last served them, corrected by the events. A worker is scored by the
+pages the prompt would not compute there: its device pages count in full, and stored pages past them at
+STORED_PAGE_WORTH, as reading a page back costs about a tenth of computing it (the KV tiers benchmark), so a device
+hit beats a storage hit of the same length, and either beats nothing.
 
 Each gateway process (--gateway-workers) and replica keeps its own tables, so a conversation's next turn may
 reach one that has not seen it. A prompt whose prefix a router does not know goes to the least loaded worker,
@@ -24,9 +33,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
+from pdserve.proto import worker_pb2 as pb
+from pdserve.services.gateway.workers.kv_events import HeldPrefixes
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
+from pdserve.shared.kv_events import prefix_hashes
 
 POLICIES = ("cache_aware", "round_robin")
+STORED_PAGE_WORTH = 0.9  # a page read from a storage tier saves this much of computing it
 
 
 class NoWorker(Exception):
@@ -50,6 +63,11 @@ def load_of(worker: Worker) -> int:
     return max(worker.in_flight, reported)
 
 
+def decode_load(worker: Worker) -> tuple[int, int]:
+    """Of two decode workers as busy, the one with more free pages is the less loaded."""
+    return load_of(worker), -worker.free_pages
+
+
 class Router:
     def __init__(self, pool: WorkerPool, policy: str = "cache_aware", balance_abs: int = 4,
                  balance_rel: float = 1.5, max_prefix_pages: int = 64, table_size: int = 100_000) -> None:
@@ -65,6 +83,7 @@ class Router:
         self.table_size = table_size
         self.prefixes: OrderedDict[int, str] = OrderedDict()  # colocated or prefill workers
         self.decode_prefixes: OrderedDict[int, str] = OrderedDict()
+        self.held = HeldPrefixes()  # what the workers say they hold
         pool.on_rejoin.append(self.forget)  # a worker back after a failure may have restarted with an empty cache
         self._turn = count()
 
@@ -88,33 +107,53 @@ class Router:
             return workers[next(self._turn) % len(workers)], "round robin"
         hashes = self._prefix_hashes(input_ids, workers[0].page_size)
         least = least_loaded(workers, hashes, load_of)
-        return self._by_prefix(workers, hashes, least, self.prefixes)
+        return self._by_prefix(workers, hashes, least, self.prefixes, load_of)
 
     def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], "round robin"
         roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)] or workers
         hashes = self._prefix_hashes(input_ids, roomy[0].page_size)
-        least = least_loaded(roomy, hashes, lambda w: (load_of(w), -w.free_pages))
-        return self._by_prefix(roomy, hashes, least, self.decode_prefixes)
+        least = least_loaded(roomy, hashes, decode_load)
+        return self._by_prefix(roomy, hashes, least, self.decode_prefixes, decode_load)
 
     def _by_prefix(self, workers: list[Worker], hashes: list[int], least: Worker,
-                   table: OrderedDict[int, str]) -> tuple[Worker, str]:
-        """The worker of `table` that last served the prompt's longest known prefix (`hashes`), unless it is
-        clearly busier than `least` (then `least`); the choice becomes the owner of the prompt's prefixes. And
-        why, in words."""
-        by_address = {w.address: w for w in workers}
-        chosen, why = least, "least loaded, no known prefix"
+                   table: OrderedDict[int, str], load: Callable[[Worker], object]) -> tuple[Worker, str]:
+        """The worker that would compute the least of the prompt (`hashes`: its pages), by what the workers say
+        they hold and by `table`'s history, unless it is clearly busier than `least` (then `least`); the choice
+        becomes the owner of the prompt's prefixes in `table`. And why, in words."""
+        history = {}  # address -> pages of the prompt it last served
         for pages in range(len(hashes), 0, -1):  # longest known prefix first
-            owner = by_address.get(table.get(hashes[pages - 1], ""))
+            owner = table.get(hashes[pages - 1])
             if owner is not None:
-                if self._balanced(owner, least):
-                    chosen, why = owner, f"holds the prompt's first {pages} pages"
-                else:
-                    why = f"least loaded: the holder of the first {pages} pages is busier"
+                history[owner] = pages
                 break
+        held = {}  # address -> (worth, device pages, stored pages)
+        for w in workers:
+            device, stored = self.held.pages(w.address, hashes)
+            device = max(device, history.get(w.address, 0))
+            held[w.address] = (device + STORED_PAGE_WORTH * max(0, stored - device), device, stored)
+        top = max(worth for worth, _, _ in held.values())
+        chosen, why = least, "least loaded, no known prefix"
+        if top > 0:
+            best = least_loaded([w for w in workers if held[w.address][0] == top], hashes, load)
+            _, device, stored = held[best.address]
+            best_why = (f"holds the prompt's first {device} pages" if stored <= device else
+                        f"holds the prompt's first {device} pages, {stored - device} more in storage"
+                        if device else f"holds the prompt's first {stored} pages in storage")
+            if self._balanced(best, least):
+                chosen, why = best, best_why
+            else:
+                why = f"least loaded: {best.address} {best_why} but is busier"
         self._remember(hashes, chosen.address, table)
         return chosen, why
+
+    def learn(self, address: str, batch: pb.KVEventBatch) -> None:
+        """One message of `address`'s cache events (kv_events.CacheFeeds): what it evicted leaves the history too."""
+        for h in self.held.apply(address, batch):
+            for table in (self.prefixes, self.decode_prefixes):
+                if table.get(h) == address:
+                    del table[h]
 
     def _balanced(self, owner: Worker, least: Worker) -> bool:
         a, b = load_of(owner), load_of(least)
@@ -122,15 +161,8 @@ class Router:
 
     # ------------------------------------------------------------ prefix table
     def _prefix_hashes(self, input_ids: list[int], page_size: int) -> list[int]:
-        """Hash of the first 1, 2, ... full pages of the prompt (at most max_prefix_pages); the same in every
-        process, as Python hashes ints and tuples of them without a per-process seed."""
-        hashes: list[int] = []
-        h = 0
-        pages = min(len(input_ids) // page_size, self.max_prefix_pages)
-        for i in range(pages):
-            h = hash((h, tuple(input_ids[i * page_size:(i + 1) * page_size])))
-            hashes.append(h)
-        return hashes
+        """The names of the prompt's first full pages (at most max_prefix_pages), as the workers name them."""
+        return prefix_hashes(input_ids, page_size, self.max_prefix_pages)
 
     def _remember(self, hashes: list[int], address: str, table: OrderedDict[int, str]) -> None:
         for h in hashes:

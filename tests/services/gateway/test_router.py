@@ -168,3 +168,55 @@ async def test_dns_names_expand_to_every_address_and_follow_changes(monkeypatch)
         assert [w.address for w in pool.of_role("prefill")] == ["10.2.0.1:50051"]
     finally:
         await pool.close()
+
+
+def events(snapshot=False, cleared=(), device=(), gone=(), stored=(), domain=""):
+    return pb.KVEventBatch(snapshot=snapshot, cleared=list(cleared), device_added=list(device),
+                           device_removed=list(gone), storage_added=list(stored), storage_domain=domain)
+
+
+def test_a_prefix_a_worker_says_it_holds_goes_to_it_without_any_history():
+    pool = make_pool("colocated", {"colocated": 3})
+    router = Router(pool)
+    holder = pool.of_role("colocated")[1]
+    p = prompt(5)
+    router.learn(holder.address, events(snapshot=True, device=router._prefix_hashes(p, PAGE)[:3]))
+    pair = router.choose(p)
+    assert pair.generate is holder and pair.why == "holds the prompt's first 3 pages"
+    # Once it says the pages are gone, neither its events nor the history of this routing keep the prompt there.
+    router.learn(holder.address, events(gone=router._prefix_hashes(p, PAGE)))
+    holder.in_flight = 1
+    assert router.choose(p).generate is not holder
+
+
+def test_device_beats_storage_of_the_same_length_and_a_longer_stored_prefix_beats_a_short_device_one():
+    pool = make_pool("colocated", {"colocated": 3})
+    router = Router(pool)
+    a, b, c = pool.of_role("colocated")
+    p = prompt(6, pages=8)
+    names = router._prefix_hashes(p, PAGE)
+    router.learn(a.address, events(snapshot=True, device=names[:4]))
+    router.learn(b.address, events(snapshot=True, stored=names[:4], domain="dir-1"))
+    assert router.choose(p).generate is a  # (which also makes a the prompt's holder in this router's history)
+    router = Router(pool)
+    router.learn(a.address, events(snapshot=True, device=names[:4]))
+    router.learn(b.address, events(snapshot=True, stored=names[:8], domain="dir-1"))
+    pair = router.choose(p)
+    assert pair.generate is b and pair.why == "holds the prompt's first 8 pages in storage"
+    # A worker sharing b's storage domain reads the same pages: as good, so the least loaded of the two.
+    router = Router(pool)
+    router.learn(b.address, events(snapshot=True, stored=names[:8], domain="dir-1"))
+    router.learn(c.address, events(snapshot=True, domain="dir-1"))
+    b.in_flight = 1
+    assert router.choose(p).generate is c
+
+
+def test_a_worker_whose_event_stream_ended_is_forgotten():
+    pool = make_pool("colocated", {"colocated": 2})
+    router = Router(pool)
+    a, b = pool.of_role("colocated")
+    p = prompt(7)
+    router.learn(b.address, events(snapshot=True, stored=router._prefix_hashes(p, PAGE), domain="d"))
+    router.held.forget(b.address)
+    assert router.held.pages(b.address, router._prefix_hashes(p, PAGE)) == (0, 0)
+    assert router.held.storage == {}  # no worker is in that domain any more
