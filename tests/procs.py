@@ -200,3 +200,23 @@ class Streams:
         return self.ended
 
 
+
+
+def greedy_in_one_process(model_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the whole model in this process (fp32, every prompt batched): what the workers under
+    test must match token for token."""
+    from pdserve.shared.config import CacheConfig, Role, RuntimeConfig
+    from pdserve.shared.engine import Engine
+    from pdserve.shared.req import Req
+    from pdserve.shared.sampling_params import SamplingParams
+
+    engine = Engine(RuntimeConfig(model_path=str(model_dir), dtype="float32",
+                                  cache=CacheConfig(page_size=16, max_total_tokens=4096)), Role.COLOCATED)
+    tokens: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(Req(rid=str(i), input_ids=ids, params=SamplingParams(temperature=0,
+                                                                                max_new_tokens=new_tokens),
+                               on_output=lambda out: tokens.setdefault(out.rid, []).extend(out.token_ids)))
+    while engine.has_work():
+        engine.step()
+    return [tokens[str(i)] for i in range(len(prompts))]

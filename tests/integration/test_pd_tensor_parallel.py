@@ -11,11 +11,7 @@ import asyncio
 
 import pytest
 
-from pdserve.shared.config import CacheConfig, Role, RuntimeConfig
-from pdserve.shared.engine import Engine
-from pdserve.shared.req import Req
-from pdserve.shared.sampling_params import SamplingParams
-from procs import children, start_worker
+from procs import children, greedy_in_one_process, start_worker
 from test_pd_workers import FP32, QUESTIONS, assert_clean, generate, tokenizer  # noqa: F401 (a fixture)
 
 NEW_TOKENS = 24
@@ -29,17 +25,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def one_process(default_model_dir, prompts) -> list[list[int]]:
-    """Greedy tokens of the whole model in one process, every prompt batched."""
-    engine = Engine(RuntimeConfig(model_path=str(default_model_dir), dtype="float32",
-                                  cache=CacheConfig(page_size=16, max_total_tokens=4096)), Role.COLOCATED)
-    tokens: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(Req(rid=str(i), input_ids=ids, params=SamplingParams(temperature=0,
-                                                                                max_new_tokens=NEW_TOKENS),
-                               on_output=lambda out: tokens.setdefault(out.rid, []).extend(out.token_ids)))
-    while engine.has_work():
-        engine.step()
-    return [tokens[str(i)] for i in range(len(prompts))]
+    return greedy_in_one_process(default_model_dir, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(1, 2, "tcp"), (2, 1, "nixl"), (2, 1, "tcp"), (2, 2, "tcp")])

@@ -16,11 +16,7 @@ import time
 
 import pytest
 
-from pdserve.shared.config import CacheConfig, Role, RuntimeConfig
-from pdserve.shared.engine import Engine
-from pdserve.shared.req import Req
-from pdserve.shared.sampling_params import SamplingParams
-from procs import Proc, alive, children, free_port, start_worker
+from procs import Proc, alive, children, free_port, greedy_in_one_process, start_worker
 from test_pd_workers import FP32, QUESTIONS, generate
 
 NEW_TOKENS = 16
@@ -38,17 +34,7 @@ def prompts(default_model_dir):
 
 @pytest.fixture(scope="module")
 def one_process(default_model_dir, prompts) -> list[list[int]]:
-    """Greedy tokens of the whole model in one process, every prompt batched."""
-    engine = Engine(RuntimeConfig(model_path=str(default_model_dir), dtype="float32",
-                                  cache=CacheConfig(page_size=16, max_total_tokens=4096)), Role.COLOCATED)
-    tokens: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(Req(rid=str(i), input_ids=ids, params=SamplingParams(temperature=0,
-                                                                                max_new_tokens=NEW_TOKENS),
-                               on_output=lambda out: tokens.setdefault(out.rid, []).extend(out.token_ids)))
-    while engine.has_work():
-        engine.step()
-    return [tokens[str(i)] for i in range(len(prompts))]
+    return greedy_in_one_process(default_model_dir, prompts, NEW_TOKENS)
 
 
 def two_nodes(role: str, both: tuple = (), node0: tuple = (), node1: tuple = ()) -> tuple[Proc, str, Proc]:
