@@ -7,17 +7,24 @@ key for as long as the worker is idle (no collective timeout runs meanwhile) and
 go through the process group (`TorchGroup.broadcast`). Rank 0 deletes post n - 2 when it makes post n: every post
 is followed by a collective that needs every rank, so by then each has read it. The store lives in rank 0's
 process: a follower whose wait fails on a closed connection knows rank 0 is gone.
+
+With a cluster token a post starts with its tag (shared/tp_nodes.py `tag`: HMAC-SHA256 of the key and the post),
+and a follower checks it before it uses the post: a post that fails, written by a process without the token, is
+RankGone, and the worker goes down rather than compute a step rank 0 did not ask for.
 """
 from __future__ import annotations
 
 import datetime
+import hmac
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token
 from pdserve.shared.tp_group import RankGone
+from pdserve.shared.tp_nodes import TAG_BYTES, tag
 
 HEADER_INTS = 32
 _IDLE_WAIT_S = 0.02  # between an idle follower's calls to `idle()` (its KV agent's progress)
@@ -31,6 +38,7 @@ class StoreBox:
         self.store, self.rank, self.size = store, rank, size
         self.seen = 0  # the posts made (leader) or read (follower)
         self.payload = torch.zeros(0, dtype=torch.int64)
+        self.token = cluster_token()  # every rank of a worker has the same environment
 
     def post(self, kind: int, header: list[int], payload: torch.Tensor | None = None) -> None:
         if len(header) > HEADER_INTS:
@@ -39,8 +47,9 @@ class StoreBox:
         if payload is not None:
             raw += payload.reshape(-1).to(torch.int64).numpy().tobytes()
         self.seen += 1
+        key = f"post/{self.seen}"
         try:
-            self.store.set(f"post/{self.seen}", raw)
+            self.store.set(key, raw if self.token is None else tag(self.token, key, raw) + raw)
             if self.seen > 2:
                 self.store.delete_key(f"post/{self.seen - 2}")
         except dist.DistError as exc:  # (the store is this process's: only a broken machine gets here)
@@ -68,7 +77,17 @@ class StoreBox:
                 if idle is not None:
                     idle()
         self.seen += 1
-        ints = np.frombuffer(raw, dtype=np.int64)
+        ints = np.frombuffer(self._checked(key, raw), dtype=np.int64)
         kind, n = int(ints[0]), int(ints[1])
         self.payload = torch.from_numpy(ints[2 + n:].copy())
         return kind, ints[2:2 + n].tolist()
+
+    def _checked(self, key: str, raw: bytes) -> bytes:
+        """The post under its tag, once the tag proves rank 0 wrote it (without a token: as it is)."""
+        if self.token is None:
+            return raw
+        if not hmac.compare_digest(raw[:TAG_BYTES], tag(self.token, key, raw[TAG_BYTES:])):
+            raise RankGone(f"tensor-parallel rank {self.rank}: a post to the tensor-parallel ranks failed its check: "
+                           f"written by a process without the cluster token? (store key {key!r}; every node of a "
+                           f"worker needs the same {TOKEN_ENV})")
+        return raw[TAG_BYTES:]

@@ -2,6 +2,14 @@
 
 Rank 0's engine process listens on a port of its own (published in the rendezvous store); each other node's
 process connects once, says its node number, and from then on both ends send a beat (a newline) every BEAT_S.
+
+The hello: rank 0's end sends a random challenge (hex, a line); the node answers its number and HMAC-SHA256(cluster
+token, challenge + number) (hex, a line); rank 0's end answers "linked", or why not and closes. Without a cluster
+token any answer will do, as on the workers' other ports (shared/cluster_auth.py); with one, a connection that
+does not prove it is refused and logged with its address, never counted as a node nor as a node leaving. The
+hello is read as the beats are, on the link's one thread: a connection that says nothing is closed after
+HELLO_TIMEOUT_S and holds up nothing meanwhile.
+
 A node is gone for the other end when its connection closes (its process died: the kernel closes the socket, so
 this is noticed within a beat), when it says why before it leaves (a line of text: "rank 3 exited (code 1)"), or
 when nothing came from it for `timeout_s` (--dist-timeout: a machine that vanished or hangs).
@@ -17,11 +25,29 @@ import socket
 import threading
 import time
 
+from pdserve.shared.cluster_auth import TOKEN_ENV, challenge, cluster_token, proof, proves
 from pdserve.shared.tp_group import RankGone
 
 log = logging.getLogger(__name__)
 BEAT_S = 0.5
 HELLO_TIMEOUT_S = 2.0
+LINKED = "linked"
+_HELLO_BYTES = 256  # the longest line of a hello
+
+
+def answer(token: str | None, nonce: bytes, node: int) -> str:
+    """A node's answer to rank 0's challenge: its number and the proof that it holds the token."""
+    return f"{node} {proof(token, nonce + str(node).encode()).hex()}"
+
+
+class _Hello:
+    """A connection to rank 0's end that has not yet proved which node it is."""
+
+    def __init__(self, sock: socket.socket, where: str) -> None:
+        self.sock, self.where = sock, where
+        self.nonce = challenge()
+        self.since = time.monotonic()
+        self.partial = b""
 
 
 class _Peer:
@@ -40,6 +66,8 @@ class Link:
         self.peers: dict[int, _Peer] = {}
         self.lost: str | None = None
         self.listener: socket.socket | None = None
+        self.token = cluster_token()
+        self.hellos: list[_Hello] = []
         self._selector = selectors.DefaultSelector()
         self._last_beat = 0.0
         self._thread: threading.Thread | None = None
@@ -61,13 +89,22 @@ class Link:
 
     @classmethod
     def connect(cls, host: str, port: int, node: int, timeout_s: float) -> Link:
-        """A node's end: connected to rank 0's, which now knows this node."""
+        """A node's end: connected to rank 0's, which now knows this node (RankGone: it could not, or refused)."""
         link = cls(timeout_s)
         try:
             sock = socket.create_connection((host, port), timeout=HELLO_TIMEOUT_S)
         except OSError as exc:
             raise RankGone(f"node {node}: cannot reach rank 0's node at {host}:{port}: {exc}") from None
-        sock.sendall(f"{node}\n".encode())
+        try:
+            nonce = bytes.fromhex(_read_line(sock))
+            sock.sendall(f"{answer(link.token, nonce, node)}\n".encode())
+            said = _read_line(sock)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise RankGone(f"node {node}: no link with rank 0's node at {host}:{port}: {exc}") from None
+        if said != LINKED:
+            sock.close()
+            raise RankGone(f"node {node}: rank 0's node at {host}:{port} refused its link: {said}")
         link._add(_Peer(0, sock, f"{host}:{port}"))
         return link
 
@@ -97,9 +134,14 @@ class Link:
         for key, _ in self._selector.select(wait_s):
             if key.fileobj is self.listener:
                 self._accept()
+            elif isinstance(key.data, _Hello):
+                self._hear(key.data)
             else:
                 self._read(key.data)
         now = time.monotonic()
+        for hello in list(self.hellos):
+            if now - hello.since > HELLO_TIMEOUT_S:
+                self._refuse(hello, f"it did not say which node it is within {HELLO_TIMEOUT_S:g} s")
         if now - self._last_beat >= BEAT_S:
             self._last_beat = now
             self._send(b"\n")
@@ -113,8 +155,8 @@ class Link:
 
     def close(self) -> None:
         self._closed = True
-        for peer in list(self.peers.values()):
-            peer.sock.close()
+        for conn in [*self.peers.values(), *self.hellos]:
+            conn.sock.close()
         if self.listener is not None:
             self.listener.close()
         self._selector.close()
@@ -124,19 +166,66 @@ class Link:
             sock, addr = self.listener.accept()
         except BlockingIOError:
             return
-        sock.settimeout(HELLO_TIMEOUT_S)
+        hello = _Hello(sock, addr[0])
+        sock.setblocking(False)
         try:
-            hello = sock.recv(64).split(b"\n")[0]
-            node = int(hello)
-        except (OSError, ValueError):
+            sock.send(hello.nonce.hex().encode() + b"\n")  # (a new connection's buffer holds it)
+        except OSError:
             sock.close()
             return
-        if node in self.peers or node < 1:
-            sock.sendall(f"node {node} is already part of this worker\n".encode())
-            sock.close()
+        self.hellos.append(hello)
+        self._selector.register(sock, selectors.EVENT_READ, hello)
+
+    def _hear(self, hello: _Hello) -> None:
+        """A connecting node's answer: linked as a peer once it proves the token, else refused."""
+        try:
+            data = hello.sock.recv(_HELLO_BYTES)
+        except BlockingIOError:
             return
-        log.info("tensor-parallel node %d linked from %s", node, addr[0])
-        self._add(_Peer(node, sock, addr[0]))
+        except OSError:
+            data = b""
+        hello.partial += data
+        line, newline, _ = hello.partial.partition(b"\n")
+        if not data or (not newline and len(hello.partial) >= _HELLO_BYTES):
+            self._drop(hello)  # (nothing to answer: it left, or it does not speak this protocol)
+            log.warning("tensor-parallel link: closed a connection from %s that did not say which node it is",
+                        hello.where)
+            return
+        if not newline:
+            return
+        number, _, given = line.decode(errors="replace").partition(" ")
+        try:
+            node, proved = int(number), proves(self.token, hello.nonce + number.encode(), bytes.fromhex(given))
+        except ValueError:
+            node, proved = -1, False
+        if not proved:
+            self._refuse(hello, "its answer is not a node's hello" if self.token is None else
+                         f"its answer does not prove this worker's cluster token ({TOKEN_ENV})")
+        elif node in self.peers or node < 1:
+            self._refuse(hello, f"node {node} is already part of this worker")
+        else:
+            self._drop(hello, close=False)
+            peer = _Peer(node, hello.sock, hello.where)
+            self._add(peer)  # (before it hears it is linked: from then on it is)
+            log.info("tensor-parallel node %d linked from %s", node, hello.where)
+            try:
+                peer.sock.send(f"{LINKED}\n".encode())
+            except OSError as exc:
+                self._lose(peer, f"its connection failed ({exc})")
+
+    def _refuse(self, hello: _Hello, why: str) -> None:
+        log.warning("tensor-parallel link: refused a connection from %s: %s", hello.where, why)
+        try:
+            hello.sock.send(why.encode() + b"\n")
+        except OSError:
+            pass
+        self._drop(hello)
+
+    def _drop(self, hello: _Hello, close: bool = True) -> None:
+        self.hellos.remove(hello)
+        self._selector.unregister(hello.sock)
+        if close:
+            hello.sock.close()
 
     def _add(self, peer: _Peer) -> None:
         peer.sock.setblocking(False)
@@ -177,3 +266,16 @@ class Link:
         what = "rank 0's node" if peer.node == 0 else f"tensor-parallel node {peer.node}"
         if self.lost is None:
             self.lost = f"{what} ({peer.where}) is gone: {why}"
+
+
+def _read_line(sock: socket.socket) -> str:
+    """One line of a hello, read a byte at a time so nothing after it is taken (the beats are the peer's)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        if not byte:
+            raise ConnectionError("rank 0's node closed the connection")
+        if len(line) >= _HELLO_BYTES:
+            raise ValueError("rank 0's node does not speak the link's protocol")
+        line += byte
+    return line[:-1].decode(errors="replace")

@@ -9,11 +9,18 @@ settings are its own; only then do the ranks build their process group (gloo on 
 store. A node started again while an earlier group still stands is refused, so a group is never joined half-way
 through its life.
 
+With a cluster token (shared/cluster_auth.py; every node of a worker has the same environment) what goes through
+the store is checked: each post (shared/tp_channel.py) and each node's settings carry a tag, HMAC-SHA256(token,
+key NUL value) cut to TAG_BYTES, that its reader verifies before using it; the liveness link proves the token when a
+node connects. A process that reaches the store without the token can still disturb the group (the store itself
+is torch.distributed's, unauthenticated), but not make a rank compute a step rank 0 did not post.
+
 The torch imports are inside the functions: a worker's front parses these flags without loading torch.
 """
 from __future__ import annotations
 
 import datetime
+import hmac
 import json
 import logging
 import os
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 FORMED, LINK = "formed", "link"  # store keys: the group stands; rank 0's liveness port
+TAG_BYTES = 16  # of a post's or settings' HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -92,10 +100,23 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def tag(token: str, key: str, value: bytes) -> bytes:
+    """What vouches for `value` under store key `key`: only a holder of the cluster token can make it."""
+    from pdserve.shared.cluster_auth import proof
+
+    return proof(token, key.encode() + b"\0" + value)[:TAG_BYTES]
+
+
 def master_store(nodes: Nodes, timeout_s: float):
     """Rank 0: the TCPStore the ranks meet at, listening on the rendezvous port of every interface."""
     import torch.distributed as dist
 
+    from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token, loopback_only
+
+    if cluster_token() is None and not loopback_only(nodes.host):
+        log.warning("no cluster token (%s): any process that reaches %s:%d may post steps to this worker's ranks, and "
+                    "any that reaches its liveness link may claim to be one of its nodes", TOKEN_ENV, nodes.host,
+                    nodes.port)
     try:
         return dist.TCPStore(nodes.host, nodes.port, None, True, timeout=_timeout(timeout_s), wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
@@ -143,13 +164,33 @@ def settings_of(config, backend: str | None) -> dict[str, str]:
 
 
 def tell_settings(store, node: int, settings: dict[str, str]) -> None:
-    store.set(f"settings/{node}", json.dumps(settings).encode())
+    """A node's settings for rank 0: a line with their tag (empty without a cluster token), then their json."""
+    from pdserve.shared.cluster_auth import cluster_token
+
+    key, body, token = f"settings/{node}", json.dumps(settings).encode(), cluster_token()
+    store.set(key, (tag(token, key, body).hex().encode() if token else b"") + b"\n" + body)
+
+
+def told_settings(store, node: int) -> dict[str, str]:
+    """Rank 0: what node `node` told, once its tag is checked (a ValueError when it fails)."""
+    from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token
+
+    key, token = f"settings/{node}", cluster_token()
+    mark, _, body = store.get(key).partition(b"\n")
+    if token is None and mark:
+        raise ValueError(f"node {node} holds a cluster token and node 0 none: give every node of a worker the same "
+                         f"{TOKEN_ENV}")
+    if token is not None and not hmac.compare_digest(mark, tag(token, key, body).hex().encode()):
+        raise ValueError(f"node {node}'s settings failed their check: was it started without this worker's cluster "
+                         f"token ({TOKEN_ENV}), or with another? (or they were written by a process without it)")
+    return json.loads(body)
 
 
 def check_settings(store, nodes: Nodes, mine: dict[str, str]) -> None:
-    """Rank 0: a ValueError naming the settings where another node's flags differ from this one's."""
+    """Rank 0: a ValueError naming the settings where another node's flags differ from this one's, or that
+    failed their check."""
     for node in range(1, nodes.count):
-        theirs = json.loads(store.get(f"settings/{node}"))
+        theirs = told_settings(store, node)
         differ = [f"{k} ({theirs.get(k)} there, {v} here)" for k, v in mine.items() if theirs.get(k) != v]
         if differ:
             raise ValueError(f"node {node} was started with other flags than node 0: {'; '.join(differ)}. Start "

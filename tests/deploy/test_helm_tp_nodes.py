@@ -9,6 +9,7 @@ import pytest
 from deploy_tools import pdserve_parse
 from pdserve.shared.tp_nodes import plan_nodes
 from test_helm import CHART, FULL, RELEASE, VALUE_SETS
+from test_helm_security import selects
 
 GPU = "nvidia.com/gpu"
 LWS_ENV = {"$(LWS_LEADER_ADDRESS)": f"{FULL}-decode-0.{FULL}-decode.llm", "$(LWS_WORKER_INDEX)": "1"}
@@ -73,6 +74,21 @@ def test_a_decode_worker_over_two_nodes_is_a_leader_worker_set_of_two_pods(rende
     assert [p["name"] for p in service["ports"]] == ["grpc", "http", "transfer", "transfer-r1"]
     # Prefill keeps its Deployment.
     assert pdserve_parse(r.container("prefill")["args"]).nnodes == 1
+
+
+def test_the_pods_of_a_group_hold_the_cluster_token_and_reach_each_other_on_any_port(render):
+    r = render(*TWO_NODES)
+    templates = lws(r, "decode")["spec"]["leaderWorkerTemplate"]
+    policy = r.get("NetworkPolicy", f"{FULL}-workers")["spec"]
+    for which in ("leader", "worker"):
+        labels = templates[f"{which}Template"]["metadata"]["labels"]
+        assert selects(policy["podSelector"], labels)
+        # from the other pod of its group: the rendezvous port, rank 0's link and gloo/NCCL's ports (all free ones)
+        assert [rule for rule in policy["ingress"] if "ports" not in rule
+                and any(selects(peer["podSelector"], labels) for peer in rule["from"])]
+        container, = pod(r, "decode", which)["containers"]
+        token, = [e for e in container["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-cluster-token"  # one token for the group
 
 
 def test_prefill_over_nodes_on_cpus_and_an_autoscaled_group(render):

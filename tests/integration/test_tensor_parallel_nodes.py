@@ -3,7 +3,8 @@ its engine process as rank 0), node 1 runs only rank 1 (`--node-rank 1`: no endp
 --dist-init-addr. What a user sees: the whole model's greedy answer of one process, token for token, alone and
 batched, from a colocated worker and from a decode worker over two nodes fed by a prefill worker; and when node
 1's process is killed, node 0's worker exits within seconds for its supervisor to start it again, leaving no
-process behind.
+process behind. Every process holds the cluster token, as the platform starts them: the posts, the settings and
+the link between the nodes are the authenticated ones, and a node 1 with another token is refused.
 
 The default model in fp32 (its 3 KV-head groups split 2 + 1 over the two nodes), as the other TP tests.
 """
@@ -13,14 +14,23 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 
+import grpc
 import pytest
 
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.proto.codec import params_to_proto as to_proto
+from pdserve.shared.cluster_auth import METADATA_KEY, TOKEN_ENV
+from pdserve.shared.sampling_params import SamplingParams
 from procs import Proc, alive, children, free_port, greedy_in_one_process, start_worker
-from test_pd_workers import FP32, QUESTIONS, generate
+from test_pd_workers import FP32, QUESTIONS
 
 NEW_TOKENS = 16
 GONE_WITHIN_S = 10.0
+TOKEN = "test-cluster-token-5d27e8"
+ENV = {TOKEN_ENV: TOKEN}
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +47,34 @@ def one_process(default_model_dir, prompts) -> list[list[int]]:
     return greedy_in_one_process(default_model_dir, prompts, NEW_TOKENS)
 
 
-def two_nodes(role: str, both: tuple = (), node0: tuple = (), node1: tuple = ()) -> tuple[Proc, str, Proc]:
+def two_nodes(role: str, both: tuple = (), node0: tuple = (), node1: tuple = (), node1_env: dict = ENV) \
+        -> tuple[Proc, str, Proc]:
     """Node 0's worker (its process, its gRPC address) and node 1's process, meeting on a free loopback port;
     `both`: flags of both (every node of a worker is started with the same flags but --node-rank)."""
     meet = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", *FP32, *both]
-    worker, addr = start_worker(role, None, *meet, "--node-rank", "0", *node0)
+    worker, addr = start_worker(role, None, *meet, "--node-rank", "0", *node0, env=ENV)
     transfer = ["--transfer-port", str(free_port())] if role == "decode" else []
     other = Proc(f"{role} node 1", [role, *meet, "--node-rank", "1", "--threads", "1", "--max-total-tokens", "8192",
-                                    *transfer, *node1]).start()
+                                    *transfer, *node1]).start(node1_env)
     return worker, addr, other
+
+
+async def generate(addr: str, ids: list[int], prefill: str = "") -> list[int]:
+    """A greedy answer from a worker, asked as the gateway asks: with the cluster token."""
+    sampling = to_proto(SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
+    request = pb.GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling=sampling, prefill_addr=prefill)
+    tokens: list[int] = []
+    async with grpc.aio.insecure_channel(addr) as ch:
+        async for msg in pb_grpc.WorkerStub(ch).Generate(request, timeout=120, metadata=((METADATA_KEY, TOKEN),)):
+            tokens += [t for c in msg.choices for t in c.token_ids]
+    return tokens
 
 
 def answers(addr: str, prompts, prefill: str = "") -> tuple[list, list]:
     async def run():
-        alone = [(await generate(addr, ids, prefill=prefill, max_new_tokens=NEW_TOKENS))["tokens"][0]
-                 for ids in prompts]
-        together = await asyncio.gather(*(generate(addr, ids, prefill=prefill, max_new_tokens=NEW_TOKENS)
-                                          for ids in prompts))
-        return alone, [o["tokens"][0] for o in together]
+        alone = [await generate(addr, ids, prefill=prefill) for ids in prompts]
+        together = await asyncio.gather(*(generate(addr, ids, prefill=prefill) for ids in prompts))
+        return alone, list(together)
     return asyncio.run(run())
 
 
@@ -85,7 +105,7 @@ def test_a_worker_over_two_nodes_answers_as_one_process_and_goes_down_without_no
 
 
 def test_a_decode_worker_over_two_nodes_takes_its_prompts_from_a_prefill_worker(prompts, one_process):
-    prefill, paddr = start_worker("prefill", None, *FP32, "--transfer-backend", "tcp")
+    prefill, paddr = start_worker("prefill", None, *FP32, "--transfer-backend", "tcp", env=ENV)
     node0 = node1 = None
     try:
         prefill.wait_healthy()
@@ -112,6 +132,18 @@ def test_nodes_started_with_other_flags_are_a_start_error_naming_them():
         said = "node 1 was started with other flags than node 0: cache (CacheConfig(page_size=32"
         assert said in node0.tail(20)
         assert said in node1.tail(20)  # rank 0 told it why before it left
+    finally:
+        node0.kill()
+        node1.kill()
+
+
+def test_a_node_with_another_cluster_token_is_refused_its_link():
+    node0, _, node1 = two_nodes("colocated", node1_env={TOKEN_ENV: "another-token"})
+    try:
+        assert node1.popen.wait(120) != 0
+        assert "refused its link: its answer does not prove this worker's cluster token" in node1.tail(20)
+        assert "tensor-parallel link: refused a connection from 127.0.0.1" in node0.tail(40)
+        assert TOKEN not in node0.tail(200) and node0.popen.poll() is None  # it waits for a node that proves it
     finally:
         node0.kill()
         node1.kill()

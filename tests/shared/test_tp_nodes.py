@@ -1,7 +1,9 @@
 """The parts of a tensor-parallel worker over several machines, each alone on loopback: the posts through the
 rendezvous store arrive in order with their payloads and are cleaned up behind; a follower waiting for a post
 hears at once that rank 0's process is gone, and runs its idle work meanwhile; the liveness link between nodes
-says which node is gone and why (its connection closed, the reason it sent, or silence past the timeout)."""
+says which node is gone and why (its connection closed, the reason it sent, or silence past the timeout). With a
+cluster token, a post, a node's settings or a link hello from a process without it is refused; a connection that
+says nothing holds up no node."""
 from __future__ import annotations
 
 import datetime
@@ -15,10 +17,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pdserve.shared import tp_link
+from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from pdserve.shared.tp_channel import StoreBox
 from pdserve.shared.tp_group import RankGone
-from pdserve.shared.tp_link import Link
-from pdserve.shared.tp_nodes import Nodes, form, join
+from pdserve.shared.tp_link import Link, answer
+from pdserve.shared.tp_nodes import Nodes, check_settings, form, join, tell_settings
+
+TOKEN = "test-cluster-token-3f9a1c"
+
+
+@pytest.fixture(autouse=True)
+def no_token(monkeypatch):
+    """Each test starts without a cluster token (a worker started by hand); `token` gives it one."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+
+
+@pytest.fixture
+def token(monkeypatch) -> str:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    return TOKEN
 
 
 def free_port() -> int:
@@ -46,6 +65,7 @@ def test_posts_arrive_in_order_with_their_payloads_and_old_ones_are_removed():
     leader.post(2, [])
     assert follower.fetch(5.0) == (2, []) and follower.payload.numel() == 0
     assert not master.check(["post/1"]) and master.check(["post/2", "post/3"])  # read by every rank by now
+    assert len(master.get("post/2")) == 8 * 8  # kind, length, 3 header and 3 payload ints: no tag without a token
     with pytest.raises(ValueError, match="holds 32 integers"):
         leader.post(1, list(range(33)))
 
@@ -164,11 +184,103 @@ def test_beats_keep_a_link_alive_and_silence_ends_it(rank0_end):
 def test_a_node_hears_that_rank_0_is_gone_and_a_second_node_1_is_refused(rank0_end):
     node = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
     until(lambda: rank0_end.linked([1]))
-    twin = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
-    until(lambda: (twin.poll(0.05), twin.lost)[1] is not None)
-    assert "node 1 is already part of this worker" in twin.lost
+    with pytest.raises(RankGone, match="rank 0's node at 127.0.0.1:[0-9]+ refused its link: node 1 is already part"):
+        Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
+    assert rank0_end.lost is None and rank0_end.linked([1])
     rank0_end.close()
     until(lambda: (node.poll(0.05), node.lost)[1] is not None)
     assert node.lost.startswith("rank 0's node (127.0.0.1:")
     with pytest.raises(RankGone):
         node.check()
+
+
+# ------------------------------------------------------------------------------------------------ with a cluster token
+@pytest.mark.parametrize("forger", [None, "another-token", "replay"])
+def test_with_a_token_a_follower_refuses_a_post_rank_0_did_not_make(token, monkeypatch, forger):
+    master, client = stores()
+    leader, follower = StoreBox(master, 0, 2), StoreBox(client, 1, 2)
+    leader.post(1, [4, 2], torch.tensor([7, 8], dtype=torch.int32))
+    assert follower.fetch(5.0) == (1, [4, 2]) and follower.payload.tolist() == [7, 8]  # rank 0's own
+    if forger == "replay":
+        client.set("post/2", master.get("post/1"))  # a post rank 0 made, under the next key
+    else:  # a client of the store without the token, or with another, writes the next post
+        monkeypatch.delenv(TOKEN_ENV) if forger is None else monkeypatch.setenv(TOKEN_ENV, forger)
+        intruder = StoreBox(client, 0, 2)
+        intruder.seen = 1
+        intruder.post(1, [4, 9], torch.tensor([666]))
+    with pytest.raises(RankGone, match=r"rank 1: a post to the tensor-parallel ranks failed its check: written by "
+                                       r"a process without the cluster token\? \(store key 'post/2'"):
+        follower.fetch(5.0)
+
+
+def test_with_a_token_rank_0_checks_the_settings_each_node_tells(token, monkeypatch):
+    master, client = stores()
+    nodes = Nodes(count=2, rank=0, host="127.0.0.1", port=0, size=2)
+    tell_settings(client, 1, {"cache": "a"})
+    check_settings(master, nodes, {"cache": "a"})
+    with pytest.raises(ValueError, match=r"other flags than node 0: cache \(a there, b here\)"):
+        check_settings(master, nodes, {"cache": "b"})
+    for other in ("another-token", None):
+        monkeypatch.delenv(TOKEN_ENV) if other is None else monkeypatch.setenv(TOKEN_ENV, other)
+        tell_settings(client, 1, {"cache": "a"})
+        monkeypatch.setenv(TOKEN_ENV, token)
+        with pytest.raises(ValueError, match=f"node 1's settings failed their check: .*cluster token \\({TOKEN_ENV}"):
+            check_settings(master, nodes, {"cache": "a"})
+    tell_settings(client, 1, {"cache": "a"})
+    monkeypatch.delenv(TOKEN_ENV)  # node 0 without one
+    with pytest.raises(ValueError, match="node 1 holds a cluster token and node 0 none"):
+        check_settings(master, nodes, {"cache": "a"})
+
+
+def hello(port: int, token: str | None, node: int = 1, then=lambda: None) -> str:
+    """A hand-made hello to rank 0's end: what it answers (`then()` runs before the connection closes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        nonce = bytes.fromhex(tp_link._read_line(sock))
+        sock.sendall(f"{answer(token, nonce, node)}\n".encode())
+        said = tp_link._read_line(sock)
+        if said != tp_link.LINKED:
+            assert sock.recv(1) == b""  # refused: closed
+        then()
+        return said
+
+
+def test_with_a_token_a_hello_that_does_not_prove_it_is_refused_and_the_node_still_links(token, monkeypatch,
+                                                                                        caplog):
+    rank0_end = Link.listen(timeout_s=1.5)
+    rank0_end.start()
+    try:
+        assert "does not prove this worker's cluster token" in hello(rank0_end.port, "another-token")
+        node = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
+        until(lambda: rank0_end.linked([1]))
+        assert "does not prove" in hello(rank0_end.port, "another-token", node=1)  # a forged node 1 while it is up
+        monkeypatch.setenv(TOKEN_ENV, "another-token")
+        with pytest.raises(RankGone, match="refused its link: its answer does not prove this worker's cluster token"):
+            Link.connect("127.0.0.1", rank0_end.port, 2, timeout_s=1.5)
+        node.poll(0.1)
+        assert rank0_end.lost is None and list(rank0_end.peers) == [1]  # none counted, none leaving
+        node.close()
+    finally:
+        rank0_end.close()
+    refusals = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1" in r.getMessage()]
+    assert len(refusals) == 3 and not [r for r in caplog.records if token in r.getMessage()]
+
+
+def test_without_a_token_any_node_links_as_before(rank0_end):
+    linked = []
+    assert hello(rank0_end.port, "any-token", node=2, then=lambda: linked.append(rank0_end.linked([2]))) == \
+        tp_link.LINKED
+    assert linked == [True]
+
+
+def test_a_connection_that_says_nothing_holds_up_no_node_and_is_closed(token, monkeypatch, rank0_end):
+    monkeypatch.setattr(tp_link, "HELLO_TIMEOUT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", rank0_end.port), timeout=5) as silent:
+        start = time.monotonic()
+        node = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
+        assert time.monotonic() - start < 0.5 and rank0_end.linked([1])
+        tp_link._read_line(silent)  # its challenge, unanswered
+        assert "did not say which node it is within 0.5 s" in tp_link._read_line(silent)
+        assert silent.recv(1) == b""
+    node.poll(0.1)
+    assert rank0_end.lost is None and node.lost is None
+    node.close()
