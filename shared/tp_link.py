@@ -31,6 +31,7 @@ from pdserve.shared.tp_group import RankGone
 log = logging.getLogger(__name__)
 BEAT_S = 0.5
 HELLO_TIMEOUT_S = 2.0
+CLOSE_WAIT_S = 1.0  # for the peer to read what this end said before it leaves
 LINKED = "linked"
 _HELLO_BYTES = 256  # the longest line of a hello
 
@@ -155,7 +156,8 @@ class Link:
 
     def close(self) -> None:
         self._closed = True
-        for conn in [*self.peers.values(), *self.hellos]:
+        _close_after_sent([peer.sock for peer in self.peers.values()])
+        for conn in self.hellos:
             conn.sock.close()
         if self.listener is not None:
             self.listener.close()
@@ -279,3 +281,26 @@ def _read_line(sock: socket.socket) -> str:
             raise ValueError("rank 0's node does not speak the link's protocol")
         line += byte
     return line[:-1].decode(errors="replace")
+
+
+def _close_after_sent(socks: list[socket.socket], wait_s: float = CLOSE_WAIT_S) -> None:
+    """Close so that what was said reaches the peers: a socket closed with beats still unread is reset, and a
+    reset drops what this end sent but the network had not carried yet (the reason it leaves). So: no more
+    sending, read until each peer closes its end (it does once it has read ours) or `wait_s` in all, then close."""
+    end = time.monotonic() + wait_s
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    for sock in socks:
+        try:
+            sock.setblocking(True)
+            while (left := end - time.monotonic()) > 0:
+                sock.settimeout(left)
+                if not sock.recv(4096):
+                    break
+        except OSError:
+            pass
+        finally:
+            sock.close()
