@@ -9,9 +9,10 @@ or adapter. Files sit under a directory per identity: a weight update starts a n
 one unreachable at once (renamed away, deleted in the background).
 
 A file is a header (magic, format version, payload size, the payload's XXH3-128 checksum, the key) and the page's
-bytes. The checksum catches torn, truncated and corrupted files at memory speed (a cryptographic hash would bound
-the tier at about 1 GB/s of a core: the directory's readers and writers are trusted, its bytes are not). It is written under a temporary name and renamed, so a reader sees a whole file or none; a file that is
-short, torn, corrupted or written for another key fails its check on read, is deleted and counts as a miss:
+bytes. The checksum finds torn, truncated and corrupted files at memory speed; a cryptographic hash would bound the
+tier at about 1 GB/s of a core and guard against nothing more, as whoever can write the directory can write a
+matching hash too. A file is written under a temporary name and renamed, so a reader sees a whole file or none; one
+that is short, torn, corrupted or written for another key fails its check on read, is deleted and counts as a miss:
 the page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
 skipped write, and a counter, never an exception for the caller.
 
