@@ -67,10 +67,6 @@ class HeldPrefixes:
         return (_longest(self.device.get(address, ()), hashes),
                 _longest(self.storage.get(self.domain_of.get(address, ""), ()), hashes))
 
-    def knows(self, address: str) -> bool:
-        """Whether `address` streams its events (then its device table is the truth, not routing history)."""
-        return address in self.device
-
 
 def _longest(held, hashes: list[int]) -> int:
     for pages in range(len(hashes), 0, -1):
