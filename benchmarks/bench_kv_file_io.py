@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.shared.kv_file_io import nixl_file_io
-from pdserve.shared.kv_files import KVFiles, chain_keys, checksum, identity_key
+from pdserve.shared.kv_files import KVFiles, checksum
+from pdserve.shared.kv_keys import chain_keys, identity_key
 
 MB = 1e6
 PATHS = ("file", "nixl-posix")

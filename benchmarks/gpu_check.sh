@@ -14,7 +14,8 @@
 # Runs, in order: (a) the CUDA kernel tests and the decode-graph tests; (b) benchmarks/gpu_runtime.py (step
 # times with graphs on and off, GPU-busy fraction, kernels per step, greedy parity, transformers with a static
 # cache + torch.compile timed in the same run); (b2) on two GPUs or more, benchmarks/gpu_tp.py (greedy TP 1 vs
-# TP 2, decode step times at batch 1 and 64); (c) `pdserve bench` against a colocated worker, then against
+# TP 2, decode step times at batch 1 and 64); (b3) benchmarks/gpu_tiers.py (the host-memory KV tier: greedy tokens
+# with a prefix copied back from host memory, and the copies' GB/s into and out of pinned memory); (c) `pdserve bench` against a colocated worker, then against
 # prefill + decode on the same GPU with TCP transfer, at 1, 64 and 256 streams of 128 tokens after ~200-token
 # prompts (workers and gateway started directly: there is no redis-server there), the colocated worker also
 # alone (benchmarks/bench_worker_streams.py: gRPC streams straight to it); then the targets table.
@@ -168,6 +169,14 @@ elif [ "$SERVING_ONLY" = 0 ]; then
   log "tensor parallelism skipped: $GPUS GPU(s) here, it needs 2"
 fi
 
+# ---------------------------------------------------------------- (b3) the host-memory KV tier
+if [ "$SERVING_ONLY" = 0 ]; then
+  log "gpu_tiers.py (host-memory KV tier)"
+  timeout 180 "$PY" "$REPO/benchmarks/gpu_tiers.py" --model-path "$MODEL" --device "$DEVICE" \
+    --json "$RESULTS/tiers.json" ${RUNTIME_ARGS[@]:+--dry-run} 2>&1 | tee "$LOGS/tiers.log" | grep -v " INFO " >&2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || failed host_tier
+fi
+
 # ---------------------------------------------------------------- (c) serving
 # Fixed loopback ports below the kernel's ephemeral range; HTTP ports are gRPC + 1000, TCP KV ports + 2000.
 GATEWAY_PORT=30000 COLOCATED_PORT=21051 PREFILL_PORT=21061 DECODE_PORT=21071
@@ -249,6 +258,7 @@ for f in "$RESULTS"/bench_pd_*.json; do [ -e "$f" ] && report+=(--pd "$f"); done
 [ -s "$RESULTS/prefill_metrics.txt" ] && report+=(--kv-metrics "$RESULTS/prefill_metrics.txt")
 [ -s "$RESULTS/worker_alone.json" ] && report+=(--worker-alone "$RESULTS/worker_alone.json")
 [ -s "$RESULTS/tp.json" ] && report+=(--tp "$RESULTS/tp.json")
+[ -s "$RESULTS/tiers.json" ] && report+=(--tiers "$RESULTS/tiers.json")
 [ -s "$RESULTS/gpu.txt" ] && report+=(--gpu "$(head -1 "$RESULTS/gpu.txt")")
 for step in "${FAILED[@]}"; do report+=(--failed "$step"); done
 "$PY" "$REPO/benchmarks/gpu_report.py" "${report[@]}" | tee "$RESULTS/targets.txt" || failed report

@@ -118,6 +118,20 @@ def tp_targets(tp: dict) -> list[Target]:
             Target(f"decode step TP 1 / TP {tp['tp_size']}", times or "-", None)]
 
 
+def tier_targets(tiers: dict) -> list[Target]:
+    """gpu_tiers.py's figures: greedy identical with the prefix from host memory, restore GB/s (targets)."""
+    if not tiers:
+        return []
+    restore = tiers.get("restore_scattered_gbs")
+    return [Target("host tier: greedy identical, prefix from host memory",
+                   f"{tiers.get('greedy_identical')} ({tiers.get('host_hit_tokens')} tokens from host)",
+                   bool(tiers.get("greedy_identical") and tiers.get("prefix_from_host"))),
+            Target("host tier restore >= 10 GB/s per worker (scattered pages)",
+                   f"{_fmt(restore, ' GB/s')} (consecutive {_fmt(tiers.get('restore_consecutive_gbs'), ' GB/s')}, "
+                   f"store {_fmt(tiers.get('store_scattered_gbs'), ' GB/s')})",
+                   None if restore is None else restore >= 10)]
+
+
 def format_targets(rows: list[Target]) -> str:
     width = max(len(r.what) for r in rows)
     verdict = {True: "met", False: "MISSED", None: "-"}  # "-": no figure, or one that is only reported
@@ -133,6 +147,7 @@ def main() -> None:
     ap.add_argument("--gpu", default=None, help="the device, as nvidia-smi names it")
     ap.add_argument("--worker-alone", default=None, help="bench_worker_streams.py --json of the colocated worker")
     ap.add_argument("--tp", default=None, help="gpu_tp.py --json output, where the machine had 2 GPUs or more")
+    ap.add_argument("--tiers", default=None, help="gpu_tiers.py --json output")
     ap.add_argument("--failed", action="append", default=[], help="a step of the check that failed (repeatable)")
     ap.add_argument("--elapsed", type=float, default=None, help="seconds the whole check took")
     ap.add_argument("--json", default=None, help="write runtime, serving and targets here")
@@ -151,7 +166,12 @@ def main() -> None:
     if args.tp and os.path.exists(args.tp):
         with open(args.tp) as f:
             tp = json.load(f)
-    rows = decode_targets(rt) + serving_targets(colo, pd, kv_gbs, rt.get("raw_d2d_copy_gbs"), rt) + tp_targets(tp)
+    tiers: dict = {}
+    if args.tiers and os.path.exists(args.tiers):
+        with open(args.tiers) as f:
+            tiers = json.load(f)
+    rows = (decode_targets(rt) + serving_targets(colo, pd, kv_gbs, rt.get("raw_d2d_copy_gbs"), rt) + tp_targets(tp)
+            + tier_targets(tiers))
     print(f"GPU targets on {device}:")
     print(format_targets(rows))
     for name, lv in (("colocated", colo), ("PD", pd)):
@@ -172,7 +192,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": device, "elapsed_s": args.elapsed, "failed_steps": args.failed, "runtime": rt,
                        "serving": {"colocated": colo, "pd": pd, "kv_transfer_gbs": kv_gbs,
-                                   "worker_alone": alone}, "tensor_parallel": tp,
+                                   "worker_alone": alone}, "tensor_parallel": tp, "kv_tiers": tiers,
                        "targets": [asdict(r) for r in rows]}, f, indent=2)
 
 

@@ -120,7 +120,7 @@ class ServedWeights:
         rids = {r.rid for r in engine.scheduler.live_reqs()} if abort_reason is not None else set()
         for rid in rids:
             engine.abort(rid, error=abort_reason)
-        if engine.scheduler.live_reqs() or not engine.flush_cache(storage=False):  # old KV never meets new weights
+        if engine.scheduler.live_reqs() or not engine.flush_cache(lower=()):  # old KV never meets new weights
             return None
         engine.runner.swap_weights(self._staged[1])
         if engine.tiers is not None:  # the old weights' stored KV stays, for the workers still on them, unreachable here

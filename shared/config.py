@@ -228,15 +228,17 @@ class SchedulerConfig:
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-# The tiers of cached KV that /flush_cache may name (`?tiers=`): the pool's prefix cache, and the storage tier.
-CACHE_TIERS = ("device", "storage")
+# The tiers of cached KV that /flush_cache may name (`?tiers=`): the pool's prefix cache, the host-memory tier and
+# the storage tier.
+CACHE_TIERS = ("device", "host", "storage")
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    """KV tiers under the radix cache (--enable-hierarchical-cache): a storage tier in a directory."""
+    """KV tiers under the radix cache (--enable-hierarchical-cache): host memory, a storage tier in a directory,
+    or both (host above storage)."""
 
-    storage_dir: str
+    storage_dir: str | None = None  # None: no storage tier
     # write_through: a page goes to storage once cached; write_through_selective: once a second request reads it
     # from the pool; write_back: when the pool evicts it.
     write_policy: str = "write_through"
@@ -244,6 +246,9 @@ class TierConfig:
     # deadline, the rest computed), timeout (all of it by the deadline, or none), wait_complete (all of it).
     prefetch_policy: str = "best_effort"
     prefetch_timeout_s: float = 2.0
+    # The host tier's size: `host_ratio` times the pool's pages, or `host_gb` GB when given; neither: no host tier.
+    host_ratio: float | None = None
+    host_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -254,6 +259,15 @@ class TierConfig:
                              f"got {self.prefetch_policy!r}")
         if not self.prefetch_timeout_s > 0:
             raise ValueError(f"--hicache-storage-prefetch-timeout must be > 0, got {self.prefetch_timeout_s}")
+        if self.host_ratio is not None and not self.host_ratio >= 1:
+            # a host tier smaller than the pool could not take one eviction of the pool's size whole
+            raise ValueError(f"--hicache-ratio must be >= 1 (the host tier is at least the pool's size), "
+                             f"got {self.host_ratio:g}")
+        if self.host_gb is not None and not self.host_gb > 0:
+            raise ValueError(f"--hicache-size must be > 0 GB, got {self.host_gb:g}")
+        if self.storage_dir is None and self.host_ratio is None and self.host_gb is None:
+            raise ValueError("--enable-hierarchical-cache needs a tier: --hicache-storage-backend file with "
+                             "--hicache-storage-dir, or (on a GPU) --hicache-ratio / --hicache-size")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
-from pdserve.shared.kv_tiers import StorageTier, kv_identity
+from pdserve.shared.kv_keys import kv_identity
+from pdserve.shared.kv_tiers import KVTiers
 from pdserve.shared.host_memory import upload
 from pdserve.shared.model_runner import ModelRunner
 from pdserve.shared.observer import RequestObserver, StepStats
@@ -80,8 +81,8 @@ class Engine:
         self.adapters = Adapters(self)
         self.experts = ExpertRecording(self)
         self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
-        self.tiers = StorageTier(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner.pool),
-                                 wake=lambda: self.call(lambda: None)) if config.tiers is not None else None
+        self.tiers = KVTiers(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner.pool),
+                             wake=lambda: self.call(lambda: None)) if config.tiers is not None else None
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -370,11 +371,11 @@ class Engine:
         req.on_output(out)
 
     # ------------------------------------------------------------ inspection (engine thread)
-    def flush_cache(self, storage: bool = True) -> bool:
-        """Empty the prefix cache and, with `storage`, make the storage tier's pages unreachable too."""
+    def flush_cache(self, lower: tuple[str, ...] = ("host", "storage")) -> bool:
+        """Empty the prefix cache and the `lower` tiers named ("host": forgotten, "storage": made unreachable)."""
         flushed = self.scheduler.flush_cache()
-        if flushed and storage and self.tiers is not None:
-            self.tiers.flush()
+        if flushed and lower and self.tiers is not None:
+            self.tiers.flush(host="host" in lower, storage="storage" in lower)
         return flushed
 
     def load(self) -> dict[str, int]:

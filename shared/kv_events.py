@@ -5,7 +5,7 @@ ids of each page from the first (`page_hash`; Python hashes ints and tuples of t
 no per-process seed). The radix cache names each full page it adds outside a namespace (an adapter's or a salted
 prompt's pages answer only requests that a router cannot tell apart by their tokens, so it is told nothing of
 them) and records here, on the engine thread, the pages each tier gained and lost since the engine's last loop
-iteration: `device` (the pool) and `storage` (the storage tier's directory). The engine process sends them with
+iteration: `device` (the pool), `host` (the host-memory tier) and `storage` (the storage tier's directory). The engine process sends them with
 the iteration's outputs; the worker's front adds them up (`HeldPages`) and streams them to every router that
 asks: all it holds first, then the changes (services/worker/kv_events.py).
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-DEVICE, STORAGE = "device", "storage"
-TIERS = (DEVICE, STORAGE)
+DEVICE, HOST, STORAGE = "device", "host", "storage"
+TIERS = (DEVICE, HOST, STORAGE)
 ROOT = 0  # the hash "before" a prompt's first page
 STORAGE_LIMIT = 200_000  # stored pages a front remembers (the directory may hold more): the least recently told go
 
@@ -70,20 +70,24 @@ class CacheEvents:
 
 class HeldPages:
     """The sum of a worker's cache events: the pages each tier holds now, as the worker's front keeps it for the
-    routers that subscribe. Device pages are bounded by the pool; stored pages by STORAGE_LIMIT."""
+    routers that subscribe. Device and host pages are bounded by their tiers; stored pages by STORAGE_LIMIT."""
 
     def __init__(self, storage_limit: int = STORAGE_LIMIT) -> None:
         self.device: set[int] = set()
+        self.host: set[int] = set()
         self.storage: OrderedDict[int, None] = OrderedDict()
         self.storage_limit = storage_limit
 
     def apply(self, cleared: list[str], added: dict[str, list[int]], removed: dict[str, list[int]]) -> None:
         if DEVICE in cleared:
             self.device.clear()
+        if HOST in cleared:
+            self.host.clear()
         if STORAGE in cleared:
             self.storage.clear()
-        self.device.update(added.get(DEVICE, ()))
-        self.device.difference_update(removed.get(DEVICE, ()))
+        for tier, held in ((DEVICE, self.device), (HOST, self.host)):
+            held.update(added.get(tier, ()))
+            held.difference_update(removed.get(tier, ()))
         for h in added.get(STORAGE, ()):
             self.storage[h] = None
             self.storage.move_to_end(h)

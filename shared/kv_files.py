@@ -1,9 +1,9 @@
 """KVFiles: the storage tier's directory, where page runs of KV outlive a worker's pool, shared by every worker of
 one model that mounts it.
 
-One file per page, named by the page's key: a hash chained over the tokens of every page before it and its own,
-starting from the identity of what the KV was computed with (`identity`: the model's weights, dtype, page layout,
-and the cache namespace: a LoRA adapter's). Two pages share a key only when the same tokens, after the same
+One file per page, named by the page's key (kv_keys.py): a hash chained over the tokens of every page before it
+and its own, starting from the identity of what the KV was computed with (`identity`: the model's weights, dtype,
+page layout, and the cache namespace: a LoRA adapter's). Two pages share a key only when the same tokens, after the same
 prefix, went through the same weights the same way, so a stored page can never answer for another prompt, model
 or adapter. Files sit under a directory per identity: a weight update starts a new one, and `flush` makes the old
 one unreachable at once (renamed away, deleted in the background).
@@ -27,8 +27,6 @@ The methods do blocking I/O: the engine calls them from its tier threads (kv_tie
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -48,46 +46,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"PDKV"
 FORMAT = 2  # 1: a BLAKE2b digest (such files fail the check: computed again)
 HEADER = struct.Struct("<4sHxxQ16s32s")  # magic, format, payload bytes, checksum, key (hex)
-KEY_BYTES = 16  # 32 hex digits
 checksum = xxhash.xxh3_128_digest  # of a page's bytes
 COUNT_EVERY_S = 5.0  # the directory's files are counted in the background at most this often (a walk takes seconds)
-
-
-def model_fingerprint(model_path: str) -> str:
-    """What identifies a checkpoint's weights wherever it is mounted: its config and, per weight file, its name,
-    size and the hash of its first MiB (a different checkpoint differs there; reading whole files would cost
-    seconds per gigabyte at every start)."""
-    h = hashlib.blake2b(digest_size=16)
-    root = Path(model_path)
-    if not root.exists():  # a name rather than a path: the name is all there is to go by
-        h.update(model_path.encode())
-        return h.hexdigest()
-    config = root / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
-    for path in sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt")) \
-            if root.is_dir() else [root]:
-        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-    return h.hexdigest()
-
-
-def identity_key(identity: dict) -> str:
-    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=KEY_BYTES).hexdigest()
-
-
-def chain_keys(identity: str, pages: list[tuple]) -> list[str]:
-    """The key of each page of a run, given the radix cache's page keys (token ids, with a namespace string
-    first in the first page's key when there is one)."""
-    keys, prev = [], bytes.fromhex(identity)
-    for page in pages:
-        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
-        for item in page:
-            h.update(b"\xffns" + item.encode() + b"\0" if isinstance(item, str) else item.to_bytes(4, "little", signed=True))
-        prev = h.digest()
-        keys.append(prev.hex())
-    return keys
 
 
 @dataclass
@@ -397,3 +357,22 @@ class KVFiles:
         if self.counts.by_reason[reason] in (1, 100, 10000):  # the first of each kind, then rarely
             log.warning("KV storage tier %s failed (%s x%d): %s", what, self.root, self.counts.by_reason[reason], exc)
 
+
+def directory_id(root: Path) -> str:
+    """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
+    starting at once agree); its path where the file cannot be had."""
+    marker = root / ".pdserve-directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not marker.exists():
+            tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, marker)
+            except FileExistsError:
+                pass  # another worker's is there first
+            finally:
+                tmp.unlink()
+        return marker.read_text().strip()
+    except OSError:
+        return str(root.resolve())

@@ -1,47 +1,49 @@
-"""StorageTier: a tier of KV pages under the radix cache, in a directory (kv_files.py) that outlives the pool and
-that several workers may share.
+"""KVTiers: the tiers of KV pages under the radix cache: host memory (kv_host.py; a GPU worker's) and a directory
+(kv_files.py) that outlives the pool and that several workers may share. Either or both; host above storage.
 
-Lifecycle of a request with a stored prefix: the scheduler hands each new request to `hold` -> the keys of the
-prompt's pages beyond what the pool holds are looked up and read on a reader thread, while the request waits
-here (it counts as live: an abort finds it) and the engine steps every other request -> `poll`, on the engine
-thread, copies what was read into free pages of the pool in one copy, adds them to the radix cache and queues
-the request, whose prefix match then finds them as if they had never left. A read that is not done by its
-deadline (--hicache-storage-prefetch-timeout) is given up according to the prefetch policy: the request computes
-what did not arrive. A file that fails its check is a miss: the page is computed again, never read wrong.
+Lifecycle of a request whose prefix went past the pool: the scheduler hands each new request to `hold` -> the keys
+of the prompt's pages beyond what the pool holds are looked up. What the host tier holds goes back into free pages
+of the pool at once (a copy the stream runs before the request's step; the engine thread does not wait for it).
+What continues the prefix in storage is read on a reader thread, while the request waits here (it counts as live:
+an abort finds it) and the engine steps every other request -> `poll`, on the engine thread, copies what was read
+into free pages of the pool in one copy, adds them to the radix cache and queues the request, whose prefix match
+then finds them as if they had never left. A read that is not done by its deadline
+(--hicache-storage-prefetch-timeout) is given up according to the prefetch policy: the request computes what did
+not arrive. A file that fails its check is a miss: the page is computed again, never read wrong.
 
-Writes never stop a step either. Under write_through a page is written once the radix cache takes it: the path
-of pages is locked in the cache (so it is neither evicted nor reused) while a writer thread reads it straight
-from the pool, and unlocked by `poll` when written. write_through_selective writes a path only once a later
-request has found it in the pool; write_back writes what the pool evicts, copied out first (the only copy on the
-engine thread, one for every page evicted at once). Writes that fall behind are dropped (at most a quarter of
-the pool waits to be written), never queued without bound.
+Writes never stop a step either. The host tier takes every full page the pool evicts. Storage follows the write
+policy: under write_through a page is written once the radix cache takes it: the path of pages is locked in the
+cache (so it is neither evicted nor reused) while a writer thread reads it straight from the pool, and unlocked by
+`poll` when written. write_through_selective writes a path only once a later request has found it in the pool;
+write_back writes what the pool evicts, from the host tier's copy where there is one (its slots kept until
+written), else copied out first (the only copy on the engine thread, one for every page evicted at once). Writes
+that fall behind are dropped (at most a quarter of the pool waits to be written), never queued without bound.
 
 Keys are chained over every page's tokens from the identity of the weights, dtype and page layout
-(kv_files.py); a weight update moves to a new identity, so KV of other weights is never found.
+(kv_keys.py); a weight update moves to a new identity, so KV of other weights is never found.
 
-The routers are told which pages are stored (`events`, kv_events.py) and under which `domain`: the directory's
-own id (a file in it, written by the first worker there) with the identity, so every worker that can read a
-page another stored names the place alike.
+The routers are told which pages each tier holds (`events`, kv_events.py); stored pages under a `domain`: the
+directory's own id (a file in it, written by the first worker there) with the identity, so every worker that can
+read a page another stored names the place alike.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
-import uuid
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pdserve.shared.config import RuntimeConfig, TierConfig
-from pdserve.shared.kv_events import STORAGE, CacheEvents
-from pdserve.shared.kv_files import KVFiles, chain_keys, identity_key, model_fingerprint
+from pdserve.shared.config import TierConfig
+from pdserve.shared.kv_events import HOST, STORAGE, CacheEvents
+from pdserve.shared.kv_files import KVFiles, directory_id
+from pdserve.shared.kv_keys import chain_keys, identity_key, model_fingerprint
+from pdserve.shared.kv_host import HostPages, host_pages
+from pdserve.shared.kv_tier_writer import TierWriter, Write
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.req import Req, ReqStatus
 
@@ -53,7 +55,6 @@ log = logging.getLogger(__name__)
 
 WAIT_COMPLETE_LIMIT_S = 60.0  # wait_complete still gives up on a read this slow: it computes rather than hang
 READ_RUN = 16  # pages read at once (KVFiles.read_run: one NIXL transfer); a load given up stops after the current run
-WRITE_RUN = 64  # pages written at once (KVFiles.write_run); a job of more is written a run at a time
 
 
 @dataclass
@@ -65,30 +66,23 @@ class TierCounts:
     hit_tokens: int = 0
     load_seconds: float = 0.0  # summed over loads: hold -> queued
     given_up: int = 0  # loads past their deadline
-    writes_dropped: int = 0  # pages not written because the writer was a quarter of the pool behind
+    host_hits: int = 0  # requests that got at least one page back from the host tier
+    host_hit_tokens: int = 0
+    host_load_seconds: float = 0.0  # engine-thread time spent putting host pages back (the copies are issued)
 
 
 @dataclass
 class _Load:
     req: Req
     keys: list[str]  # keys of every full page of the prompt the request may reuse
-    first: int  # index of the first page the pool did not hold when it arrived
+    first: int  # index of the first page neither the pool nor the host tier held when it arrived
     deadline: float
     started: float
     read: list[bytes] = field(default_factory=list)
     done: bool = False
 
 
-def kv_identity(config: RuntimeConfig, pool: KVPool) -> dict:
-    """What makes KV computed here reusable elsewhere: the same weights through the same arithmetic and layout."""
-    layout = pool.layout
-    return {"weights": model_fingerprint(config.model_path), "dtype": str(layout.dtype),
-            "page_size": layout.page_size, "layers": layout.num_layers, "kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim, "quantization": config.quantization, "kernels": config.kernels,
-            "deterministic": config.deterministic, "device": torch.device(config.device).type}
-
-
-class StorageTier:
+class KVTiers:
     def __init__(self, config: TierConfig, scheduler: Scheduler, pool: KVPool, identity: dict,
                  wake: Callable[[], None]) -> None:
         self.config = config
@@ -96,21 +90,25 @@ class StorageTier:
         self.cache = scheduler.cache
         self.pool = pool
         self.page_size = pool.page_size
-        self.files = KVFiles(config.storage_dir, pool.layout.page_bytes)
+        slots = host_pages(config, pool)
+        self.host = HostPages(slots, tuple(pool.buffer.shape[1:]), pool.layout.dtype, pool.buffer.device) \
+            if slots else None
+        self.files = KVFiles(config.storage_dir, pool.layout.page_bytes) if config.storage_dir is not None else None
         self.counts = TierCounts()
         self._identity = dict(identity)
-        self.files.use(identity_key(self._identity))
-        self._directory_id = directory_id(self.files.root)
-        self.domain = self._domain()
+        self.root_key = identity_key(self._identity)  # the chain of every page's key starts here
+        self.domain = ""  # where stored pages can be read ("" without a storage tier)
+        if self.files is not None:
+            self.files.use(self.root_key)
+            self._directory_id = directory_id(self.files.root)
+            self.domain = self._domain()
         self.events: CacheEvents | None = None  # told which pages are stored (set by the worker's engine host)
         self._wake = wake  # makes the engine loop look at `poll` soon (it may be waiting for work)
         self._loading: dict[int, _Load] = {}  # by id(req)
         self._done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run by `poll`, engine thread
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-read")
-        self._writes: queue.Queue = queue.Queue()
-        self._pending_write_pages = 0
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-write", daemon=True)
-        self._writer.start()
+        # at most a quarter of the pool waits to be written
+        self.writer = TierWriter(self.files, pool.num_pages // 4, self._report) if self.files is not None else None
         scheduler.holders.append(self)
         scheduler.tier = self
 
@@ -118,22 +116,33 @@ class StorageTier:
     def weights_changed(self, model_path: str) -> None:
         """Read and write under the new weights' identity from now on (the pool was flushed with them)."""
         self._identity.update(weights=model_fingerprint(model_path))
-        self.files.use(identity_key(self._identity))
-        self.domain = self._domain()
-        if self.events is not None:
-            self.events.cleared(STORAGE)  # what was stored under the old weights answers nothing now
+        self.root_key = identity_key(self._identity)
+        if self.host is not None:
+            self.host.clear()  # other weights' KV
+            if self.events is not None:
+                self.events.cleared(HOST)
+        if self.files is not None:
+            self.files.use(self.root_key)
+            self.domain = self._domain()
+            if self.events is not None:
+                self.events.cleared(STORAGE)  # what was stored under the old weights answers nothing now
 
     def _domain(self) -> str:
         """Where stored pages can be read: the same for every worker on this directory with this identity."""
-        return hashlib.blake2b(f"{self._directory_id}:{self.files.identity}".encode(), digest_size=16).hexdigest()
+        return hashlib.blake2b(f"{self._directory_id}:{self.root_key}".encode(), digest_size=16).hexdigest()
 
-    def flush(self) -> None:
-        """Make every stored page unreachable (the files go in the background)."""
-        self.files.flush()
-        for node in self.cache.nodes():
-            node.stored = False
-        if self.events is not None:
-            self.events.cleared(STORAGE)
+    def flush(self, host: bool = True, storage: bool = True) -> None:
+        """Forget the host tier's pages; make every stored page unreachable (the files go in the background)."""
+        if host and self.host is not None:
+            self.host.clear()
+            if self.events is not None:
+                self.events.cleared(HOST)
+        if storage and self.files is not None:
+            self.files.flush()
+            for node in self.cache.nodes():
+                node.stored = False
+            if self.events is not None:
+                self.events.cleared(STORAGE)
 
     # ------------------------------------------------------------ PageHolder: loading requests are live
     def held_reqs(self) -> list[Req]:
@@ -155,13 +164,17 @@ class StorageTier:
             limit = min(limit, req.first_logit_row)
         num_pages = limit // s
         have = self.cache.match_prefix(req.fill_ids, max_pages=num_pages, namespace=req.cache_namespace).num_tokens
-        if self.config.write_policy == "write_through_selective" and have:
+        if self.files is not None and self.config.write_policy == "write_through_selective" and have:
             self._write_path(self.cache.match_prefix(req.fill_ids, max_pages=have,
                                                      namespace=req.cache_namespace).node)
         if num_pages <= have:
             return False
-        keys = chain_keys(self.files.identity, self.cache.page_keys(req.fill_ids, num_pages, req.cache_namespace))
+        keys = chain_keys(self.root_key, self.cache.page_keys(req.fill_ids, num_pages, req.cache_namespace))
         self.counts.lookups += 1
+        if self.host is not None:
+            have += self._from_host(req, keys, have)
+        if num_pages <= have or self.files is None:
+            return False
         now = time.monotonic()
         timeout = WAIT_COMPLETE_LIMIT_S if self.config.prefetch_policy == "wait_complete" \
             else self.config.prefetch_timeout_s
@@ -191,109 +204,136 @@ class StorageTier:
             return  # aborted meanwhile, or already given up at its deadline
         self._queue(load, load.read)
 
+    def _from_host(self, req: Req, keys: list[str], have: int) -> int:
+        """Put the pages the host tier holds after the pool's `have` into the pool and the cache; how many."""
+        started = time.monotonic()
+        slots = self.host.find(keys[have:])
+        if not slots:
+            return 0
+        self.host.lend(slots)  # the evictions that make room in the pool must not reuse them
+        try:
+            got, _ = self._insert(req, have, slots, lambda fresh, first: self.host.load(
+                slots[first:first + len(fresh)], self.pool.buffer, fresh))
+        finally:
+            self.host.give_back(slots)
+        self.counts.host_load_seconds += time.monotonic() - started
+        if got:
+            self.counts.host_hits += 1
+            self.counts.host_hit_tokens += got * self.page_size
+        return got
+
     def _queue(self, load: _Load, pages: list[bytes]) -> None:
         """Engine thread: the pages read go into the pool and the cache, and the request into the queue."""
         del self._loading[id(load.req)]
         load.done = True
         req = load.req
-        got = self._insert(req, load, pages) if pages else 0
+        got, nodes = self._insert(req, load.first, pages, self._put_read(pages)) if pages else (0, [])
+        for node in nodes:
+            node.stored = True
+        self._told_stored(nodes)
         self.counts.load_seconds += time.monotonic() - load.started
         if got:
             self.counts.hits += 1
             self.counts.hit_tokens += got * self.page_size
         self.scheduler.enqueue(req)
 
-    def _insert(self, req: Req, load: _Load, pages: list[bytes]) -> int:
-        """Put `pages` (read for load.first onwards) into free pages of the pool and the radix cache; how many."""
+    def _put_read(self, pages: list[bytes]) -> Callable[[list[int], int], None]:
+        def put(fresh: list[int], first: int) -> None:
+            layout, buffer = self.pool.layout, self.pool.buffer
+            staged = torch.frombuffer(bytearray(b"".join(pages[first:first + len(fresh)])), dtype=torch.uint8)
+            staged = staged.view(layout.dtype).view(len(fresh), *buffer.shape[1:])
+            buffer[torch.tensor(fresh, device=buffer.device)] = staged.to(buffer.device)
+        return put
+
+    def _insert(self, req: Req, first: int, pages: list, put: Callable[[list[int], int], None]
+                ) -> tuple[int, list[Node]]:
+        """Put `pages` (the prompt's, from page `first` on, in a lower tier) into free pages of the pool and the
+        radix cache: how many were new there, and the cache's nodes for them. `put(fresh, i)` copies
+        pages[i:i + len(fresh)] into the pool's `fresh` pages."""
         s = self.page_size
         tokens, namespace = req.fill_ids, req.cache_namespace
-        match = self.cache.match_prefix(tokens, max_pages=load.first + len(pages), namespace=namespace)
+        match = self.cache.match_prefix(tokens, max_pages=first + len(pages), namespace=namespace)
         have = match.num_tokens  # the pool may hold more (or less) of it by now
-        if have < load.first:
-            return 0  # evicted since: what was read no longer continues what the pool holds
-        pages = pages[have - load.first:]
-        if not pages:
-            return 0
+        if have < first:
+            return 0, []  # evicted since: what was read no longer continues what the pool holds
+        skip = have - first
+        wanted = len(pages) - skip
+        if not wanted:
+            return 0, []
         self.cache.lock(match.node)  # its pages must not be evicted to make room for the ones read
-        fresh = self.scheduler.allocate(len(pages)) or self.scheduler.allocate(len(pages) // 2) or []
+        fresh = self.scheduler.allocate(wanted) or self.scheduler.allocate(wanted // 2) or []
         self.cache.unlock(match.node)
         if not fresh:
-            return 0
-        pages = pages[:len(fresh)]
-        layout = self.pool.layout
-        staged = torch.frombuffer(bytearray(b"".join(pages)), dtype=torch.uint8).view(layout.dtype)
-        staged = staged.view(len(pages), *self.pool.buffer.shape[1:])
-        self.pool.buffer[torch.tensor(fresh, device=self.pool.buffer.device)] = staged.to(self.pool.buffer.device)
-        result = self.cache.insert(tokens[:(have + len(pages)) * s], match.pages + fresh, namespace)
+            return 0, []
+        put(fresh, skip)
+        result = self.cache.insert(tokens[:(have + len(fresh)) * s], match.pages + fresh, namespace)
         self.scheduler.allocator.free(result.duplicates)
-        read = self.cache.path(result.node)[have:]
-        for node in read:
-            node.stored = True
-        self._told_stored(read)
-        return len(pages) - len(result.duplicates)
+        return len(fresh) - len(result.duplicates), self.cache.path(result.node)[have:]
 
     # ------------------------------------------------------------ writes
     def cached(self, node: Node) -> None:
         """The radix cache took the path down to `node` (Scheduler.cache_pages)."""
-        if self.config.write_policy == "write_through":
+        if self.files is not None and self.config.write_policy == "write_through":
             self._write_path(node)
 
     def evicting(self, nodes: list[Node]) -> None:
-        """write_back: the pool is about to reuse these nodes' pages; copy out what is not stored yet."""
-        if self.config.write_policy != "write_back":
+        """The pool is about to reuse these nodes' pages: into the host tier they go, and under write_back to
+        storage what is not stored yet."""
+        full = [n for n in nodes if self._full(n)]
+        if not full:
             return
-        todo = [n for n in nodes if not n.stored and self._full(n)]
-        if not todo or not self._room(len(todo)):
+        slots: list[int | None] = [None] * len(full)
+        if self.host is not None:
+            slots, left = self.host.keep([self._key(n) for n in full], [n.route_hash for n in full],
+                                         self.pool.buffer, [n.page for n in full])
+            if self.events is not None:
+                self.events.removed(HOST, left)
+                self.events.added(HOST, [n.route_hash for n, slot in zip(full, slots)
+                                         if slot is not None and n.route_hash is not None])
+        if self.files is None or self.config.write_policy != "write_back":
             return
-        keys = [self._key(n) for n in todo]
-        index = torch.tensor([n.page for n in todo], device=self.pool.buffer.device)
+        todo = [(n, slot) for n, slot in zip(full, slots) if not n.stored]
+        if not todo or not self.writer.room(len(todo)):
+            return
+        keys, nodes = [self._key(n) for n, _ in todo], [n for n, _ in todo]
+        if all(slot is not None for _, slot in todo):  # written from the host tier's copies
+            kept = [slot for _, slot in todo]
+            self.host.lend(kept)
+            self.writer.put(Write(keys, self.host.buffer, kept, nodes, ready=self.host.ready(), lent=True))
+            return
+        index = torch.tensor([n.page for n in nodes], device=self.pool.buffer.device)
         copies = self.pool.buffer[index].to("cpu")  # one copy: these pages are reused by the step that follows
-        self._writes.put((keys, copies, (None, todo)))
+        self.writer.put(Write(keys, copies, list(range(len(keys))), nodes))
 
     def _write_path(self, node: Node) -> None:
         todo = [n for n in self.cache.path(node) if not n.stored and self._full(n)]
-        if not todo or not self._room(len(todo)):
+        if not todo or not self.writer.room(len(todo)):
             return
         keys = [self._key(n) for n in todo]
         for n in todo:
             n.stored = True  # asked for once; a failed write clears it again
         self.cache.lock(node)  # the path's pages stay as they are until the writer has read them
-        self._writes.put((keys, [n.page for n in todo], (node, todo)))
+        self.writer.put(Write(keys, self.pool.buffer, [n.page for n in todo], todo, locked=node))
 
     @property
     def writing(self) -> bool:
         """Whether pages asked to be written are not yet (write_through keeps their paths locked meanwhile)."""
-        return self._pending_write_pages > 0
+        return self.writer is not None and self.writer.pending_pages > 0
 
-    def _room(self, pages: int) -> bool:
-        if self._pending_write_pages + pages > max(1, self.pool.num_pages // 4):
-            self.counts.writes_dropped += pages
-            return False
-        self._pending_write_pages += pages
-        return True
+    def _report(self, write: Write, ok: list[bool]) -> None:
+        """Writer thread: a job is written; the engine thread takes it from here."""
+        self._done.put(lambda: self._written(write, ok))
+        self._wake()
 
-    def _write_loop(self) -> None:
-        """Writer thread: each job's pages to their files, straight from the pool (locked) or from copies."""
-        while True:
-            keys, pages, job = self._writes.get()
-            ok: list[bool] = []
-            for start in range(0, len(keys), WRITE_RUN):
-                run = range(start, min(start + WRITE_RUN, len(keys)))
-                data = [pages[i] if isinstance(pages, torch.Tensor) else self.pool.buffer[pages[i]] for i in run]
-                ok += self.files.write_run(keys[start:start + WRITE_RUN],
-                                           [d.cpu().reshape(-1).view(torch.uint8).numpy().data for d in data])
-            self._done.put(lambda n=len(keys), job=job, ok=ok: self._written(n, job, ok))
-            self._wake()
-
-    def _written(self, count: int, job: tuple[Node | None, list[Node]], ok: list[bool]) -> None:
-        """`job`: the node whose path was locked for the writer (None: written from copies) and the nodes."""
-        self._pending_write_pages -= count
-        locked, nodes = job
-        if locked is not None:
-            self.cache.unlock(locked)
-        for n, written in zip(nodes, ok):
+    def _written(self, write: Write, ok: list[bool]) -> None:
+        self.writer.landed(write)
+        if write.locked is not None:
+            self.cache.unlock(write.locked)
+        if write.lent:
+            self.host.give_back(write.pages)
+        for n, written in zip(write.nodes, ok):
             n.stored = written
-        self._told_stored([n for n, written in zip(nodes, ok) if written])
+        self._told_stored([n for n, written in zip(write.nodes, ok) if written])
 
     def _told_stored(self, nodes: list[Node]) -> None:
         if self.events is not None:
@@ -309,7 +349,7 @@ class StorageTier:
         while node.store_key is None and node.parent is not None:
             path.append(node)
             node = node.parent
-        prev = node.store_key if node.parent is not None else self.files.identity
+        prev = node.store_key if node.parent is not None else self.root_key
         for n in reversed(path):
             n.store_key = prev = chain_keys(prev, [n.key])[0]
         return path[0].store_key if path else node.store_key
@@ -329,35 +369,26 @@ class StorageTier:
             self._queue(load, list(load.read) if self.config.prefetch_policy == "best_effort" else [])
 
     def stats(self) -> dict:
+        """Running totals, per tier (host_*: the host tier's; the rest the storage tier's), where it is."""
+        stats = {"lookups": self.counts.lookups}
+        if self.host is not None:
+            host, c = self.host, self.counts
+            stats.update(host_pages=host.used, host_capacity=host.num_pages, host_hits=c.host_hits,
+                         host_hit_tokens=c.host_hit_tokens, host_load_seconds=c.host_load_seconds,
+                         host_bytes_read=host.counts.pages_out * host.page_bytes,
+                         host_bytes_written=host.counts.pages_in * host.page_bytes,
+                         host_dropped=host.counts.dropped)
+        if self.files is None:
+            return stats
         pages, size = self.files.occupancy()
         files = self.files.counts
-        return {"storage_pages": pages, "storage_bytes": size, "lookups": self.counts.lookups,
+        return {**stats, "storage_pages": pages, "storage_bytes": size,
                 "hits": self.counts.hits, "hit_tokens": self.counts.hit_tokens,
                 "pages_read": files.pages_read, "bytes_read": files.bytes_read,
                 "pages_written": files.pages_written, "bytes_written": files.bytes_written,
                 "load_seconds": self.counts.load_seconds, "given_up": self.counts.given_up,
-                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": self.counts.writes_dropped,
+                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": self.writer.dropped,
                 "io_fallbacks": files.io_fallbacks, "io": self.files.io}  # io: a name, the rest numbers
 
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)
-
-
-def directory_id(root: Path) -> str:
-    """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
-    starting at once agree); its path where the file cannot be had."""
-    marker = root / ".pdserve-directory"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not marker.exists():
-            tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
-            tmp.write_text(uuid.uuid4().hex)
-            try:
-                os.link(tmp, marker)
-            except FileExistsError:
-                pass  # another worker's is there first
-            finally:
-                tmp.unlink()
-        return marker.read_text().strip()
-    except OSError:
-        return str(root.resolve())

@@ -116,7 +116,7 @@ class Scheduler:
         self.chunked: Req | None = None  # a prompt part-way through chunked prefill
         self.running: list[Req] = []
         self.holders: list[PageHolder] = []
-        # A lower tier of KV pages under the cache (kv_tiers.StorageTier), or None: it may hold a new request
+        # A lower tier of KV pages under the cache (kv_tiers.KVTiers), or None: it may hold a new request
         # while its stored prefix is read, and is told what the cache takes and evicts.
         self.tier: Tier | None = None
 

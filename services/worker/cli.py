@@ -220,7 +220,7 @@ def main(args: argparse.Namespace, command: str) -> int:
                   file=sys.stderr)
             return 1
         return _serve_encoder(config, args)
-    if config.tiers is not None:  # before the engine process loads the model
+    if config.tiers is not None and config.tiers.storage_dir is not None:  # before the engine process loads the model
         from pdserve.shared.kv_files import KVFiles
 
         try:

@@ -40,9 +40,12 @@ class AdminCalls:
     @runs("engine")
     def call_load(self) -> dict:
         load = self.engine.load()
-        if self.engine.tiers is not None:  # what its directory holds, as of the latest count
-            stored = self.engine.tiers.stats()
+        tiers = self.engine.tiers
+        if tiers is not None and tiers.files is not None:  # what its directory holds, as of the latest count
+            stored = tiers.stats()
             load.update(storage_tier=True, storage_pages=stored["storage_pages"], storage_bytes=stored["storage_bytes"])
+        if tiers is not None and tiers.host is not None:
+            load.update(host_tier=True, host_pages=tiers.host.used, host_capacity=tiers.host.num_pages)
         return load
 
     @runs("thread")
@@ -53,15 +56,18 @@ class AdminCalls:
         if unknown:
             raise ValueError(f"tiers: unknown tier {unknown[0]!r} (known: {', '.join(CACHE_TIERS)})")
         names = set(tiers or CACHE_TIERS)
-        engine, storage = self.engine, "storage" in names
+        engine = self.engine
+        has = {"host": engine.tiers is not None and engine.tiers.host is not None,
+               "storage": engine.tiers is not None and engine.tiers.files is not None}
+        lower = tuple(t for t in ("host", "storage") if t in names and has[t])
         if "device" not in names:
-            if engine.tiers is None:
-                return {"ok": True, "message": "this worker has no storage tier"}
-            self.on_engine(engine.tiers.flush)
-            return {"ok": True, "message": "storage tier flushed"}
+            if not lower:
+                return {"ok": True, "message": f"this worker has no {' or '.join(sorted(names))} tier"}
+            self.on_engine(lambda: engine.tiers.flush(host="host" in lower, storage="storage" in lower))
+            return {"ok": True, "message": f"{' and '.join(lower)} tier{'s' if len(lower) > 1 else ''} flushed"}
 
         def attempt() -> bool | None:  # None: only the storage tier's writes stand in the way
-            if engine.flush_cache(storage=storage):
+            if engine.flush_cache(lower=lower):
                 return True
             return None if not engine.scheduler.live_reqs() and engine.tiers is not None and engine.tiers.writing \
                 else False
@@ -74,8 +80,7 @@ class AdminCalls:
                                             "cache not flushed"}
         if not flushed:
             return {"ok": False, "message": "requests are running; cache not flushed"}
-        done = "device and storage" if storage and engine.tiers is not None else "device"
-        return {"ok": True, "message": f"cache flushed ({done})"}
+        return {"ok": True, "message": f"cache flushed ({' and '.join(('device', *lower))})"}
 
     @runs("engine")
     def call_pool_stats(self) -> dict:

@@ -90,7 +90,8 @@ class EngineCalls(AdminCalls):
                              poll_fn=self.transfer.poll if wiring.transfer == "receiver" else None,
                              observer=self.metrics)
         if self.engine.tiers is not None:
-            self.metrics.watch_tier()
+            self.metrics.watch_tiers(host=self.engine.tiers.host is not None,
+                                     storage=self.engine.tiers.files is not None)
         self.runner = runner
         self.starting: dict[str, bool] = {}  # rid -> aborted, while its grammar compiles
         self._starting_lock = threading.Lock()

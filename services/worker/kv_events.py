@@ -11,7 +11,7 @@ import asyncio
 from collections import deque
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.shared.kv_events import DEVICE, STORAGE, HeldPages
+from pdserve.shared.kv_events import DEVICE, HOST, STORAGE, HeldPages
 
 QUEUE_LIMIT = 256  # batches a subscriber may have waiting before it is sent a snapshot instead
 CHUNK = 50_000  # hashes per tier in one message of a snapshot
@@ -38,7 +38,8 @@ class KVFeed:
         if not self._subscribers:
             return
         batch = pb.KVEventBatch(cleared=cleared, device_added=added.get(DEVICE, ()),
-                                device_removed=removed.get(DEVICE, ()), storage_added=added.get(STORAGE, ()),
+                                device_removed=removed.get(DEVICE, ()), host_added=added.get(HOST, ()),
+                                host_removed=removed.get(HOST, ()), storage_added=added.get(STORAGE, ()),
                                 storage_removed=removed.get(STORAGE, ()), storage_domain=self.domain)
         for sub in self._subscribers:
             if len(sub.queue) >= QUEUE_LIMIT:
@@ -57,9 +58,10 @@ class KVFeed:
             sub.wake.set()
 
     def snapshot(self) -> list[pb.KVEventBatch]:
-        device, storage = list(self.held.device), list(self.held.storage)
-        chunks = max(1, -(-len(device) // CHUNK), -(-len(storage) // CHUNK))
+        device, host, storage = list(self.held.device), list(self.held.host), list(self.held.storage)
+        chunks = max(1, *(-(-len(held) // CHUNK) for held in (device, host, storage)))
         return [pb.KVEventBatch(snapshot=i == 0, device_added=device[i * CHUNK:(i + 1) * CHUNK],
+                                host_added=host[i * CHUNK:(i + 1) * CHUNK],
                                 storage_added=storage[i * CHUNK:(i + 1) * CHUNK], storage_domain=self.domain)
                 for i in range(chunks)]
 

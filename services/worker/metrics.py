@@ -8,7 +8,7 @@ for SGLang read pdserve as they are; what SGLang has no name for is `pdserve_wor
   colocated worker reports all of them. Summed over workers, no token is counted twice;
 - each KV transfer of a prefill worker (`transferred`, `transfer_failed`), by decode peer;
 - the engine's queues and KV pool, read on the engine thread when scraped (`refresh`);
-- the storage tier, where there is one (tier_metrics.py).
+- the KV tiers, where there are some (tier_metrics.py).
 """
 from __future__ import annotations
 
@@ -117,11 +117,11 @@ class WorkerMetrics(RequestObserver):
                                           NAME + ["peer"], buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "KV writes that failed",
                                          NAME + ["peer"], registry=r)
-        self.tiers: TierMetrics | None = None  # the storage tier's series, where the worker has one (`watch_tier`)
+        self.tiers: TierMetrics | None = None  # the KV tiers' series, where the worker has them (`watch_tiers`)
 
-    def watch_tier(self) -> None:
-        """The engine has a storage tier (--enable-hierarchical-cache): its series too, from now on."""
-        self.tiers = TierMetrics(self.registry, self.model_name, self.page_size)
+    def watch_tiers(self, host: bool, storage: bool) -> None:
+        """The engine has KV tiers (--enable-hierarchical-cache): their series too, from now on."""
+        self.tiers = TierMetrics(self.registry, self.model_name, self.page_size, host=host, storage=storage)
 
     def _cache_config_info(self, registry: CollectorRegistry, num_pages: int) -> None:
         # SGLang's label names, and vLLM's beside them: an endpoint picker pointed at this metric with

@@ -1,9 +1,10 @@
 """The KV tier flags of a generative worker, with SGLang's names (`--enable-hierarchical-cache`, `--hicache-*`), and
-the TierConfig they build (`shared/kv_tiers.py` is the tier itself).
+the TierConfig they build (`shared/kv_tiers.py` is the tiers themselves).
 
-What is built is one tier under the pool: page files in a directory (`--hicache-storage-backend file`). SGLang's
-host-memory tier (`--hicache-ratio`, `--hicache-size`) is not: on a CPU worker the pool already lives in host
-memory, on a GPU the tier is not written yet; both are start errors, never flags silently ignored.
+Two tiers under the pool: on a GPU, host memory (`--hicache-ratio`, `--hicache-size`; on by default with
+--enable-hierarchical-cache, as in SGLang); on every machine, page files in a directory (`--hicache-storage-backend
+file`). A CPU worker's pool already lives in host memory, so there the host-tier flags are a start error, never
+flags silently ignored.
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ STORAGE_BACKENDS = ("file",)
 # SGLang's other storage backends, named in the refusal so that a command line copied from SGLang says what to do.
 NOT_BUILT_BACKENDS = ("mooncake", "hf3fs", "nixl", "aibrix", "eic", "dynamic")
 DEFAULT_PREFETCH_TIMEOUT_S = TierConfig.prefetch_timeout_s
+DEFAULT_HOST_RATIO = 2.0  # SGLang's default
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     # Defaults of None: a flag given without --enable-hierarchical-cache is an error, not a no-op.
     parser.add_argument("--enable-hierarchical-cache", action="store_true",
-                        help="keep KV pages beyond the pool in a tier below the prefix cache: page files in "
-                             "--hicache-storage-dir, which outlive the worker and may be shared by the workers "
-                             "of one model (needs --hicache-storage-backend file)")
+                        help="keep KV pages beyond the pool in tiers below the prefix cache: on a GPU, host memory "
+                             "(--hicache-ratio); page files in --hicache-storage-dir, which outlive the worker and "
+                             "may be shared by the workers of one model (--hicache-storage-backend file)")
     parser.add_argument("--hicache-storage-backend", default=None, metavar="BACKEND",
                         help="where the tier keeps pages: file (one file per page, plain file I/O); SGLang's "
                              "other backends are not built")
@@ -38,48 +40,55 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hicache-storage-prefetch-timeout", type=float, default=None, metavar="SECONDS",
                         help=f"the wait of best_effort and timeout (default: {DEFAULT_PREFETCH_TIMEOUT_S:g})")
     parser.add_argument("--hicache-ratio", type=float, default=None, metavar="RATIO",
-                        help="SGLang's host-memory tier, sized against the pool: not built (a start error)")
-    parser.add_argument("--hicache-size", type=int, default=None, metavar="GB",
-                        help="SGLang's host-memory tier, in GB: not built (a start error)")
+                        help=f"GPU workers: the host-memory tier's size, times the pool's (default: "
+                             f"{DEFAULT_HOST_RATIO:g}; at least 1); pinned host memory the pool evicts into")
+    parser.add_argument("--hicache-size", type=float, default=None, metavar="GB",
+                        help="GPU workers: the host-memory tier's size in GB (instead of --hicache-ratio)")
 
 
 def tier_config(args: argparse.Namespace) -> TierConfig | None:
     """The tier the flags ask for, None when off; ValueError naming the flag for what cannot be served."""
     if not hasattr(args, "enable_hierarchical_cache"):
         return None  # a command without the tier flags
-    host_tier = [flag for flag, value in (("--hicache-ratio", args.hicache_ratio),
-                                          ("--hicache-size", args.hicache_size)) if value is not None]
-    if host_tier:
-        why = ("which a CPU worker has no use for: its KV pool already lives in host memory, so only the storage "
-               "tier applies" if not args.device.startswith("cuda")
-               else "which is not built yet: on a GPU worker only the storage tier is")
-        raise ValueError(f"{host_tier[0]} sizes SGLang's host-memory KV tier, {why} (--enable-hierarchical-cache "
-                         "--hicache-storage-backend file --hicache-storage-dir DIR)")
+    host_flags = {"--hicache-ratio": args.hicache_ratio, "--hicache-size": args.hicache_size}
+    on_gpu = args.device.startswith("cuda")
+    host_given = [flag for flag, value in host_flags.items() if value is not None]
+    if host_given and not on_gpu:
+        raise ValueError(f"{host_given[0]} sizes the host-memory KV tier, which a CPU worker has no use for: its KV "
+                         "pool already lives in host memory, so only the storage tier applies "
+                         "(--enable-hierarchical-cache --hicache-storage-backend file --hicache-storage-dir DIR)")
+    if len(host_given) == 2:
+        raise ValueError("--hicache-ratio and --hicache-size both size the host-memory tier: give one")
     given = {"--hicache-storage-backend": args.hicache_storage_backend,
              "--hicache-storage-dir": args.hicache_storage_dir,
              "--hicache-write-policy": args.hicache_write_policy,
              "--hicache-storage-prefetch-policy": args.hicache_storage_prefetch_policy,
              "--hicache-storage-prefetch-timeout": args.hicache_storage_prefetch_timeout}
     if not args.enable_hierarchical_cache:
-        stray = [flag for flag, value in given.items() if value is not None]
+        stray = [flag for flag, value in {**given, **host_flags}.items() if value is not None]
         if stray:
             raise ValueError(f"{stray[0]} needs --enable-hierarchical-cache")
         return None
     backend = args.hicache_storage_backend
     if backend is None:
-        raise ValueError("--enable-hierarchical-cache: only the storage tier is built, so it needs "
-                         "--hicache-storage-backend file and --hicache-storage-dir DIR")
-    if backend not in STORAGE_BACKENDS:
+        stray = [flag for flag, value in given.items() if value is not None]
+        if stray:  # the host tier takes what the pool evicts: there is nothing for these to choose
+            raise ValueError(f"{stray[0]} applies to the storage tier, which needs --hicache-storage-backend file "
+                             "and --hicache-storage-dir DIR")
+        if not on_gpu:
+            raise ValueError("--enable-hierarchical-cache on a CPU worker: its tier is storage, so it needs "
+                             "--hicache-storage-backend file and --hicache-storage-dir DIR")
+    elif backend not in STORAGE_BACKENDS:
         later = f" ({backend} is not built)" if backend in NOT_BUILT_BACKENDS else ""
         raise ValueError(f"--hicache-storage-backend must be one of {', '.join(STORAGE_BACKENDS)}, "
                          f"got {backend!r}{later}")
-    if not args.hicache_storage_dir:
+    elif not args.hicache_storage_dir:
         raise ValueError(f"--hicache-storage-backend {backend} needs --hicache-storage-dir: the directory its page "
                          "files live in")
-    defaults = TierConfig(args.hicache_storage_dir)
-    return TierConfig(args.hicache_storage_dir,
-                      write_policy=args.hicache_write_policy or defaults.write_policy,
-                      prefetch_policy=args.hicache_storage_prefetch_policy or defaults.prefetch_policy,
-                      prefetch_timeout_s=(defaults.prefetch_timeout_s
-                                          if args.hicache_storage_prefetch_timeout is None
+    host_ratio = (args.hicache_ratio if args.hicache_ratio is not None
+                  else DEFAULT_HOST_RATIO if on_gpu and args.hicache_size is None else None)
+    return TierConfig(args.hicache_storage_dir, host_ratio=host_ratio, host_gb=args.hicache_size,
+                      write_policy=args.hicache_write_policy or TierConfig.write_policy,
+                      prefetch_policy=args.hicache_storage_prefetch_policy or TierConfig.prefetch_policy,
+                      prefetch_timeout_s=(DEFAULT_PREFETCH_TIMEOUT_S if args.hicache_storage_prefetch_timeout is None
                                           else args.hicache_storage_prefetch_timeout))

@@ -1,8 +1,9 @@
-"""TierMetrics: the storage tier's series on a worker's /metrics (--enable-hierarchical-cache), beside WorkerMetrics.
+"""TierMetrics: the KV tiers' series on a worker's /metrics (--enable-hierarchical-cache), beside WorkerMetrics.
 
-SGLang's names where SGLang has one (`sglang:prefetched_tokens`, `sglang:backuped_tokens`),
-`pdserve_worker_kv_storage_*` for the rest. The tier keeps running totals (StorageTier.stats); `refresh`, on the engine thread at each scrape,
-adds to each counter what its total gained since the previous scrape.
+The storage tier's under SGLang's names where SGLang has one (`sglang:prefetched_tokens`, `sglang:backuped_tokens`),
+`pdserve_worker_kv_storage_*` for the rest; the host-memory tier's `pdserve_worker_kv_host_*`. The tiers keep
+running totals (KVTiers.stats); `refresh`, on the engine thread at each scrape, adds to each counter what its
+total gained since the previous scrape.
 """
 from __future__ import annotations
 
@@ -25,11 +26,43 @@ COUNTED = {
 }
 
 
+# stats() key -> (series, help), for the host-memory tier.
+HOST_COUNTED = {
+    "host_hits": ("pdserve_worker_kv_host_hits", "requests that got at least one page back from the host tier"),
+    "host_hit_tokens": ("pdserve_worker_kv_host_hit_tokens", "prompt tokens copied back from the host tier"),
+    "host_load_seconds": ("pdserve_worker_kv_host_load_seconds", "engine-thread time spent issuing the copies back "
+                          "from the host tier, summed"),
+    "host_dropped": ("pdserve_worker_kv_host_dropped_pages", "pages the pool evicted that found no host slot free "
+                     "(every one being written to storage)"),
+}
+
+
 class TierMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, page_size: int) -> None:
-        r, m = registry, model_name
+    def __init__(self, registry: CollectorRegistry, model_name: str, page_size: int, host: bool = False,
+                 storage: bool = True) -> None:
         self.model_name = model_name
         self.page_size = page_size
+        self._seen: dict[str, float] = {}
+        self.host = self._host_series(registry) if host else None
+        self.storage = storage
+        if storage:
+            self._storage_series(registry)
+
+    def _host_series(self, r: CollectorRegistry) -> dict:
+        m = self.model_name
+        series = {key: Counter(name, doc, NAME, registry=r).labels(m) for key, (name, doc) in HOST_COUNTED.items()}
+        series["bytes"] = Counter("pdserve_worker_kv_host_bytes", "KV bytes copied into the host tier (written) and "
+                                  "back into the pool (read)", NAME + ["direction"], registry=r)
+        for direction in ("read", "written"):
+            series["bytes"].labels(m, direction)
+        series["pages"] = Gauge("pdserve_worker_kv_host_pages", "pages the host tier holds", NAME,
+                                registry=r).labels(m)
+        series["capacity"] = Gauge("pdserve_worker_kv_host_capacity_pages", "pages the host tier can hold", NAME,
+                                   registry=r).labels(m)
+        return series
+
+    def _storage_series(self, r: CollectorRegistry) -> None:
+        m = self.model_name
         self.prefetched = Counter("sglang:prefetched_tokens", "prompt tokens read from the storage tier into the "
                                   "pool", NAME, registry=r).labels(m)
         self.backuped = Counter("sglang:backuped_tokens", "tokens written to the storage tier", NAME,
@@ -43,10 +76,18 @@ class TierMetrics:
                            "directory is counted every few seconds)", NAME, registry=r).labels(m)
         self.stored_bytes = Gauge("pdserve_worker_kv_storage_stored_bytes", "bytes of those page files", NAME,
                                   registry=r).labels(m)
-        self._seen: dict[str, float] = {}
 
     def refresh(self, stats: dict) -> None:
-        """Engine thread: the tier's figures (StorageTier.stats) into the series."""
+        """Engine thread: the tiers' figures (KVTiers.stats) into the series."""
+        if self.host is not None:
+            for key in HOST_COUNTED:
+                self.host[key].inc(self._gain(stats, key))
+            self.host["bytes"].labels(self.model_name, "read").inc(self._gain(stats, "host_bytes_read"))
+            self.host["bytes"].labels(self.model_name, "written").inc(self._gain(stats, "host_bytes_written"))
+            self.host["pages"].set(stats["host_pages"])
+            self.host["capacity"].set(stats["host_capacity"])
+        if not self.storage:
+            return
         self.prefetched.inc(self._gain(stats, "hit_tokens"))
         self.backuped.inc(self._gain(stats, "pages_written") * self.page_size)
         for key, counter in self.counted.items():

@@ -61,3 +61,29 @@ def test_an_unknown_policy_is_refused_by_the_schema(helm):
     result = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true",
                   "--set", "kvTiers.writePolicy=write_around")
     assert result.returncode != 0 and "writePolicy" in result.stderr
+
+
+def test_gpu_workers_take_a_host_memory_tier_sized_by_the_values(render):
+    from pdserve.services.worker.cli import runtime_config
+
+    r = render("--set", "kvTiers.enabled=true", "--set", "gpu.enabled=true", "--set", "kvTiers.hostRatio=3")
+    args = r.container("prefill")["args"]
+    assert flag(args, "--hicache-ratio") == ["3"] and "--hicache-size" not in args
+    tiers = runtime_config(pdserve_parse(args), "m").tiers
+    assert (tiers.host_ratio, tiers.storage_dir) == (3.0, "/var/cache/pdserve-kv")
+    sized = render("--set", "kvTiers.enabled=true", "--set", "gpu.enabled=true", "--set", "kvTiers.hostSizeGB=64")
+    assert flag(sized.container("decode")["args"], "--hicache-size") == ["64"]
+    # unset: no flag, and the GPU worker's own default (twice the pool)
+    plain = render("--set", "kvTiers.enabled=true", "--set", "gpu.enabled=true").container("prefill")["args"]
+    assert "--hicache-ratio" not in plain
+    assert runtime_config(pdserve_parse(plain), "m").tiers.host_ratio == 2.0
+
+
+def test_a_host_tier_on_cpu_workers_or_smaller_than_the_pool_is_refused(helm):
+    from test_helm import CHART, RELEASE
+
+    cpu = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true", "--set", "kvTiers.hostRatio=2")
+    assert cpu.returncode != 0 and "size the host-memory tier of GPU workers (gpu.enabled)" in cpu.stderr
+    small = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true", "--set", "gpu.enabled=true",
+                 "--set", "kvTiers.hostRatio=0.5")
+    assert small.returncode != 0 and "hostRatio" in small.stderr

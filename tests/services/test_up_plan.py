@@ -241,3 +241,8 @@ def test_kv_tier_flags_reach_the_workers_that_compute_prompts(tmp_path):
             assert (tiers.storage_dir, tiers.write_policy) == (str(tmp_path / "kv"), "write_back")
         for name in ("embedding", "gateway"):
             assert name not in s or "--enable-hierarchical-cache" not in s[name].args
+    # GPU workers: the host-memory tier too
+    s = by_name(up_plan.build_plan(parse("--device", "cuda", "--enable-hierarchical-cache", "--hicache-ratio", "3"),
+                                   tmp_path, cpus=2))
+    for name in ("prefill", "decode"):
+        assert runtime_config(parsed_args(s[name].args), "m").tiers.host_ratio == 3.0

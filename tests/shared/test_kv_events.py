@@ -2,7 +2,7 @@
 loses; the front's sum of them is what a router is told."""
 from __future__ import annotations
 
-from pdserve.shared.kv_events import DEVICE, STORAGE, CacheEvents, HeldPages, prefix_hashes
+from pdserve.shared.kv_events import DEVICE, HOST, STORAGE, CacheEvents, HeldPages, prefix_hashes
 from pdserve.shared.radix_cache import RadixCache
 
 PAGE = 4
@@ -58,3 +58,7 @@ def test_held_pages_add_up_and_bound_what_is_stored():
     assert list(held.storage) == [11, 12, 13]  # the oldest stored page is forgotten first
     held.apply([DEVICE], {DEVICE: [4]}, {})
     assert held.device == {4}
+    held.apply([], {HOST: [2, 3]}, {DEVICE: [2]})  # evicted from the pool into host memory
+    assert held.device == {4} and held.host == {2, 3}
+    held.apply([HOST], {}, {})
+    assert held.host == set() and list(held.storage) == [11, 12, 13]

@@ -17,7 +17,8 @@ from pdserve.shared import kv_tiers
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.kv_events import DEVICE, STORAGE, CacheEvents, prefix_hashes
-from pdserve.shared.kv_files import HEADER, KVFiles, chain_keys, identity_key
+from pdserve.shared.kv_files import HEADER, KVFiles
+from pdserve.shared.kv_keys import chain_keys, identity_key
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ def run(engine: Engine, prompts: dict[str, list[int]], new_tokens: int = 6, dead
 def settle(engine: Engine, timeout_s: float = 30.0) -> None:
     """Until every write asked for has landed."""
     end = time.monotonic() + timeout_s
-    while engine.tiers._pending_write_pages:
+    while engine.tiers.writing:
         assert time.monotonic() < end, "writes did not finish"
         engine.tiers.poll()
         time.sleep(0.002)

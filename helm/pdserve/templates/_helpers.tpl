@@ -217,7 +217,7 @@ livenessProbe:
 {{- end }}
 {{- end }}
 
-{{/* The storage tier of KV pages (kvTiers.enabled): the prefill workers' flags, its volume and its mount. */}}
+{{/* The KV tiers (kvTiers.enabled): the workers' flags (and a host-memory tier on GPU workers), the storage volume and its mount. */}}
 {{- define "pdserve.kvTiersArgs" -}}
 {{- with .Values.kvTiers }}
 {{- if .enabled }}
@@ -232,6 +232,18 @@ livenessProbe:
 - {{ .prefetchPolicy | quote }}
 - --hicache-storage-prefetch-timeout
 - {{ .prefetchTimeoutSeconds | quote }}
+{{- if or .hostRatio .hostSizeGB }}
+{{- if not $.Values.gpu.enabled }}
+{{- fail "kvTiers.hostRatio / kvTiers.hostSizeGB size the host-memory tier of GPU workers (gpu.enabled): a CPU worker's pool already lives in host memory" }}
+{{- end }}
+{{- if .hostSizeGB }}
+- --hicache-size
+- {{ .hostSizeGB | quote }}
+{{- else }}
+- --hicache-ratio
+- {{ .hostRatio | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -108,7 +108,8 @@ def describe_worker(w) -> dict:
         kv = {"used_pages": load.total_pages - load.free_pages, "total_pages": load.total_pages,
               "cached_pages": load.cached_pages,
               "fraction": (load.total_pages - load.free_pages) / load.total_pages,
-              # the storage tier below the pool (--enable-hierarchical-cache), where the worker has one
+              # the tiers below the pool (--enable-hierarchical-cache), where the worker has them
+              "host": ({"pages": load.host_pages, "total_pages": load.host_capacity} if load.host_tier else None),
               "storage": ({"pages": load.storage_pages, "bytes": load.storage_bytes} if load.storage_tier
                           else None)}
     return {"address": w.address, "role": w.role, "healthy": w.healthy, "last_error": w.last_error or None,
@@ -308,6 +309,7 @@ function render(s) {
     for (const w of workers) {
       const kv = w.kv ? `<span class="bar"><i style="width:${(100 * w.kv.fraction).toFixed(1)}%"></i></span> ` +
                         `${(100 * w.kv.fraction).toFixed(1)}% (${w.kv.used_pages}/${w.kv.total_pages} pages)` +
+                        (w.kv.host ? ` · host ${w.kv.host.pages}/${w.kv.host.total_pages} pages` : "") +
                         (w.kv.storage ? ` · storage ${w.kv.storage.pages} pages ` +
                                         `(${(w.kv.storage.bytes / 1048576).toFixed(1)} MiB)` : "") : "–";
       const spec = w.spec ? `accept len ${w.spec.accept_length.toFixed(2)}, rate ` +

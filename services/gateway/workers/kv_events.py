@@ -1,7 +1,7 @@
 """What the workers say their prefix caches hold, for the router: `HeldPrefixes` is the table, `CacheFeeds` keeps
 it filled from each worker's KVEvents stream (services/worker/kv_events.py).
 
-Device pages are a worker's own. Stored pages belong to a storage domain: the workers whose storage tiers share
+Device and host-memory pages are a worker's own. Stored pages belong to a storage domain: the workers whose storage tiers share
 a directory and the KV identity name it alike, and any of them reads a page another stored. A worker's stream
 starts with everything it holds; when it ends (the worker stopped, restarted, or the connection broke) what the
 worker held on its device is forgotten, and the stream is opened again while the worker is healthy.
@@ -16,7 +16,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
-from pdserve.shared.kv_events import DEVICE, STORAGE, STORAGE_LIMIT
+from pdserve.shared.kv_events import DEVICE, HOST, STORAGE, STORAGE_LIMIT
 
 log = logging.getLogger("pdserve.gateway")
 RETRY_S = 2.0  # after a stream broke while its worker stayed healthy
@@ -25,6 +25,7 @@ RETRY_S = 2.0  # after a stream broke while its worker stayed healthy
 class HeldPrefixes:
     def __init__(self, storage_limit: int = STORAGE_LIMIT) -> None:
         self.device: dict[str, set[int]] = {}  # address -> page hashes in its pool
+        self.host: dict[str, set[int]] = {}  # address -> page hashes in its host-memory tier
         self.storage: dict[str, OrderedDict[int, None]] = {}  # domain -> page hashes stored there
         self.domain_of: dict[str, str] = {}  # address -> its storage domain
         self.storage_limit = storage_limit
@@ -32,8 +33,11 @@ class HeldPrefixes:
     def apply(self, address: str, batch: pb.KVEventBatch) -> list[int]:
         """Take one message of `address`'s stream; the device pages it says the worker no longer holds."""
         device = self.device.setdefault(address, set())
+        host = self.host.setdefault(address, set())
         if batch.snapshot or DEVICE in batch.cleared:
             device.clear()
+        if batch.snapshot or HOST in batch.cleared:
+            host.clear()
         domain = batch.storage_domain
         if domain:
             self.domain_of[address] = domain
@@ -41,6 +45,8 @@ class HeldPrefixes:
             self.domain_of.pop(address, None)
         device.update(batch.device_added)
         device.difference_update(batch.device_removed)
+        host.update(batch.host_added)
+        host.difference_update(batch.host_removed)
         if domain:
             stored = self.storage.setdefault(domain, OrderedDict())
             if STORAGE in batch.cleared:
@@ -58,19 +64,23 @@ class HeldPrefixes:
 
     def forget(self, address: str) -> None:
         self.device.pop(address, None)
+        self.host.pop(address, None)
         self.domain_of.pop(address, None)
         for gone in set(self.storage) - set(self.domain_of.values()):
             del self.storage[gone]
 
-    def pages(self, address: str, hashes: list[int]) -> tuple[int, int]:
-        """How many of the prompt's first pages (`hashes`) the worker holds on its device, and in its storage."""
-        return (_longest(self.device.get(address, ()), hashes),
-                _longest(self.storage.get(self.domain_of.get(address, ""), ()), hashes))
+    def pages(self, address: str, hashes: list[int]) -> tuple[int, int, int]:
+        """How many of the prompt's first pages (`hashes`) the worker holds on its device, on its device or in
+        its host memory (the pool evicts a prefix's last pages first, so its start may be in one and the rest in
+        the other), and in its storage."""
+        device, host = self.device.get(address, set()), self.host.get(address, set())
+        return (_longest(hashes, device), _longest(hashes, device, host),
+                _longest(hashes, self.storage.get(self.domain_of.get(address, ""), ())))
 
 
-def _longest(held, hashes: list[int]) -> int:
+def _longest(hashes: list[int], *tiers) -> int:
     for pages in range(len(hashes), 0, -1):
-        if hashes[pages - 1] in held:
+        if any(hashes[pages - 1] in held for held in tiers):
             return pages
     return 0
 

@@ -9,14 +9,15 @@ computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwi
 pages. `round_robin` ignores both, for comparison.
 
 What a worker holds the router learns two ways. The workers tell it (kv_events.py): each streams the pages its
-pool gains and loses, and those its storage tier stores, so the router knows a prefix that another gateway
+pool gains and loses, those its host-memory tier keeps and those its storage tier stores, so the router knows a prefix that another gateway
 sent, that the worker computed before this gateway started, or that sits in a storage directory the worker
 shares with others; and it knows a prefix is gone once evicted. Between a request and the events it causes, and
 for workers that do not stream, it goes by its own routing history: bounded LRU maps from hashes of leading pages
 of token ids to the worker address that last served them, corrected by the events. A worker is scored by the
-pages the prompt would not compute there: its device pages count in full, and stored pages past them at
-STORED_PAGE_WORTH, as reading a page back costs about a tenth of computing it (the KV tiers benchmark), so a device
-hit beats a storage hit of the same length, and either beats nothing.
+pages the prompt would not compute there: its device pages count in full, host-memory pages past them at
+HOST_PAGE_WORTH, and stored pages past those at STORED_PAGE_WORTH, as reading a page back from a file costs about
+a tenth of computing it (the KV tiers benchmark) and copying it back from host memory less, so a device hit beats
+a host hit of the same length, which beats a storage hit, and each beats nothing.
 
 Each gateway process (--gateway-workers) and replica keeps its own tables, so a conversation's next turn may
 reach one that has not seen it. A prompt whose prefix a router does not know goes to the least loaded worker,
@@ -40,6 +41,7 @@ from pdserve.shared.kv_events import prefix_hashes
 
 POLICIES = ("cache_aware", "round_robin")
 STORED_PAGE_WORTH = 0.9  # a page read from a storage tier saves this much of computing it
+HOST_PAGE_WORTH = 0.95  # one copied back from host memory (over PCIe, or a memory copy) a little more
 
 
 class NoWorker(Exception):
@@ -128,19 +130,27 @@ class Router:
             if owner is not None:
                 history[owner] = pages
                 break
-        held = {}  # address -> (worth, device pages, stored pages)
+        held = {}  # address -> (worth, device pages, pages on device or host, pages in any tier)
         for w in workers:
-            device, stored = self.held.pages(w.address, hashes)
+            device, host, stored = self.held.pages(w.address, hashes)
             device = max(device, history.get(w.address, 0))
-            held[w.address] = (device + STORED_PAGE_WORTH * max(0, stored - device), device, stored)
-        top = max(worth for worth, _, _ in held.values())
+            host = max(host, device)
+            stored = max(stored, host)
+            held[w.address] = (device + HOST_PAGE_WORTH * (host - device) + STORED_PAGE_WORTH * (stored - host),
+                               device, host, stored)
+        top = max(worth for worth, *_ in held.values())
         chosen, why = least, "least loaded, no known prefix"
         if top > 0:
             best = least_loaded([w for w in workers if held[w.address][0] == top], hashes, load)
-            _, device, stored = held[best.address]
-            best_why = (f"holds the prompt's first {device} pages" if stored <= device else
-                        f"holds the prompt's first {device} pages, {stored - device} more in storage"
-                        if device else f"holds the prompt's first {stored} pages in storage")
+            _, device, host, stored = held[best.address]
+            lower = [(n, tier) for n, tier in ((host - device, "host memory"), (stored - host, "storage")) if n]
+            if device:
+                best_why = f"holds the prompt's first {device} pages" + "".join(f", {n} more in {tier}"
+                                                                                for n, tier in lower)
+            elif len(lower) == 1:
+                best_why = f"holds the prompt's first {stored} pages in {lower[0][1]}"
+            else:
+                best_why = f"holds the prompt's first {stored} pages: " + ", ".join(f"{n} in {t}" for n, t in lower)
             if self._balanced(best, least):
                 chosen, why = best, best_why
             else:

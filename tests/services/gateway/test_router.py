@@ -170,9 +170,10 @@ async def test_dns_names_expand_to_every_address_and_follow_changes(monkeypatch)
         await pool.close()
 
 
-def events(snapshot=False, cleared=(), device=(), gone=(), stored=(), domain=""):
+def events(snapshot=False, cleared=(), device=(), gone=(), stored=(), domain="", host=(), host_gone=()):
     return pb.KVEventBatch(snapshot=snapshot, cleared=list(cleared), device_added=list(device),
-                           device_removed=list(gone), storage_added=list(stored), storage_domain=domain)
+                           device_removed=list(gone), storage_added=list(stored), storage_domain=domain,
+                           host_added=list(host), host_removed=list(host_gone))
 
 
 def test_a_prefix_a_worker_says_it_holds_goes_to_it_without_any_history():
@@ -211,6 +212,36 @@ def test_device_beats_storage_of_the_same_length_and_a_longer_stored_prefix_beat
     assert router.choose(p).generate is c
 
 
+def test_device_beats_host_memory_which_beats_storage_and_a_prefix_may_span_device_and_host():
+    pool = make_pool("colocated", {"colocated": 3})
+    a, b, c = pool.of_role("colocated")
+    p = prompt(6, pages=8)
+    router = Router(pool)
+    names = router._prefix_hashes(p, PAGE)
+    router.learn(a.address, events(snapshot=True, device=names[:6]))
+    router.learn(b.address, events(snapshot=True, host=names[:6]))
+    router.learn(c.address, events(snapshot=True, stored=names[:6], domain="dir-1"))
+    assert router.choose(p).generate is a
+    router = Router(pool)
+    router.learn(b.address, events(snapshot=True, host=names[:6]))
+    router.learn(c.address, events(snapshot=True, stored=names[:6], domain="dir-1"))
+    pair = router.choose(p)
+    assert pair.generate is b and pair.why == "holds the prompt's first 6 pages in host memory"
+    # The pool evicted the prefix's last pages into host memory, and storage holds all of it.
+    router = Router(pool)
+    router.learn(c.address, events(snapshot=True, device=names[:2], host=names[2:5], stored=names[:8], domain="d"))
+    pair = router.choose(p)
+    assert pair.generate is c
+    assert pair.why == "holds the prompt's first 2 pages, 3 more in host memory, 3 more in storage"
+    # Pages the host tier let go of, or a host flush, leave only what storage holds.
+    router.learn(c.address, events(host_gone=names[2:5], domain="d"))
+    assert router.held.pages(c.address, names) == (2, 2, 8)
+    router.learn(c.address, events(host=names[2:5], domain="d"))
+    assert router.held.pages(c.address, names) == (2, 5, 8)
+    router.learn(c.address, events(cleared=["host"], domain="d"))
+    assert router.held.pages(c.address, names) == (2, 2, 8)
+
+
 def test_a_worker_whose_event_stream_ended_is_forgotten():
     pool = make_pool("colocated", {"colocated": 2})
     router = Router(pool)
@@ -218,5 +249,5 @@ def test_a_worker_whose_event_stream_ended_is_forgotten():
     p = prompt(7)
     router.learn(b.address, events(snapshot=True, stored=router._prefix_hashes(p, PAGE), domain="d"))
     router.held.forget(b.address)
-    assert router.held.pages(b.address, router._prefix_hashes(p, PAGE)) == (0, 0)
+    assert router.held.pages(b.address, router._prefix_hashes(p, PAGE)) == (0, 0, 0)
     assert router.held.storage == {}  # no worker is in that domain any more

@@ -65,7 +65,7 @@ def test_status_json_shows_workers_requests_and_recent_throughput(colocated):
     assert worker["address"] == colocated.worker and worker["role"] == "colocated" and worker["healthy"] is True
     assert worker["running"] == 0 and worker["queued"] == 0 and worker["in_flight"] == 0
     assert worker["kv"]["total_pages"] > 0 and 0 <= worker["kv"]["fraction"] <= 1
-    assert worker["kv"]["storage"] is None  # no storage tier on this worker
+    assert worker["kv"]["storage"] is None and worker["kv"]["host"] is None  # no tier below the pool here
     assert body["requests"] == {"running": 0, "queued": 0}
     assert "batches_in_flight" not in body  # no --jobs-url
     active = [p for p in body["samples"]["points"] if p["tokens_per_s"] > 0]
@@ -107,7 +107,7 @@ def test_page_asks_for_the_key_in_chromium(colocated, tmp_path):
     assert colocated.worker not in dom
 
 
-def test_a_worker_with_a_storage_tier_shows_its_occupancy():
+def test_a_worker_with_tiers_shows_their_occupancy():
     def worker(**load) -> SimpleNamespace:
         return SimpleNamespace(address="w:1", role="prefill", healthy=True, last_error="", in_flight=0,
                                load=pb.LoadReply(total_pages=100, free_pages=40, **load))
@@ -116,6 +116,9 @@ def test_a_worker_with_a_storage_tier_shows_its_occupancy():
     assert tiered["kv"]["storage"] == {"pages": 1200, "bytes": 1200 * 36928}
     assert tiered["kv"]["used_pages"] == 60
     assert describe_worker(worker())["kv"]["storage"] is None
+    hosted = describe_worker(worker(host_tier=True, host_pages=150, host_capacity=200))
+    assert hosted["kv"]["host"] == {"pages": 150, "total_pages": 200} and hosted["kv"]["storage"] is None
+    assert describe_worker(worker())["kv"]["host"] is None
 
 
 def test_ttft_median_is_interpolated_within_the_interval():

@@ -36,8 +36,21 @@ def test_flags_build_the_tier_with_defaults_for_what_is_not_given(tmp_path):
     assert (tiers.write_policy, tiers.prefetch_policy, tiers.prefetch_timeout_s) == ("write_back", "timeout", 0.25)
 
 
+def test_a_gpu_worker_gets_the_host_tier_as_sglang_does(tmp_path):
+    # --enable-hierarchical-cache alone: host memory at twice the pool, SGLang's default
+    assert config_of("--enable-hierarchical-cache", "--device", "cuda").tiers == TierConfig(host_ratio=2.0)
+    assert config_of("--enable-hierarchical-cache", "--device", "cuda", "--hicache-size", "40").tiers == \
+        TierConfig(host_gb=40.0)
+    both = config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path), "--device", "cuda", "--hicache-ratio", "3",
+                     "--hicache-write-policy", "write_back", command="prefill").tiers
+    assert (both.host_ratio, both.storage_dir, both.write_policy) == (3.0, str(tmp_path), "write_back")
+    # a CPU worker's tier is storage only
+    assert config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path)).tiers.host_ratio is None
+
+
 @pytest.mark.parametrize("argv, message", [
-    (("--enable-hierarchical-cache",), "needs --hicache-storage-backend file and --hicache-storage-dir"),
+    (("--enable-hierarchical-cache",), "on a CPU worker: its tier is storage, so it needs --hicache-storage-backend "
+                                       "file and --hicache-storage-dir DIR"),
     (ENABLE, "--hicache-storage-backend file needs --hicache-storage-dir"),
     (("--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--hicache-storage-dir", "/d"),
      "--hicache-storage-backend must be one of file, got 'mooncake' (mooncake is not built)"),
@@ -45,10 +58,17 @@ def test_flags_build_the_tier_with_defaults_for_what_is_not_given(tmp_path):
     (("--hicache-write-policy", "write_back"), "--hicache-write-policy needs --enable-hierarchical-cache"),
     ((*ENABLE, "--hicache-storage-dir", "/d", "--hicache-storage-prefetch-timeout", "0"),
      "--hicache-storage-prefetch-timeout must be > 0"),
-    (("--hicache-ratio", "2"), "--hicache-ratio sizes SGLang's host-memory KV tier, which a CPU worker has no use "
+    (("--hicache-ratio", "2"), "--hicache-ratio sizes the host-memory KV tier, which a CPU worker has no use "
                                "for: its KV pool already lives in host memory"),
-    (("--hicache-size", "8", "--device", "cuda"), "--hicache-size sizes SGLang's host-memory KV tier, which is not "
-                                                  "built yet"),
+    (("--hicache-ratio", "2", "--device", "cuda"), "--hicache-ratio needs --enable-hierarchical-cache"),
+    (("--enable-hierarchical-cache", "--device", "cuda", "--hicache-ratio", "2", "--hicache-size", "8"),
+     "--hicache-ratio and --hicache-size both size the host-memory tier: give one"),
+    (("--enable-hierarchical-cache", "--device", "cuda", "--hicache-ratio", "0.5"), "--hicache-ratio must be >= 1"),
+    (("--enable-hierarchical-cache", "--device", "cuda", "--hicache-size", "0"), "--hicache-size must be > 0 GB"),
+    (("--enable-hierarchical-cache", "--device", "cuda", "--hicache-write-policy", "write_back"),
+     "--hicache-write-policy applies to the storage tier, which needs --hicache-storage-backend file"),
+    (("--enable-hierarchical-cache", "--device", "cuda", "--hicache-storage-dir", "/d"),
+     "--hicache-storage-dir applies to the storage tier"),
     ((*ENABLE, "--hicache-storage-dir", "/d", "--is-embedding"), "does not apply to an embedding worker"),
 ])
 def test_what_cannot_be_served_is_refused_naming_the_flag(argv, message):
@@ -78,7 +98,7 @@ def test_a_directory_that_cannot_be_created_stops_the_worker_before_the_model_lo
 def test_the_host_memory_tier_on_a_cpu_worker_is_a_start_error(tiny_models):
     r = run_worker("--model-path", str(tiny_models["llama"]), "--enable-hierarchical-cache", "--hicache-ratio", "2")
     assert r.returncode == 1
-    assert r.stderr.strip().startswith("error: --hicache-ratio sizes SGLang's host-memory KV tier")
+    assert r.stderr.strip().startswith("error: --hicache-ratio sizes the host-memory KV tier")
     assert "already lives in host memory" in r.stderr and "Traceback" not in r.stderr
 
 
