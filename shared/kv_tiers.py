@@ -220,6 +220,7 @@ class KVTiers:
         if got:
             self.counts.host_hits += 1
             self.counts.host_hit_tokens += got * self.page_size
+            req.tier_tokens[HOST] = got * self.page_size
         return got
 
     def _queue(self, load: _Load, pages: list[bytes]) -> None:
@@ -235,6 +236,7 @@ class KVTiers:
         if got:
             self.counts.hits += 1
             self.counts.hit_tokens += got * self.page_size
+            req.tier_tokens[STORAGE] = got * self.page_size
         self.scheduler.enqueue(req)
 
     def _put_read(self, pages: list[bytes]) -> Callable[[list[int], int], None]:

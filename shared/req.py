@@ -60,6 +60,9 @@ class Req:
     # step makes (Scheduler._match_prefix)
     tail_copy: tuple[int, int] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to users)
+    # Of those, the tokens a lower tier put back into the pool for this request: {"host": n, "storage": m}
+    # (kv_tiers.py); the rest were in the pool already.
+    tier_tokens: dict[str, int] = field(default_factory=dict)
     generator: torch.Generator | None = None
     grammar: Constraint | None = None  # where the output stands in its grammar, for constrained requests
     finish_reason: str | None = None

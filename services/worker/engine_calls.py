@@ -327,7 +327,8 @@ class EngineCalls(AdminCalls):
 def trace_of(req: Req) -> dict:
     return {"arrival": req.arrival, "first_scheduled": req.first_scheduled, "first_token_time": req.first_token_time,
             "pages_reserved": req.pages_reserved, "prompt_tokens": len(req.input_ids),
-            "cached_tokens": req.cached_tokens, "output_tokens": len(req.output_ids), "pages": len(req.pages),
+            "cached_tokens": req.cached_tokens, "tier_tokens": dict(req.tier_tokens),
+            "output_tokens": len(req.output_ids), "pages": len(req.pages),
             "prefill_chunks": [list(c) for c in req.prefill_chunks], "decode_steps": req.decode_steps,
             "drafted_tokens": req.drafted_tokens, "accepted_tokens": req.accepted_tokens,
             "finish_reason": req.finish_reason,

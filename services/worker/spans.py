@@ -39,6 +39,7 @@ class ReqTrace:
     accepted_tokens: int
     finish_reason: str | None
     dst_pages: int
+    tier_tokens: dict  # of cached_tokens, those a lower tier put back for it: {"host": n, "storage": m}
 
 
 @dataclass
@@ -109,11 +110,17 @@ def end_prefill(span, req: ReqTrace, result: dict, page_bytes: int, backend: str
 
 
 def prompt_attributes(req: ReqTrace, cached: int) -> dict:
-    """What a prompt's computation span says: tokens computed, and those that came from the prefix cache (and
-    from which tier of it: the device pool is the only one here)."""
+    """What a prompt's computation span says: tokens computed, and those that came from the prefix cache, by
+    tier: `pdserve.cached_tokens.<tier>` for each tier that gave some, and `pdserve.cache_tier` the lowest of
+    them (device, host, storage)."""
     attributes = {"pdserve.tokens_computed": req.prompt_tokens - cached, "pdserve.cached_tokens": cached,
                   "pdserve.prefill_chunks": len(req.prefill_chunks)}
-    return attributes | ({"pdserve.cache_tier": "device"} if cached else {})
+    if not cached:
+        return attributes
+    lower = {tier: n for tier, n in req.tier_tokens.items() if n}
+    by_tier = {"device": max(0, cached - sum(lower.values())), **lower}
+    attributes |= {f"pdserve.cached_tokens.{tier}": n for tier, n in by_tier.items() if n}
+    return attributes | {"pdserve.cache_tier": [t for t in ("storage", "host", "device") if by_tier.get(t)][0]}
 
 
 def chunks(parent, req: ReqTrace) -> None:

@@ -16,6 +16,10 @@ from pdserve.shared.engine import Engine
 from pdserve.shared.kv_events import DEVICE, HOST, CacheEvents, prefix_hashes
 from pdserve.shared.kv_host import HostPages, copy_pages
 from pdserve.shared.kv_pool import KVLayout, KVPool
+from pdserve.shared.req import Req
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.services.worker.engine_calls import trace_of
+from pdserve.services.worker.spans import ReqTrace, prompt_attributes
 from pdserve.shared.kv_tiers import host_pages
 from test_kv_tiers import PAGE, PROMPT, engine_for, run, settle, stored_files
 
@@ -89,8 +93,11 @@ def test_what_the_pool_evicts_comes_back_from_host_memory_with_the_same_tokens(t
     engine = host_engine(model, **arithmetic)
     assert run(engine, {"a": PROMPT}) == plain
     evict_prompt(engine)
-    tokens, cached = run(engine, {"a2": PROMPT})["a2"]
+    req = Req(rid="a2", input_ids=list(PROMPT), params=SamplingParams(temperature=0, max_new_tokens=6))
+    tokens, cached = run(engine, {"a2": PROMPT}, reqs=[req])["a2"]
     assert tokens == plain["a"][0] and cached == 40  # usage counts the tokens the host tier gave back
+    assert req.tier_tokens == {"host": 40}  # and the request knows which tier they came from (its trace says)
+    assert prompt_attributes(ReqTrace(**trace_of(req)), cached)["pdserve.cache_tier"] == "host"
     stats = engine.tiers.stats()
     assert stats["host_hits"] == 1 and stats["host_hit_tokens"] > 0
     assert stats["host_bytes_read"] == stats["host_hit_tokens"] // PAGE * engine.tiers.host.page_bytes

@@ -47,17 +47,22 @@ def engine_for(model_dir: Path, storage: Path | None, pages: int = 64, policy: s
                                 scheduler=SchedulerConfig(max_prefill_tokens=256), tiers=tiers, **config))
 
 
-def run(engine: Engine, prompts: dict[str, list[int]], new_tokens: int = 6, deadline_s: float = 60.0) -> dict:
-    """{rid: (tokens, cached_tokens)} of greedy requests, the engine stepped here as its loop would."""
+def run(engine: Engine, prompts: dict[str, list[int]], new_tokens: int = 6, deadline_s: float = 60.0,
+        reqs: list[Req] = ()) -> dict:
+    """{rid: (tokens, cached_tokens)} of greedy requests, the engine stepped here as its loop would. `reqs`: the
+    caller's own Req for some of the prompts (its output collected here all the same)."""
     got: dict[str, tuple[list[int], int]] = {}
 
     def collect(out):
         tokens, _ = got.get(out.rid, ([], 0))
         got[out.rid] = (tokens + list(out.token_ids), out.cached_tokens)
 
+    given = {req.rid: req for req in reqs}
     for rid, ids in prompts.items():
-        engine.add_request(Req(rid=rid, input_ids=list(ids), on_output=collect,
-                               params=SamplingParams(temperature=0, max_new_tokens=new_tokens)))
+        req = given.get(rid) or Req(rid=rid, input_ids=list(ids), params=SamplingParams(temperature=0,
+                                                                                       max_new_tokens=new_tokens))
+        req.on_output = collect
+        engine.add_request(req)
     end = time.monotonic() + deadline_s
     while engine.has_work() or (engine.tiers is not None and engine.tiers.held_reqs()):
         assert time.monotonic() < end, "the engine did not finish"
@@ -249,9 +254,11 @@ def test_a_cold_pool_serves_a_stored_prefix_with_the_same_tokens(tiny_models, tm
     settle(first)
     assert len(stored_files(tmp_path)) >= 10  # the prompt's pages (and the output's full pages)
     cold = engine_for(model, tmp_path)
-    again = run(cold, {"a": PROMPT})
+    req = Req(rid="a", input_ids=list(PROMPT), params=SamplingParams(temperature=0, max_new_tokens=6))
+    again = run(cold, {"a": PROMPT}, reqs=[req])
     assert again["a"][0] == plain["a"][0]
     assert again["a"][1] == 40  # every full page of the prompt came from storage: cached_tokens counts them
+    assert req.tier_tokens == {"storage": 40}
     stats = cold.tiers.stats()
     assert stats["hits"] == 1 and stats["io"] == ("nixl-posix" if HAVE_NIXL else "file")
     TierMetrics(CollectorRegistry(), "m", PAGE).refresh(stats)  # the metrics take the numbers, leave the name
