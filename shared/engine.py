@@ -362,7 +362,7 @@ class Engine:
                         prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error,
                         input_logprobs=prompt_lps)
         if first:
-            out.first_token_time, out.arrival = req.first_token_time, req.arrival
+            out.first_token_time, out.arrival, out.tier_tokens = req.first_token_time, req.arrival, req.tier_tokens
             started = req.first_scheduled if req.first_scheduled is not None else req.pages_reserved
             if started is not None:
                 out.queue_s = started - req.arrival

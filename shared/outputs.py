@@ -35,6 +35,8 @@ class ReqOutput:
     compute_s: float = 0.0
     first_token_time: float | None = None  # monotonic, first output only
     arrival: float | None = None  # monotonic, first output only
+    # First output only: of cached_tokens, those a lower tier put back into the pool for it (Req.tier_tokens).
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

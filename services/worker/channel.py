@@ -91,11 +91,11 @@ def _from_logprobs(items: list | None) -> list[TokenLogprobs] | None:
 def output_to_wire(o: ReqOutput) -> tuple:
     return (o.rid, o.index, o.token_ids, _logprobs(o.logprobs), o.finish_reason, o.matched_stop_token,
             o.prompt_tokens, o.cached_tokens, o.error, _logprobs(o.input_logprobs), o.queue_s, o.compute_s,
-            o.first_token_time, o.arrival)
+            o.first_token_time, o.arrival, o.tier_tokens)
 
 
 def output_from_wire(item: list) -> ReqOutput:
     (rid, index, ids, lps, finish, matched, prompt, cached, error, input_lps, queue_s, compute_s, first,
-     arrival) = item
+     arrival, tier_tokens) = item
     return ReqOutput(rid, index, list(ids), _from_logprobs(lps), finish, matched, prompt, cached, error,
-                     _from_logprobs(input_lps), queue_s, compute_s, first, arrival)
+                     _from_logprobs(input_lps), queue_s, compute_s, first, arrival, dict(tier_tokens))

@@ -249,7 +249,7 @@ class EngineCalls(AdminCalls):
                 return
             answer.set_result({"first_tokens": [(t.token_id, wire_lps(t.logprob)) for t in r.first_tokens],
                                "cached_tokens": r.cached_tokens, "queue_s": r.queue_s, "compute_s": r.compute_s,
-                               "transfer_s": r.transfer_s,
+                               "transfer_s": r.transfer_s, "tier_tokens": dict(req.tier_tokens),
                                "input_logprobs": [wire_lps(lp) for lp in r.input_logprobs],
                                "trace": trace_of(req) if traced else None})
         self._admit(req, admit).add_done_callback(answered)

@@ -115,6 +115,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         return pb.PrefillReply(first_tokens=[first_token(t, lp) for t, lp in result["first_tokens"]],
                                cached_tokens=result["cached_tokens"], queue_s=result["queue_s"],
                                compute_s=result["compute_s"], transfer_s=result["transfer_s"],
+                               host_cached_tokens=result["tier_tokens"].get("host", 0),
+                               storage_cached_tokens=result["tier_tokens"].get("storage", 0),
                                input_logprobs=[pb.PromptLogprob(logprob=lp[0], top=pb.TopLogprob(
                                    token_ids=lp[1], logprobs=lp[2])) for lp in result["input_logprobs"]],
                                total_s=time.monotonic() - arrived)

@@ -276,6 +276,8 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         one process's own clock)."""
         now = time.monotonic()
         msg.queue_s, msg.compute_s = out.queue_s, out.compute_s
+        msg.host_cached_tokens = out.tier_tokens.get("host", 0)
+        msg.storage_cached_tokens = out.tier_tokens.get("storage", 0)
         if out.arrival is not None:
             msg.worker_s = now - out.arrival
         if out.first_token_time is not None:
@@ -288,6 +290,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
             msg.transfer_s = timing.transfer_s
             msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
+            msg.host_cached_tokens, msg.storage_cached_tokens = timing.host_cached_tokens, timing.storage_cached_tokens
             msg.prefill_other_s = max(0.0, timing.total_s - timing.queue_s - timing.compute_s - timing.transfer_s)
             sent, answered, _ = pull
             msg.prefill_call_s = max(0.0, answered - sent - timing.total_s)

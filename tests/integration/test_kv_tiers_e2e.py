@@ -3,7 +3,8 @@
 same directory.
 
 What a user sees: the second worker, its pool empty, serves the same prompt with its prefix read from the files
-(`meta_info.cached_tokens` > 0, SGLang's `sglang:prefetched_tokens` on /metrics) and the same greedy text;
+(`meta_info.cached_tokens` > 0, all of it from storage in `cached_tokens_details`, SGLang's
+`sglang:prefetched_tokens` on /metrics) and the same greedy text;
 `/flush_cache?tiers=device` keeps the files (the prefix is read from them again), `/flush_cache` makes them
 unreachable, so a third worker finds nothing; an unknown tier name is a 400 naming `tiers`.
 """
@@ -66,11 +67,12 @@ def until(check, what: str, timeout: float = 30.0) -> None:
 
 
 def generate(url: str) -> tuple[str, int, int]:
-    """(greedy text, prompt tokens, prompt tokens served from a cache)"""
+    """(greedy text, prompt tokens, prompt tokens served from a cache); each of those from the storage tier."""
     r = requests.post(f"{url}/generate", timeout=60, json={
         "text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
+    assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": meta["cached_tokens"]}
     return r.json()["text"], meta["prompt_tokens"], meta["cached_tokens"]
 
 
@@ -113,3 +115,37 @@ def test_a_restarted_worker_reads_the_prefix_from_storage_until_it_is_flushed(sy
     restart(procs, url)
     assert generate(url) == (text, prompt_tokens, 0)
     assert metric(procs, "sglang:prefetched_tokens_total") == 0
+
+
+def test_in_pd_the_client_is_told_the_prefill_read_the_prefix_from_storage(default_model_dir, tmp_path):
+    """Prefill with the storage tier, decode without: once /flush_cache emptied every pool (the decode worker's
+    too, which would otherwise compute the prompt's end after the prefix it holds), the prefill worker reads the
+    prefix back, and the answer (through the decode worker) says it came from storage."""
+    tier = ("--page-size", str(PAGE), "--enable-deterministic-inference", "--enable-hierarchical-cache",
+            "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path / "kv"),
+            "--hicache-storage-prefetch-policy", "wait_complete", "--transfer-backend", "tcp")
+    prefill, paddr = start_worker("prefill", None, *tier)
+    decode, daddr = start_worker("decode", None, "--page-size", str(PAGE), "--enable-deterministic-inference",
+                                 "--transfer-backend", "tcp", "--prefill", paddr)
+    port = free_port()
+    gateway = Proc("gateway", ["gateway", "--model-path", str(default_model_dir), "--host", "127.0.0.1",
+                               "--port", str(port), "--prefill", paddr, "--decode", daddr],
+                   health_url=f"http://127.0.0.1:{port}/health")
+    procs = {"prefill": prefill, "decode": decode, "gateway": gateway}
+    url = f"http://127.0.0.1:{port}"
+    try:
+        prefill.wait_healthy(180)
+        decode.wait_healthy(180)
+        gateway.start({"PDSERVE_ADMIN_API_KEY": ADMIN_KEY, "OMP_NUM_THREADS": "1"}).wait_healthy(120)
+        text, prompt_tokens, cached = generate(url)
+        assert cached == 0
+        procs["worker"] = prefill  # `metric` reads the prefill worker's series
+        stored = (prompt_tokens // PAGE) * PAGE
+        until(lambda: metric(procs, "sglang:backuped_tokens_total") >= stored, "the prompt's pages to be written")
+        flushed = flush(url, "?tiers=device")
+        assert flushed.status_code == 200, flushed.text
+        again = generate(url)  # asserts cached_tokens_details: every cached token from storage
+        assert again[0] == text and again[2] > 0
+    finally:
+        for proc in procs.values():
+            proc.stop()

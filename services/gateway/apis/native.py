@@ -101,12 +101,19 @@ def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: Cho
     tokens = len(r.token_ids)
     meta = {"id": job.public_id, "finish_reason": _finish(r, tokens), "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": tokens, "cached_tokens": gen.cached_tokens,
-            "e2e_latency": round(gen.e2e_latency, 6)}
+            "cached_tokens_details": cached_details(gen), "e2e_latency": round(gen.e2e_latency, 6)}
     if logprob:
         meta.update(_logprob_meta(gw, r.logprobs, req.return_text_in_logprobs, job.params.top_logprobs_num > 0))
         if job.params.wants_prompt_logprobs:
             meta.update(_prompt_logprob_meta(gw, job, gen.input_logprobs, req.return_text_in_logprobs))
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+def cached_details(gen: Generation) -> dict:
+    """SGLang's meta_info.cached_tokens_details: where the cached tokens came from (the pool, or put back into it
+    for this request from the host-memory or the storage tier)."""
+    lower = gen.cached_by_tier
+    return {"device": max(0, gen.cached_tokens - sum(lower.values())), **lower}
 
 
 def _prompt_logprob_meta(gw: Gateway, job: Job, lps: list[TokenLogprob], with_text: bool) -> dict:

@@ -214,9 +214,10 @@ class Backend:
         return list(dict.fromkeys(i for r in replies if isinstance(r, pb.AbortReply) for i in r.aborted))
 
     async def flush_cache(self, tiers: tuple[str, ...] = ()) -> list[tuple[str, bool, str]]:
-        """FlushCache of `tiers` (none: every tier) on every worker holding a prefix cache: (address, ok, message)
-        each."""
-        workers = self.pool.of_role(self.pool.cache_role)
+        """FlushCache of `tiers` (none: every tier) on every worker holding a prefix cache (in PD the decode workers
+        too, which compute a conversation's next turn after the prefix they hold): (address, ok, message) each."""
+        roles = [self.pool.cache_role] + (["decode"] if self.pool.mode != "colocated" else [])
+        workers = [w for role in roles for w in self.pool.of_role(role)]
         request = pb.FlushRequest(tiers=list(tiers))
         replies = await self.broadcast(workers, lambda w: w.stub.FlushCache(request,
                                                                               timeout=self.settings.rpc_timeout_s))

@@ -112,6 +112,7 @@ class Generation:
         self.start = time.perf_counter()
         self.prompt_tokens = len(job.input_ids)
         self.cached_tokens = 0
+        self.cached_by_tier = {"host": 0, "storage": 0}  # of those, put back from a lower tier for it
         self.input_logprobs: list[TokenLogprob] = []  # prompt tokens from max(logprob_start_len, 1) on
         self.choices: list[_Choice] = []
         self.pair: Pair | None = None
@@ -306,6 +307,7 @@ class Generation:
     def _on_first(self, msg: pb.GenerateResponse) -> None:
         job = self.job
         self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, msg.cached_tokens
+        self.cached_by_tier = {"host": msg.host_cached_tokens, "storage": msg.storage_cached_tokens}
         self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)))
                                for t, lp in zip(job.input_ids[max(job.params.logprob_start_len, 1):],
                                                 msg.input_logprobs)]
