@@ -1,7 +1,10 @@
 // Shared helpers of the native CPU kernels: scalar conversions the compiler vectorizes, a vectorizable
 // exp, and the dtype dispatch. Every kernel computes in fp32 and rounds once to the storage dtype, as the
 // torch twins do.
-#pragma once
+// A guard, not #pragma once: the build includes a copy of this header first, precompiled (__init__.py), and the
+// guard is what keeps the sources' own #include of it from defining everything a second time.
+#ifndef PDSERVE_NATIVE_COMMON_H
+#define PDSERVE_NATIVE_COMMON_H
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -215,3 +218,5 @@ inline void check_dtype(const at::Tensor& t, const char* name) {
     using scalar_t = float;                                                       \
     return __VA_ARGS__();                                                         \
   }()
+
+#endif  // PDSERVE_NATIVE_COMMON_H
