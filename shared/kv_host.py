@@ -37,6 +37,7 @@ class HostPages:
     def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.num_pages = num_pages
         self.page_bytes = torch.empty(page_shape, dtype=dtype, device="meta").nbytes
+        self.device = device
         self.cuda = device.type == "cuda"
         self.buffer = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=self.cuda)
         self._slots: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
@@ -111,7 +112,7 @@ class HostPages:
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the pool's device, the stream the copies ran on
         return event
 
     def lend(self, slots: list[int]) -> None:
