@@ -3,7 +3,7 @@
 # target of the issue printed beside its figure.
 #
 #     benchmarks/gpu_wheels.sh wheels              # where PyPI is reachable: the packages the GPU machine lacks
-#     benchmarks/gpu_check.sh [WHEELS_DIR]         # on the GPU machine, from the checkout; six minutes or less
+#     benchmarks/gpu_check.sh [WHEELS_DIR]         # on the GPU machine, from the checkout; about seven minutes
 #
 # Made for a bare CUDA machine with torch, triton and transformers but no network and no registry
 # (../shared/notes/gpu.md): what else pdserve imports comes from WHEELS_DIR, installed into a scratch folder
