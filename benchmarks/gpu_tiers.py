@@ -6,10 +6,11 @@ pages come back.
 
 (1) Greedy bf16 tokens of a long prompt through an engine with a host tier twice the pool (--hicache-ratio 2):
 computed, then again with its prefix found in the pool, then, once other prompts have evicted it, again with the
-prefix copied back from host memory: identical to the pool's, and the prompt's full pages counted as cached. (2) The tier's copies, timed with
-the device synchronized: pages the pool evicts into pinned host memory (HostPages.keep) and pages put back
-(HostPages.load), a run of consecutive pages and the same number scattered over the pool (what the allocator
-usually hands out: one copy per page), in GB/s. Target: restore >= 10 GB/s per worker, scattered.
+prefix copied back from host memory: identical to the pool's, and the prompt's full pages counted as cached. (2) The
+tier's copies, timed with the device synchronized: pages the pool evicts into pinned host memory (HostPages.keep)
+and pages put back (HostPages.load), a run of consecutive pages and the same number scattered over the pool (what
+the allocator usually hands out: one copy per page), in GB/s.
+Target: restore >= 10 GB/s per worker, scattered.
 """
 from __future__ import annotations
 

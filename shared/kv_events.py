@@ -1,13 +1,13 @@
 """Cache events: what a worker's prefix cache holds, in which tier, told to the routers as it changes.
 
-A full page of a prompt has one name, the same in a worker and in every router: a hash chained over the token
-ids of each page from the first (`page_hash`; Python hashes ints and tuples of them alike in every process, with
-no per-process seed). The radix cache names each full page it adds outside a namespace (an adapter's or a salted
-prompt's pages answer only requests that a router cannot tell apart by their tokens, so it is told nothing of
-them) and records here, on the engine thread, the pages each tier gained and lost since the engine's last loop
-iteration: `device` (the pool), `host` (the host-memory tier) and `storage` (the storage tier's directory). The engine process sends them with
-the iteration's outputs; the worker's front adds them up (`HeldPages`) and streams them to every router that
-asks: all it holds first, then the changes (services/worker/kv_events.py).
+A full page of a prompt has one name, the same in a worker and in every router: a hash chained over the token ids of
+each page from the first (`page_hash`; Python hashes ints and tuples of them alike in every process, with no
+per-process seed). The radix cache names each full page it adds outside a namespace (an adapter's or a salted
+prompt's pages answer only requests that a router cannot tell apart by their tokens, so it is told nothing of them)
+and records here, on the engine thread, the pages each tier gained and lost since the engine's last loop iteration:
+`device` (the pool), `host` (the host-memory tier) and `storage` (the storage tier's directory). The engine process
+sends them with the iteration's outputs; the worker's front adds them up (`HeldPages`) and streams them to every
+router that asks: all it holds first, then the changes (services/worker/kv_events.py).
 
 No torch here: the gateway imports this module.
 """
@@ -19,6 +19,12 @@ DEVICE, HOST, STORAGE = "device", "host", "storage"
 TIERS = (DEVICE, HOST, STORAGE)
 ROOT = 0  # the hash "before" a prompt's first page
 STORAGE_LIMIT = 200_000  # stored pages a front remembers (the directory may hold more): the least recently told go
+
+
+def cached_by_tier(cached: int, lower: dict[str, int]) -> dict[str, int]:
+    """A request's cached tokens by tier: those a lower tier put back into the pool for it (`lower`, by tier), the
+    rest found in the pool."""
+    return {DEVICE: max(0, cached - sum(lower.values())), HOST: lower.get(HOST, 0), STORAGE: lower.get(STORAGE, 0)}
 
 
 def page_hash(prev: int, tokens: tuple) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.services import tracing
+from pdserve.shared.kv_events import cached_by_tier
 
 
 def start(name: str, traceparent: str, attributes: dict):
@@ -117,10 +118,9 @@ def prompt_attributes(req: ReqTrace, cached: int) -> dict:
                   "pdserve.prefill_chunks": len(req.prefill_chunks)}
     if not cached:
         return attributes
-    lower = {tier: n for tier, n in req.tier_tokens.items() if n}
-    by_tier = {"device": max(0, cached - sum(lower.values())), **lower}
-    attributes |= {f"pdserve.cached_tokens.{tier}": n for tier, n in by_tier.items() if n}
-    return attributes | {"pdserve.cache_tier": [t for t in ("storage", "host", "device") if by_tier.get(t)][0]}
+    by_tier = {tier: n for tier, n in cached_by_tier(cached, req.tier_tokens).items() if n}
+    attributes |= {f"pdserve.cached_tokens.{tier}": n for tier, n in by_tier.items()}
+    return attributes | {"pdserve.cache_tier": list(by_tier)[-1]}  # the lowest: tiers go device, host, storage
 
 
 def chunks(parent, req: ReqTrace) -> None:

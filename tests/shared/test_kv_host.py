@@ -45,8 +45,9 @@ def evict_prompt(engine) -> None:
 def test_copies_move_every_page_to_its_place_in_runs_or_scattered():
     src = torch.arange(40 * 6, dtype=torch.float32).view(40, 2, 3)
     rng = random.Random(7)
-    for dst_pages, src_pages in (([3, 4, 5, 9], [10, 11, 12, 0]), (rng.sample(range(40), 25), rng.sample(range(40), 25)),
-                                 (list(range(5, 25)), list(range(20, 40)))):
+    cases = (([3, 4, 5, 9], [10, 11, 12, 0]), (rng.sample(range(40), 25), rng.sample(range(40), 25)),
+             (list(range(5, 25)), list(range(20, 40))))
+    for dst_pages, src_pages in cases:
         dst = torch.zeros(40, 2, 3)
         copy_pages(dst, dst_pages, src, src_pages)
         for d, s in zip(dst_pages, src_pages):

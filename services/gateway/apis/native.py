@@ -20,6 +20,7 @@ from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.generation import Generation
 from pdserve.services.gateway.workers.job import ChoiceResult, Job, TokenLogprob
 from pdserve.shared.config import CACHE_TIERS
+from pdserve.shared.kv_events import cached_by_tier
 from pdserve.shared.sampling_params import SamplingParams
 
 UNSUPPORTED_GENERATE = {k: UNSUPPORTED_OPENAI[k] for k in (
@@ -112,8 +113,7 @@ def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: Cho
 def cached_details(gen: Generation) -> dict:
     """SGLang's meta_info.cached_tokens_details: where the cached tokens came from (the pool, or put back into it
     for this request from the host-memory or the storage tier)."""
-    lower = gen.cached_by_tier
-    return {"device": max(0, gen.cached_tokens - sum(lower.values())), **lower}
+    return cached_by_tier(gen.cached_tokens, gen.cached_by_tier)
 
 
 def _prompt_logprob_meta(gw: Gateway, job: Job, lps: list[TokenLogprob], with_text: bool) -> dict:

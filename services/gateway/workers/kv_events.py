@@ -1,10 +1,10 @@
 """What the workers say their prefix caches hold, for the router: `HeldPrefixes` is the table, `CacheFeeds` keeps
 it filled from each worker's KVEvents stream (services/worker/kv_events.py).
 
-Device and host-memory pages are a worker's own. Stored pages belong to a storage domain: the workers whose storage tiers share
-a directory and the KV identity name it alike, and any of them reads a page another stored. A worker's stream
-starts with everything it holds; when it ends (the worker stopped, restarted, or the connection broke) what the
-worker held on its device is forgotten, and the stream is opened again while the worker is healthy.
+Device and host-memory pages are a worker's own. Stored pages belong to a storage domain: the workers whose storage
+tiers share a directory and the KV identity name it alike, and any of them reads a page another stored. A worker's
+stream starts with everything it holds; when it ends (the worker stopped, restarted, or the connection broke) what
+the worker held on its device and in its host memory is forgotten, and the stream is opened again while the worker is healthy.
 """
 from __future__ import annotations
 

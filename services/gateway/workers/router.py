@@ -8,16 +8,16 @@ room for the prompt: a decode worker holds the KV of the conversations it decode
 computes a next turn's few new tokens itself (`shared/roles/decode.py`); otherwise by load and free KV
 pages. `round_robin` ignores both, for comparison.
 
-What a worker holds the router learns two ways. The workers tell it (kv_events.py): each streams the pages its
-pool gains and loses, those its host-memory tier keeps and those its storage tier stores, so the router knows a prefix that another gateway
-sent, that the worker computed before this gateway started, or that sits in a storage directory the worker
-shares with others; and it knows a prefix is gone once evicted. Between a request and the events it causes, and
-for workers that do not stream, it goes by its own routing history: bounded LRU maps from hashes of leading pages
-of token ids to the worker address that last served them, corrected by the events. A worker is scored by the
-pages the prompt would not compute there: its device pages count in full, host-memory pages past them at
-HOST_PAGE_WORTH, and stored pages past those at STORED_PAGE_WORTH, as reading a page back from a file costs about
-a tenth of computing it (the KV tiers benchmark) and copying it back from host memory less, so a device hit beats
-a host hit of the same length, which beats a storage hit, and each beats nothing.
+What a worker holds the router learns two ways. The workers tell it (kv_events.py): each streams the pages its pool
+gains and loses, those its host-memory tier keeps and those its storage tier stores, so the router knows a prefix
+that another gateway sent, that the worker computed before this gateway started, or that sits in a storage directory
+the worker shares with others; and it knows a prefix is gone once evicted. Between a request and the events it
+causes, and for workers that do not stream, it goes by its own routing history: bounded LRU maps from hashes of
+leading pages of token ids to the worker address that last served them, corrected by the events. A worker is scored
+by the pages the prompt would not compute there: its device pages count in full, host-memory pages past them at
+HOST_PAGE_WORTH, and stored pages past those at STORED_PAGE_WORTH, as reading a page back from a file costs about a
+tenth of computing it (the KV tiers benchmark) and copying it back from host memory less, so a device hit beats a
+host hit of the same length, which beats a storage hit, and each beats nothing.
 
 Each gateway process (--gateway-workers) and replica keeps its own tables, so a conversation's next turn may
 reach one that has not seen it. A prompt whose prefix a router does not know goes to the least loaded worker,
