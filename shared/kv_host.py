@@ -3,7 +3,7 @@
 A victim cache under the pool: a page enters when the pool evicts it (copied device -> host) and goes back when a
 request's prefix continues into it (host -> device, into free pages of the pool). Going back leaves the host copy
 where it is, so a page evicted again costs no copy. When full, the least recently used page leaves first, unless
-the storage writer still reads it (`busy`).
+the storage writer still reads it (`lend`).
 
 Copies run on the engine thread's current stream, non-blocking to and from pinned memory, coalesced into one copy
 per run of consecutive pages: the engine thread never waits for them, and the stream orders them with the steps
