@@ -1,8 +1,8 @@
 """Tensor parallelism on a CPU: the all-reduce a tensor-parallel step is made of, then a worker split over 2 ranks
 against the same worker in one process, served over HTTP, each beside its baseline measured in the same run.
 
-    .venv/bin/python benchmarks/bench_tp.py [--parts collectives,served] [--concurrency 1,32] [--requests N]
-        [--warmup 4] [--output-len 128] [--prompt-len 40] [--ar-iters 500] [--ar-blocks 5] [--up-args="..."]
+    .venv/bin/python benchmarks/bench_tp.py [--parts collectives,served] [--rounds 2] [--concurrency 1,32]
+        [--requests N] [--warmup 4] [--output-len 128] [--prompt-len 40] [--ar-iters 500] [--ar-blocks 5] [--up-args="..."]
         [--model-path DIR] [--json FILE] [--keep-logs]
 
 collectives  an all-reduce (sum) between two processes, each pinned to a core of its own with one torch thread,
@@ -15,16 +15,19 @@ collectives  an all-reduce (sum) between two processes, each pinned to a core of
 served       `pdserve up --colocated` (TP 1: one worker process computing on every core) against
              `pdserve up --colocated --tp-size 2` (rank 0 in the worker, rank 1 a process it starts, each pinned to
              its own cores), the default model, one server at a time (servers.py: free loopback ports, a temporary
-             --state-dir): the load of bench_serving.py (`pdserve bench`'s: a warm-up, then each concurrency
+             --state-dir), --rounds rounds of one server of each, their order rotating from round to round (TP 1
+             first, then TP 2 first: benchmarks/arms.py), every server a fresh `pdserve up` with the same flags
+             but --tp-size: the load of bench_serving.py (`pdserve bench`'s: a warm-up, then each concurrency
              level, 4 x concurrency requests by default, streamed chat completions of --output-len tokens with
              ignore_eos, ~40-token distinct prompts, greedy), then one greedy chat request ("What is the capital of
-             France?", temperature 0, max_tokens 32). Prints each server's table (tok/s, TTFT, ITL), the ratios
-             TP2/TP1 of output tok/s and TTFT p50 at the highest concurrency and of ITL p50 at the lowest, and
-             whether both gave the same greedy text (a bf16 model may round differently when its sums are split:
+             France?", temperature 0, max_tokens 32). Prints each server's table (tok/s, TTFT, ITL); output tok/s
+             and TTFT p50 at the highest concurrency and ITL p50 at the lowest, each as the median and spread
+             over the rounds and TP2/TP1 as the quotient of the medians and the range of the per-round
+             quotients; and whether every server gave the same greedy text (a bf16 model may round differently when its sums are split:
              reported, not required).
 
-No targets: the figures are this machine's. The default size takes about 2 minutes on a 2-core machine when nothing
-else runs there (4-5 beside other work). The last line says how many cores other processes kept busy during each
+No targets: the figures are this machine's. The default size takes about 3-4 minutes on a 2-core machine when
+nothing else runs there (8-10 beside other work). The last line says how many cores other processes kept busy during each
 measurement (the machine's busy time in /proc/stat less this benchmark's and its servers'): ranks pinned to a core
 each, which meet in every layer, suffer most from a busy neighbour, so figures taken beside more than 0.1 of a core
 are flagged. Servers, rank processes and whatever they started are stopped on exit, Ctrl-C and errors included.
@@ -41,10 +44,12 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import servers
-from bench_serving import level, quotient
+from arms import Ratio, Spread, order
+from pathlib import Path
+
+from bench_serving import level
 from kv_tiers_load import Answer, ask_all
 from pdserve.benchclient import (ErrorReporter, LevelSummary, Load, Target, format_errors, format_table,
                                  parse_concurrencies, run_sweep)
@@ -123,53 +128,66 @@ def measure_server(label: str, extra: list[str], args: argparse.Namespace, model
         say(f"{label} stopped")
 
 
-def served_ratios(served: dict[str, Served], concurrencies: list[int]) -> list[tuple[str, float | None]]:
-    if "tp1" not in served or "tp2" not in served:
-        return []
-    one, two = served["tp1"].summaries, served["tp2"].summaries
-    high, low = max(concurrencies), min(concurrencies)
-
-    def streams(n: int) -> str:
-        return f"{n} stream{'s' if n > 1 else ''}"
-
-    return [(f"TP2/TP1 output tok/s, {streams(high)}", quotient(level(two, high), level(one, high), "output_tok_s")),
-            (f"TP2/TP1 ITL p50, {streams(low)}", quotient(level(two, low), level(one, low), "itl_ms_p50")),
-            (f"TP2/TP1 TTFT p50, {streams(high)}", quotient(level(two, high), level(one, high), "ttft_ms_p50"))]
+METRICS = (("output tok/s", "output_tok_s", max), ("ITL p50", "itl_ms_p50", min), ("TTFT p50", "ttft_ms_p50", max))
 
 
-def same_greedy(served: dict[str, Served]) -> bool | None:
-    one, two = served.get("tp1"), served.get("tp2")
-    if not one or not two or not one.greedy.ok or not two.greedy.ok:
+def served_figures(served: dict[str, list[Served]], concurrencies: list[int]) -> list[tuple[str, dict]]:
+    """Per metric (at the highest concurrency, ITL at the lowest): each arm's median and spread over the rounds,
+    and TP2/TP1, where every round measured it."""
+    found = []
+    for what, metric, pick in METRICS:
+        n = pick(concurrencies)
+        values = {label: [getattr(level(run.summaries, n), metric, None) for run in runs]
+                  for label, runs in served.items()}
+        if any(v is None for vs in values.values() for v in vs) or not all(values.values()):
+            continue
+        figure = {label: Spread.of(vs) for label, vs in values.items()}
+        if "tp1" in values and "tp2" in values:
+            figure["tp2/tp1"] = Ratio.of(values["tp2"], values["tp1"])
+        found.append((f"{what}, {n} stream{'s' if n > 1 else ''}", figure))
+    return found
+
+
+def same_greedy(served: dict[str, list[Served]]) -> bool | None:
+    runs = [run for label in ("tp1", "tp2") for run in served.get(label, [])]
+    if not served.get("tp1") or not served.get("tp2") or not all(run.greedy.ok for run in runs):
         return None
-    return one.greedy.text == two.greedy.text
+    return len({run.greedy.text for run in runs}) == 1
 
 
-def print_served(served: dict[str, Served], concurrencies: list[int]) -> None:
-    rows = [(name, s) for name, run in served.items() for s in run.summaries]
-    print("\nserved: pdserve up --colocated, TP 1 against --tp-size 2 (times in ms)")
+def print_served(served: dict[str, list[Served]], concurrencies: list[int]) -> None:
+    rows = [(f"{name} r{k + 1}", s) for name, runs in served.items() for k, run in enumerate(runs)
+            for s in run.summaries]
+    print("\nserved: pdserve up --colocated, TP 1 against --tp-size 2 (times in ms; rK: round K)")
     print(format_table([s for _, s in rows], "server", [name for name, _ in rows]))
-    for name, run in served.items():
-        if errors := format_errors(run.summaries):
-            print(f"{name} {errors}")
-    ratios = served_ratios(served, concurrencies)
-    if ratios:
-        print("\nratios")
-        for what, value in ratios:
-            print(f"  {what:<36} {'-' if value is None else f'{value:.2f}'}")
+    for name, runs in served.items():
+        for k, run in enumerate(runs):
+            if errors := format_errors(run.summaries):
+                print(f"{name} r{k + 1} {errors}")
+    figures = served_figures(served, concurrencies)
+    if figures:
+        print("\nmedian (lowest-highest) over the rounds; TP2/TP1: of the medians (range of the rounds' quotients)")
+        for what, figure in figures:
+            cells = [f"{label} {value.text('.1f')}" for label, value in figure.items() if isinstance(value, Spread)]
+            ratio = figure.get("tp2/tp1")
+            print(f"  {what:<22} " + ", ".join(cells) + (f"; TP2/TP1 {ratio.text()}" if ratio else ""))
     print(f"\ngreedy ({GREEDY_PROMPT!r}, temperature 0, max_tokens {GREEDY_TOKENS})")
-    for name, run in served.items():
-        print(f"  {name}: {run.greedy.text!r}" if run.greedy.ok else f"  {name}: failed: {run.greedy.error}")
+    for name, runs in served.items():
+        for k, run in enumerate(runs):
+            print(f"  {name} r{k + 1}: {run.greedy.text!r}" if run.greedy.ok
+                  else f"  {name} r{k + 1}: failed: {run.greedy.error}")
     same = same_greedy(served)
     if same is not None:
         verdict = "yes" if same else "no (bf16 sums split over ranks may round apart)"
-        print(f"  TP1 and TP2 gave the same text: {verdict}")
+        print(f"  every TP1 and TP2 server gave the same text: {verdict}")
 
 
-def print_elsewhere(collectives: list[Collective], served: dict[str, Served]) -> None:
+def print_elsewhere(collectives: list[Collective], served: dict[str, list[Served]]) -> None:
     """Other processes' load during each measurement: figures taken beside other work are disturbed."""
     found = [(f"{c.backend} all-reduce", c.elsewhere_cores) for c in collectives
              if c.shape == SHAPES[0] and c.dtype == DTYPES[0] and c.elsewhere_cores is not None]
-    found += [(f"{name} load", run.elsewhere_cores) for name, run in served.items()]
+    found += [(f"{name} r{k + 1} load", run.elsewhere_cores) for name, runs in served.items()
+              for k, run in enumerate(runs)]
     if found:
         print("other processes on this machine meanwhile, cores busy on average: "
               + ", ".join(f"{what} {cores:.2f}" for what, cores in found))
@@ -183,6 +201,7 @@ def print_elsewhere(collectives: list[Collective], served: dict[str, Served]) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help="which to run, in order (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="servers of each kind, in rotating order")
     parser.add_argument("--concurrency", action="append", default=[], metavar="N[,N...]",
                         help="concurrency levels (default: 1,32)")
     parser.add_argument("--requests", type=int, default=None, help="requests per level (default: 4 x concurrency)")
@@ -196,6 +215,8 @@ def main() -> int:
     servers.add_server_arguments(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every result as JSON")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds takes a positive number")
     parts = [x for x in args.parts.split(",") if x]
     if not parts or any(x not in PARTS for x in parts):
         raise SystemExit(f"--parts takes a list of {', '.join(PARTS)}; got {args.parts!r}")
@@ -206,7 +227,7 @@ def main() -> int:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-tp-"))
     collectives: list[Collective] = []
-    served: dict[str, Served] = {}
+    served: dict[str, list[Served]] = {label: [] for label, _ in SERVED}
     failed: list[str] = []
     try:
         if "collectives" in parts:
@@ -221,13 +242,15 @@ def main() -> int:
                 return 1
             say(f"model {model_dir}; {args.output_len} output tokens, ~{args.prompt_len}-token prompts, "
                 f"concurrency {','.join(map(str, concurrencies))}")
-            for label, extra in SERVED:
-                try:
-                    served[label] = measure_server(label, extra, args, model_dir, model_dir.name, work, load,
-                                                   concurrencies)
-                except RuntimeError as exc:
-                    failed.append(label)
-                    say(f"{label} skipped: {exc}")
+            for r in range(args.rounds):
+                for label, extra in order(SERVED, r):
+                    try:
+                        served[label].append(measure_server(label, extra, args, model_dir, model_dir.name,
+                                                            work / f"r{r + 1}", load, concurrencies))
+                    except RuntimeError as exc:
+                        failed.append(f"{label} r{r + 1}")
+                        say(f"{label} (round {r + 1}) skipped: {exc}")
+            served = {label: runs for label, runs in served.items() if runs}
     except KeyboardInterrupt:
         say("interrupted; every server and rank stopped")
         return 130
@@ -240,21 +263,22 @@ def main() -> int:
         print_collectives(collectives)
     if served:
         print_served(served, concurrencies)
-    print(f"\n(one run, this machine, {time.monotonic() - started:.0f} s in all)\ncommand: "
+    print(f"\n({args.rounds} round(s), this machine, {time.monotonic() - started:.0f} s in all)\ncommand: "
           f"{shlex.join([sys.executable, *sys.argv])}")
-    for run in served.values():
-        print(f"  {run.label}: {run.command}")
+    for runs in served.values():
+        print(f"  {runs[0].label}: {runs[0].command}")
     print_elsewhere(collectives, served)
     if args.json:
         payload = {
             "args": vars(args),
             "collectives": [asdict(c) | {"gloo_over_shm": collective_ratio(collectives, c.shape, c.dtype)}
                             for c in collectives],
-            "servers": {name: {"command": run.command, "ready_s": run.ready_s, "follower_cores": run.follower_cores,
-                               "elsewhere_cores": run.elsewhere_cores,
-                               "levels": [asdict(s) for s in run.summaries], "greedy": asdict(run.greedy)}
-                        for name, run in served.items()},
-            "ratios": dict(served_ratios(served, concurrencies)),
+            "servers": {name: [{"command": run.command, "ready_s": run.ready_s, "follower_cores": run.follower_cores,
+                                "elsewhere_cores": run.elsewhere_cores,
+                                "levels": [asdict(s) for s in run.summaries], "greedy": asdict(run.greedy)}
+                               for run in runs] for name, runs in served.items()},
+            "figures": {what: {label: value.as_dict() for label, value in figure.items()}
+                        for what, figure in served_figures(served, concurrencies)},
             "greedy_same": same_greedy(served),
             "failed": failed,
         }
