@@ -16,8 +16,12 @@ policy: under write_through a page is written once the radix cache takes it: the
 cache (so it is neither evicted nor reused) while a writer thread reads it straight from the pool, and unlocked by
 `poll` when written. write_through_selective writes a path only once a later request has found it in the pool;
 write_back writes what the pool evicts, from the host tier's copy where there is one (its slots kept until
-written), else copied out first (the only copy on the engine thread, one for every page evicted at once). Writes
-that fall behind are dropped (at most a quarter of the pool waits to be written), never queued without bound.
+written), else copied out first (the only copy on the engine thread, one for every page evicted at once). At
+most a quarter of the pool waits to be written (kv_tier_writer.py), so a path longer than that is written in parts:
+the part being written is locked, the rest waits its turn unlocked (kv_tier_writer.PathWrites: the pool may need
+those pages more than storage does) and is asked for again as parts land. What the pool evicts before its turn,
+and what write_back evicts while the writer is that far behind, is dropped and counted per reason, never queued
+without bound.
 
 Keys are chained over every page's tokens from the identity of the weights, dtype and page layout
 (kv_keys.py); a weight update moves to a new identity, so KV of other weights is never found.
@@ -43,7 +47,7 @@ from pdserve.shared.kv_events import HOST, STORAGE, CacheEvents
 from pdserve.shared.kv_files import KVFiles, directory_id
 from pdserve.shared.kv_keys import chain_keys, identity_key, model_fingerprint
 from pdserve.shared.kv_host import HostPages, host_pages
-from pdserve.shared.kv_tier_writer import TierWriter, Write
+from pdserve.shared.kv_tier_writer import PathWrites, TierWriter, Write
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.req import Req, ReqStatus
 
@@ -109,6 +113,8 @@ class KVTiers:
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-read")
         # at most a quarter of the pool waits to be written
         self.writer = TierWriter(self.files, pool.num_pages // 4, self._report) if self.files is not None else None
+        self.paths = PathWrites(self.cache, self.writer, pool.buffer, self._key, self._full) \
+            if self.writer is not None else None
         scheduler.holders.append(self)
         scheduler.tier = self
 
@@ -165,7 +171,7 @@ class KVTiers:
         num_pages = limit // s
         have = self.cache.match_prefix(req.fill_ids, max_pages=num_pages, namespace=req.cache_namespace).num_tokens
         if self.files is not None and self.config.write_policy == "write_through_selective" and have:
-            self._write_path(self.cache.match_prefix(req.fill_ids, max_pages=have,
+            self.paths.write(self.cache.match_prefix(req.fill_ids, max_pages=have,
                                                      namespace=req.cache_namespace).node)
         if num_pages <= have:
             return False
@@ -276,11 +282,13 @@ class KVTiers:
     def cached(self, node: Node) -> None:
         """The radix cache took the path down to `node` (Scheduler.cache_pages)."""
         if self.files is not None and self.config.write_policy == "write_through":
-            self._write_path(node)
+            self.paths.write(node)
 
     def evicting(self, nodes: list[Node]) -> None:
         """The pool is about to reuse these nodes' pages: into the host tier they go, and under write_back to
         storage what is not stored yet."""
+        if self.paths is not None:
+            self.paths.evicting(nodes)
         full = [n for n in nodes if self._full(n)]
         if not full:
             return
@@ -295,7 +303,10 @@ class KVTiers:
         if self.files is None or self.config.write_policy != "write_back":
             return
         todo = [(n, slot) for n, slot in zip(full, slots) if not n.stored]
-        if not todo or not self.writer.room(len(todo)):
+        granted = self.writer.take(len(todo))
+        self.writer.drop("behind", len(todo) - granted)
+        todo = todo[len(todo) - granted:]  # evicted leaves first: the later ones are nearer the root, read first
+        if not todo:
             return
         keys, nodes = [self._key(n) for n, _ in todo], [n for n, _ in todo]
         if all(slot is not None for _, slot in todo):  # written from the host tier's copies
@@ -306,16 +317,6 @@ class KVTiers:
         index = torch.tensor([n.page for n in nodes], device=self.pool.buffer.device)
         copies = self.pool.buffer[index].to("cpu")  # one copy: these pages are reused by the step that follows
         self.writer.put(Write(keys, copies, list(range(len(keys))), nodes))
-
-    def _write_path(self, node: Node) -> None:
-        todo = [n for n in self.cache.path(node) if not n.stored and self._full(n)]
-        if not todo or not self.writer.room(len(todo)):
-            return
-        keys = [self._key(n) for n in todo]
-        for n in todo:
-            n.stored = True  # asked for once; a failed write clears it again
-        self.cache.lock(node)  # the path's pages stay as they are until the writer has read them
-        self.writer.put(Write(keys, self.pool.buffer, [n.page for n in todo], todo, locked=node))
 
     @property
     def writing(self) -> bool:
@@ -336,6 +337,10 @@ class KVTiers:
         for n, written in zip(write.nodes, ok):
             n.stored = written
         self._told_stored([n for n, written in zip(write.nodes, ok) if written])
+        if all(ok):
+            self.paths.resume()
+        else:  # the directory fails: stop (asking again here would retry the failed pages at once, for ever);
+            self.paths.waiting.clear()  # a later request's pages ask again, as a failed page always does
 
     def _told_stored(self, nodes: list[Node]) -> None:
         if self.events is not None:
@@ -383,13 +388,14 @@ class KVTiers:
         if self.files is None:
             return stats
         pages, size = self.files.occupancy()
-        files = self.files.counts
+        files, dropped = self.files.counts, self.writer.dropped
         return {**stats, "storage_pages": pages, "storage_bytes": size,
                 "hits": self.counts.hits, "hit_tokens": self.counts.hit_tokens,
                 "pages_read": files.pages_read, "bytes_read": files.bytes_read,
                 "pages_written": files.pages_written, "bytes_written": files.bytes_written,
                 "load_seconds": self.counts.load_seconds, "given_up": self.counts.given_up,
-                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": self.writer.dropped,
+                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": sum(dropped.values()),
+                **{f"writes_dropped_{reason}": n for reason, n in dropped.items()},
                 "io_fallbacks": files.io_fallbacks, "io": self.files.io}  # io: a name, the rest numbers
 
     def close(self) -> None:

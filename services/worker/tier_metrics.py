@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.shared.kv_tier_writer import DROP_REASONS
+
 NAME = ["model_name"]
 # stats() key -> (series, help); each a counter of the tier's running total.
 COUNTED = {
@@ -21,8 +23,6 @@ COUNTED = {
     "corrupt": ("pdserve_worker_kv_storage_corrupt_pages", "page files that failed their check (deleted; the page "
                 "was computed again)"),
     "io_errors": ("pdserve_worker_kv_storage_io_errors", "reads, writes or flushes that failed with an OS error"),
-    "writes_dropped": ("pdserve_worker_kv_storage_dropped_writes", "pages not written because the writer was a "
-                       "quarter of the pool behind"),
 }
 
 
@@ -68,6 +68,12 @@ class TierMetrics:
         self.backuped = Counter("sglang:backuped_tokens", "tokens written to the storage tier", NAME,
                                 registry=r).labels(m)
         self.counted = {key: Counter(name, doc, NAME, registry=r).labels(m) for key, (name, doc) in COUNTED.items()}
+        self.dropped = Counter("pdserve_worker_kv_storage_dropped_writes", "pages meant for the storage tier and "
+                               "not written, by reason: behind (evicted under write_back while a quarter of the pool "
+                               "waited to be written), evicted (waiting their turn behind the part of a long prompt "
+                               "being written, evicted by the pool first)", NAME + ["reason"], registry=r)
+        for reason in DROP_REASONS:
+            self.dropped.labels(m, reason)
         self.bytes = Counter("pdserve_worker_kv_storage_bytes", "KV bytes read from and written to the storage tier",
                              NAME + ["direction"], registry=r)
         for direction in ("read", "written"):
@@ -92,6 +98,8 @@ class TierMetrics:
         self.backuped.inc(self._gain(stats, "pages_written") * self.page_size)
         for key, counter in self.counted.items():
             counter.inc(self._gain(stats, key))
+        for reason in DROP_REASONS:
+            self.dropped.labels(self.model_name, reason).inc(self._gain(stats, f"writes_dropped_{reason}"))
         self.bytes.labels(self.model_name, "read").inc(self._gain(stats, "bytes_read"))
         self.bytes.labels(self.model_name, "written").inc(self._gain(stats, "bytes_written"))
         self.pages.set(stats["storage_pages"])

@@ -6,16 +6,19 @@ What a user sees: the second worker, its pool empty, serves the same prompt with
 (`meta_info.cached_tokens` > 0, all of it from storage in `cached_tokens_details`, SGLang's
 `sglang:prefetched_tokens` on /metrics) and the same greedy text;
 `/flush_cache?tiers=device` keeps the files (the prefix is read from them again), `/flush_cache` makes them
-unreachable, so a third worker finds nothing; an unknown tier name is a 400 naming `tiers`.
+unreachable, so a third worker finds nothing; an unknown tier name is a 400 naming `tiers`. A prompt longer than a
+quarter of the pool, pushed out by others as long, comes back from storage.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
 import pytest
 import requests
 
+from pdserve.benchclient import make_prompts
 from procs import Proc, free_port, start_worker
 
 ADMIN_KEY = "sk-test-admin-key"
@@ -30,12 +33,17 @@ NEW_TOKENS = 12
 @pytest.fixture
 def system(default_model_dir, tmp_path):
     """A gateway and the colocated worker behind it (restart with `restart`)."""
-    worker, addr = start_worker("colocated", None, "--page-size", str(PAGE), "--enable-deterministic-inference",
-                                "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-                                "--hicache-storage-dir", str(tmp_path / "kv"),
-                                "--hicache-storage-prefetch-policy", "wait_complete")
+    with serving(default_model_dir, tmp_path, "--enable-deterministic-inference") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def serving(model_dir, tmp_path, *extra: str):
+    worker, addr = start_worker("colocated", None, "--page-size", str(PAGE), "--enable-hierarchical-cache",
+                                "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path / "kv"),
+                                "--hicache-storage-prefetch-policy", "wait_complete", *extra)
     port = free_port()
-    gateway = Proc("gateway", ["gateway", "--model-path", str(default_model_dir), "--host", "127.0.0.1",
+    gateway = Proc("gateway", ["gateway", "--model-path", str(model_dir), "--host", "127.0.0.1",
                                "--port", str(port), "--worker", addr, "--health-check-interval", "0.5"],
                    health_url=f"http://127.0.0.1:{port}/health").start({"PDSERVE_ADMIN_API_KEY": ADMIN_KEY,
                                                                          "OMP_NUM_THREADS": "1"})
@@ -66,10 +74,10 @@ def until(check, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def generate(url: str) -> tuple[str, int, int]:
+def generate(url: str, prompt: str = PROMPT) -> tuple[str, int, int]:
     """(greedy text, prompt tokens, prompt tokens served from a cache); each of those from the storage tier."""
-    r = requests.post(f"{url}/generate", timeout=60, json={
-        "text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+    r = requests.post(f"{url}/generate", timeout=120, json={
+        "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
     assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": meta["cached_tokens"]}
@@ -149,3 +157,20 @@ def test_in_pd_the_client_is_told_the_prefill_read_the_prefix_from_storage(defau
     finally:
         for proc in procs.values():
             proc.stop()
+
+
+def test_a_prompt_past_a_quarter_of_the_pool_comes_back_from_storage(default_model_dir, tmp_path):
+    """A 4,096-token pool, a ~1,900-token prompt (the writer takes at most a quarter of the pool at once: it is
+    written in parts), then three others as long, which push all of it out of the pool (bench_kv_tiers.py's
+    `long` case pushes it with five, and times it); asked again, it is read back."""
+    long, *others = make_prompts(4, 1900, 52)
+    with serving(default_model_dir, tmp_path, "--max-total-tokens", "4096") as (procs, url):
+        text, prompt_tokens, cached = generate(url, long)
+        assert cached == 0 and 1800 <= prompt_tokens < 2048
+        until(lambda: metric(procs, "sglang:backuped_tokens_total") >= prompt_tokens // PAGE * PAGE,
+              "the long prompt's pages to be written", timeout=60)
+        for other in others:
+            assert generate(url, other)[2] == 0  # each asserts that nothing came from the pool or the host
+        again, _, cached = generate(url, long)  # every cached token from storage: the pool holds none of it
+        assert again == text and cached >= 1000
+        assert metric(procs, "pdserve_worker_kv_storage_dropped_writes_total", 'reason="behind"') == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -315,6 +316,70 @@ def test_an_abort_while_loading_leaves_nothing_behind(tiny_models, tmp_path):
     cold.tiers.poll()  # the read ends after the abort: nothing is queued, no page is held
     assert not cold.has_work() and cold.scheduler.check_integrity().ok
     assert cold.allocator.num_free == cold.allocator.num_pages - cold.cache.num_pages
+
+
+LONG = [(i * 53 + 7) % 480 + 3 for i in range(121)]  # 30 full pages: past a quarter of a 64-page pool (16)
+
+
+def long_prompt(k: int) -> list[int]:
+    return [(k * 17 + i * 29) % 450 + 40 for i in range(121)]
+
+
+def test_a_prompt_longer_than_the_writers_backlog_is_stored_in_parts_and_comes_back(tiny_models, tmp_path,
+                                                                                     monkeypatch):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": LONG})
+    engine = engine_for(model, tmp_path)
+    writer = engine.tiers.writer
+    assert writer.limit_pages == 16
+    waiting, real = [], engine.tiers.files.write_run
+
+    def write_run(keys, payloads):  # what waits to be written, seen as each run is
+        waiting.append(writer.pending_pages)
+        return real(keys, payloads)
+    monkeypatch.setattr(engine.tiers.files, "write_run", write_run)
+    assert run(engine, {"a": LONG}) == plain
+    settle(engine)
+    assert len(waiting) >= 2 and max(waiting) <= 16  # in parts, never more than the limit at once
+    assert len(stored_files(tmp_path)) >= 30 and engine.tiers.stats()["writes_dropped"] == 0
+    for k in range(3):  # pushed out of the pool by three others as long
+        run(engine, {f"b{k}": long_prompt(k)})
+        settle(engine)
+    req = Req(rid="a2", input_ids=list(LONG), params=SamplingParams(temperature=0, max_new_tokens=6))
+    again = run(engine, {"a2": LONG}, reqs=[req])["a2"]
+    assert again == (plain["a"][0], 120) and req.tier_tokens.get("storage", 0) >= 64
+    cold = run(engine_for(model, tmp_path), {"a": LONG})["a"]  # and for a worker with a cold pool: all of it
+    assert cold == (plain["a"][0], 120)
+
+
+def test_pages_waiting_their_turn_that_the_pool_evicts_are_dropped_and_counted(tiny_models, tmp_path, monkeypatch):
+    model = tiny_models["llama"]
+    plain = run(engine_for(model, None), {"a": LONG})
+    engine = engine_for(model, tmp_path)
+    gate, real = threading.Event(), engine.tiers.files.write_run
+
+    def stalled(keys, payloads):  # a disk that takes the first part and then stalls
+        gate.wait(30)
+        return real(keys, payloads)
+    monkeypatch.setattr(engine.tiers.files, "write_run", stalled)
+    try:
+        assert run(engine, {"a": LONG}) == plain
+        for k in range(2):  # the pool needs the pages of "a" past the part being written: it takes them
+            run(engine, {f"b{k}": long_prompt(k)})
+        stats = engine.tiers.stats()
+        assert stats["writes_dropped_evicted"] > 0 and engine.tiers.writer.pending_pages == 16
+    finally:
+        gate.set()
+    settle(engine)
+    stats = engine.tiers.stats()
+    assert stats["writes_dropped"] == stats["writes_dropped_evicted"] + stats["writes_dropped_behind"]
+    assert not engine.tiers.paths.waiting and engine.scheduler.check_integrity().ok
+    registry = CollectorRegistry()
+    TierMetrics(registry, "m", PAGE).refresh(stats)
+    assert registry.get_sample_value("pdserve_worker_kv_storage_dropped_writes_total",
+                                     {"model_name": "m", "reason": "evicted"}) == stats["writes_dropped_evicted"]
+    tokens, cached = run(engine_for(model, tmp_path), {"a": LONG})["a"]  # the part written comes back
+    assert tokens == plain["a"][0] and 64 <= cached < 120
 
 
 @pytest.mark.parametrize("prefetch", ["timeout", "best_effort"])
