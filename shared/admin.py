@@ -90,13 +90,14 @@ class ServedWeights:
     def __init__(self, engine: Engine, version: WeightsVersion) -> None:
         self.engine = engine
         self.version = version
-        self._staged: tuple[str, object] | None = None  # (path, model) built but not yet served
+        # (path, model, the directory it resolved to) built but not yet served
+        self._staged: tuple[str, object, Path] | None = None
 
     def stage(self, checkpoint: Checkpoint) -> None:
         """Build `checkpoint`'s weights beside the running ones, which keep serving until `commit`.
         Replaces weights staged before. Raises WeightsError, and then nothing is staged."""
         self._staged = None  # the previous staged model is freed before the next one is built
-        self._staged = (checkpoint.source, self.engine.runner.build_weights(checkpoint))
+        self._staged = (checkpoint.source, self.engine.runner.build_weights(checkpoint), checkpoint.directory)
 
     @property
     def staged(self) -> str | None:
@@ -124,7 +125,7 @@ class ServedWeights:
             return None
         engine.runner.swap_weights(self._staged[1])
         if engine.tiers is not None:  # the old weights' stored KV stays, for the workers still on them, unreachable here
-            engine.tiers.weights_changed(self._staged[0])
+            engine.tiers.weights_changed(str(self._staged[2]))
         self._staged = None
         self.version = version
         log.info("serving weights version %s", version.label)

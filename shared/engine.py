@@ -81,8 +81,9 @@ class Engine:
         self.adapters = Adapters(self)
         self.experts = ExpertRecording(self)
         self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
-        self.tiers = KVTiers(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner.pool),
-                             wake=lambda: self.call(lambda: None)) if config.tiers is not None else None
+        self.tiers = KVTiers(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner),
+                             wake=lambda: self.call(lambda: None), model_path=config.model_path) \
+            if config.tiers is not None else None
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.

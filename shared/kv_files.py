@@ -14,7 +14,8 @@ tier at about 1 GB/s of a core and guard against nothing more, as whoever can wr
 matching hash too. A file is written under a temporary name and renamed, so a reader sees a whole file or none; one
 that is short, torn, corrupted or written for another key fails its check on read, is deleted and counts as a miss:
 the page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
-skipped write, and a counter, never an exception for the caller.
+skipped write, and a counter, never an exception for the caller. Identities are recorded in the directory, and
+one nobody uses any more is deleted whole (kv_identities.py: the pages that go first when the disk is full).
 
 Runs of pages (`read_run`, `write_run`, what the tier uses) go through NIXL's POSIX plugin when NIXL loads
 (kv_file_io.py): one transfer per run, every page file's header and payload, the same format, temporary names and
@@ -27,6 +28,7 @@ The methods do blocking I/O: the engine calls them from its tier threads (kv_tie
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -40,6 +42,7 @@ from pathlib import Path
 import xxhash
 
 from pdserve.shared.kv_file_io import NAME as NIXL, NixlFileIO, NixlIOError, nixl_file_io
+from pdserve.shared.kv_identities import IdentityRecords
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ class KVFiles:
         self._counted_at = -COUNT_EVERY_S
         self._counting = 0  # the generation of the count under way (0: none); a flush or `use` starts a new one
         self._generation = 1
+        self.records = IdentityRecords(self.root)  # a start error when PDSERVE_KV_RETAIN_HOURS is not a number
 
     @staticmethod
     def check_directory(directory: str) -> None:
@@ -101,11 +105,13 @@ class KVFiles:
         except OSError as exc:
             raise ValueError(f"--hicache-storage-dir {directory!r} cannot be used: {exc.strerror or exc}") from None
 
-    def use(self, identity: str) -> None:
-        """Read and write under `identity` from now on (at start, and after a weight update)."""
+    def use(self, identity: str, about: dict | None = None, model_path: str = "") -> None:
+        """Read and write under `identity` from now on (at start, and after a weight update); what it was computed
+        from (`about`, kv_keys.py) and `model_path` go into its record."""
         with self._lock:
             self._identity = identity
             self._forget_count()
+        self.records.use(identity, about or {}, model_path)
 
     @property
     def identity(self) -> str:
@@ -168,6 +174,7 @@ class KVFiles:
     def read_run(self, keys: list[str]) -> list[bytes]:
         """The pages stored under `keys`, in order, up to the first one absent or failing its check (that file is
         deleted, as by `read`). With NIXL, one transfer reads every file of the run of the right length."""
+        self.records.touch()
         if self._nixl is None or not self._nixl.usable:
             return self._read_plain(keys)
         opened: list[tuple[str, Path, int]] = []
@@ -220,6 +227,7 @@ class KVFiles:
     def write_run(self, keys: list[str], payloads: list[bytes | memoryview]) -> list[bool]:
         """Store each page under its key (`write`, for a run); whether each was. With NIXL, one transfer writes
         every page not stored yet, each under a temporary name renamed once written."""
+        self.records.touch()
         for payload in payloads:
             if len(payload) != self.page_bytes:
                 raise ValueError(f"a page is {self.page_bytes} bytes, got {len(payload)}")
@@ -325,6 +333,7 @@ class KVFiles:
         """(pages, bytes) stored under the current identity as of the latest count, which a thread of its own takes
         at most every COUNT_EVERY_S: the caller (the engine thread, a scrape) never waits on a walk of the
         directory. (0, 0) until the first count is in, and right after a flush."""
+        self.records.touch()
         with self._lock:
             if not self._counting and time.monotonic() - self._counted_at >= COUNT_EVERY_S:
                 self._counting, self._counted_at = self._generation, time.monotonic()
@@ -352,6 +361,8 @@ class KVFiles:
 
     def _count_error(self, what: str, exc: OSError) -> None:
         self.counts.errors += 1
+        if exc.errno == errno.ENOSPC:
+            self.records.make_room()
         reason = f"{what}: {exc.strerror or type(exc).__name__}"
         self.counts.by_reason[reason] = self.counts.by_reason.get(reason, 0) + 1
         if self.counts.by_reason[reason] in (1, 100, 10000):  # the first of each kind, then rarely

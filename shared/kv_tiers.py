@@ -23,8 +23,8 @@ those pages more than storage does) and is asked for again as parts land. What t
 and what write_back evicts while the writer is that far behind, is dropped and counted per reason, never queued
 without bound.
 
-Keys are chained over every page's tokens from the identity of the weights, dtype and page layout
-(kv_keys.py); a weight update moves to a new identity, so KV of other weights is never found.
+Keys are chained over every page's tokens from the identity of the weights' bytes, kernels as resolved and page
+layout (kv_keys.py; recorded in the directory: kv_identities.py); a weight update moves to a new identity.
 
 The routers are told which pages each tier holds (`events`, kv_events.py); stored pages under a `domain`: the
 directory's own id (a file in it, written by the first worker there) with the identity, so every worker that can
@@ -45,7 +45,7 @@ import torch
 from pdserve.shared.config import TierConfig
 from pdserve.shared.kv_events import HOST, STORAGE, CacheEvents
 from pdserve.shared.kv_files import KVFiles, directory_id
-from pdserve.shared.kv_keys import chain_keys, identity_key, model_fingerprint
+from pdserve.shared.kv_keys import chain_keys, identity_key, weights_digest
 from pdserve.shared.kv_host import HostPages, host_pages
 from pdserve.shared.kv_tier_writer import PathWrites, TierWriter, Write
 from pdserve.shared.radix_cache import Node
@@ -88,7 +88,7 @@ class _Load:
 
 class KVTiers:
     def __init__(self, config: TierConfig, scheduler: Scheduler, pool: KVPool, identity: dict,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], model_path: str = "") -> None:
         self.config = config
         self.scheduler = scheduler
         self.cache = scheduler.cache
@@ -103,7 +103,7 @@ class KVTiers:
         self.root_key = identity_key(self._identity)  # the chain of every page's key starts here
         self.domain = ""  # where stored pages can be read ("" without a storage tier)
         if self.files is not None:
-            self.files.use(self.root_key)
+            self.files.use(self.root_key, self._identity, model_path)  # the path: for the identity's record only
             self._directory_id = directory_id(self.files.root)
             self.domain = self._domain()
         self.events: CacheEvents | None = None  # told which pages are stored (set by the worker's engine host)
@@ -121,14 +121,14 @@ class KVTiers:
     # ------------------------------------------------------------ identity
     def weights_changed(self, model_path: str) -> None:
         """Read and write under the new weights' identity from now on (the pool was flushed with them)."""
-        self._identity.update(weights=model_fingerprint(model_path))
+        self._identity.update(weights=weights_digest(model_path))  # hashed by the reader that staged them
         self.root_key = identity_key(self._identity)
         if self.host is not None:
             self.host.clear()  # other weights' KV
             if self.events is not None:
                 self.events.cleared(HOST)
         if self.files is not None:
-            self.files.use(self.root_key)
+            self.files.use(self.root_key, self._identity, model_path)
             self.domain = self._domain()
             if self.events is not None:
                 self.events.cleared(STORAGE)  # what was stored under the old weights answers nothing now

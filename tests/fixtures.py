@@ -12,14 +12,15 @@ MOE_ARCHS = ("qwen2-moe", "qwen3-moe", "mixtral")
 SCALED_INIT = ("qwen3",) + MOE_ARCHS
 
 
-def make_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Save a 2-layer (3 for qwen3-moe), hidden-64 checkpoint of `arch` to `out_dir` (HF format, fp32)."""
+def make_tiny_model(arch: str, out_dir: Path, seed: int = 0, **sizes) -> Path:
+    """Save a 2-layer (3 for qwen3-moe), hidden-64 checkpoint of `arch` to `out_dir` (HF format, fp32); `sizes`
+    replace the config's (e.g. intermediate_size=2048 for a checkpoint of a few MB)."""
     import transformers as tf
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1) | sizes
     torch.manual_seed(seed)
     if arch == "qwen2":
         config = Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=False)

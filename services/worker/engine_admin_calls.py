@@ -13,6 +13,7 @@ from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir
 from pdserve.shared.lora import AdapterNotFound, LoraError
+from pdserve.shared.weights_digest import weights_digest
 
 log = logging.getLogger("pdserve.worker")
 ENGINE_TIMEOUT_S = 30.0  # for the engine thread to take a command from a host thread
@@ -183,7 +184,10 @@ class AdminCalls:
 
     def _read(self, path: str):
         try:
-            return self.runner.read_weights(path)
+            checkpoint = self.runner.read_weights(path)
+            if self.engine.tiers is not None:  # the digest naming their KV (kv_keys.py), hashed here, not at commit
+                weights_digest(checkpoint.directory)
+            return checkpoint
         except BaseException as exc:
             return exc
 
