@@ -47,6 +47,7 @@ from pdserve.shared.kv_events import HOST, STORAGE, CacheEvents
 from pdserve.shared.kv_files import KVFiles, directory_id
 from pdserve.shared.kv_keys import chain_keys, identity_key, weights_digest
 from pdserve.shared.kv_host import HostPages, host_pages
+from pdserve.shared.kv_tier_stats import TierCounts, tier_stats
 from pdserve.shared.kv_tier_writer import PathWrites, TierWriter, Write
 from pdserve.shared.radix_cache import Node
 from pdserve.shared.req import Req, ReqStatus
@@ -59,20 +60,6 @@ log = logging.getLogger(__name__)
 
 WAIT_COMPLETE_LIMIT_S = 60.0  # wait_complete still gives up on a read this slow: it computes rather than hang
 READ_RUN = 16  # pages read at once (KVFiles.read_run: one NIXL transfer); a load given up stops after the current run
-
-
-@dataclass
-class TierCounts:
-    """The tier's figures beside KVFiles' own (read by the engine thread for metrics and stats)."""
-
-    lookups: int = 0  # requests whose prompt went past the pool's prefix and were looked for
-    hits: int = 0  # of those, requests that got at least one page from storage
-    hit_tokens: int = 0
-    load_seconds: float = 0.0  # summed over loads: hold -> queued
-    given_up: int = 0  # loads past their deadline
-    host_hits: int = 0  # requests that got at least one page back from the host tier
-    host_hit_tokens: int = 0
-    host_load_seconds: float = 0.0  # engine-thread time spent putting host pages back (the copies are issued)
 
 
 @dataclass
@@ -376,27 +363,7 @@ class KVTiers:
             self._queue(load, list(load.read) if self.config.prefetch_policy == "best_effort" else [])
 
     def stats(self) -> dict:
-        """Running totals, per tier (host_*: the host tier's; the rest the storage tier's), where it is."""
-        stats = {"lookups": self.counts.lookups}
-        if self.host is not None:
-            host, c = self.host, self.counts
-            stats.update(host_pages=host.used, host_capacity=host.num_pages, host_hits=c.host_hits,
-                         host_hit_tokens=c.host_hit_tokens, host_load_seconds=c.host_load_seconds,
-                         host_bytes_read=host.counts.pages_out * host.page_bytes,
-                         host_bytes_written=host.counts.pages_in * host.page_bytes,
-                         host_dropped=host.counts.dropped)
-        if self.files is None:
-            return stats
-        pages, size = self.files.occupancy()
-        files, dropped = self.files.counts, self.writer.dropped
-        return {**stats, "storage_pages": pages, "storage_bytes": size,
-                "hits": self.counts.hits, "hit_tokens": self.counts.hit_tokens,
-                "pages_read": files.pages_read, "bytes_read": files.bytes_read,
-                "pages_written": files.pages_written, "bytes_written": files.bytes_written,
-                "load_seconds": self.counts.load_seconds, "given_up": self.counts.given_up,
-                "corrupt": files.corrupt, "io_errors": files.errors, "writes_dropped": sum(dropped.values()),
-                **{f"writes_dropped_{reason}": n for reason, n in dropped.items()},
-                "io_fallbacks": files.io_fallbacks, "io": self.files.io}  # io: a name, the rest numbers
+        return tier_stats(self.counts, self.host, self.files, self.writer)
 
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)
