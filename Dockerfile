@@ -19,9 +19,13 @@ ENV PYTHONUNBUFFERED=1 \
 # A C++ compiler for the native CPU kernels (built below, and rebuilt at start-up on a CPU with other flags).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
+# Every package at the version in requirements.lock (the set the suite is green with; scripts/lock refreshes it).
+COPY requirements.lock /opt/pdserve/requirements.lock
+ENV PIP_CONSTRAINT=/opt/pdserve/requirements.lock
+
 # torch first and pinned, in its own layer: the largest download, and it changes least often.
 RUN case "$VARIANT" in \
-      cpu)  pip install "torch==2.13.0" --index-url "$TORCH_CPU_INDEX" ;; \
+      cpu)  pip install "torch==2.13.0" --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple ;; \
       cuda) pip install "torch==2.13.0" ;; \
       *)    echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
     esac

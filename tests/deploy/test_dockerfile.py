@@ -62,3 +62,12 @@ def test_dependencies_install_before_the_source_is_copied_and_labels_name_the_ve
     assert "pip install --no-deps ." in DOCKERFILE
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert f'org.opencontainers.image.version="{version}"' in DOCKERFILE
+
+
+def test_every_pip_install_is_held_to_the_lock():
+    lines = DOCKERFILE.splitlines()
+    constraint = next(i for i, line in enumerate(lines) if line.startswith("ENV PIP_CONSTRAINT="))
+    first_install = next(i for i, line in enumerate(lines) if "pip install" in line)
+    assert constraint < first_install, "a pip install runs before the lock constrains it"
+    lock = lines[constraint].split("=", 1)[1]
+    assert any(arg.split() == ["requirements.lock", lock] for arg in instructions("COPY"))
