@@ -6,6 +6,7 @@ logits of each sequence's last new token. It knows nothing of queues or limits.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -96,9 +97,6 @@ class ModelRunner:
                                      batch_invariant=config.deterministic, hidden_output=self.hidden_output,
                                      quantization=config.quantization, **self._tp_parts())
         self.model.load(config.model_path)
-        if config.deterministic:  # before the first request: a machine that breaks the promise refuses to start
-            checks = check_batch_invariance(self.model, self.ops, config.cache.page_size)
-            log.info("deterministic mode: %d batch-invariance checks passed on this machine", checks)
         self.lora: LoraRegistry | None = None  # the adapters requests may name, when LoRA is enabled
         if config.lora is not None:
             self.lora = LoraRegistry.from_config(config.lora, mc, self.dtype, self.device,
@@ -106,6 +104,11 @@ class ModelRunner:
             self.model.lora = self.lora.pool
             if self.tp is not None and self.tp.leads:  # every rank's slots follow rank 0's
                 self.lora.pool.mirror = LoraMirror(self.tp)
+        if config.deterministic:  # before the first request: a machine that breaks the promise refuses to start
+            started = time.perf_counter()
+            checks = check_batch_invariance(self.model, self.ops, config.cache.page_size)
+            log.info("deterministic mode: %d batch-invariance checks passed on this machine in %.2f s", checks,
+                     time.perf_counter() - started)
         self.layout = KVLayout(1, config.cache.page_size, mc.num_layers, self.model.num_kv_heads, mc.head_dim,
                                self.dtype)  # this rank's KV heads
         self.graphs: DecodeGraphs | None = None

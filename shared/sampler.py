@@ -310,7 +310,7 @@ def _draw(e: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor,
         c = _index(check, e.device)
         rows = e if len(check) == e.shape[0] else e[c]
         above = _keep_above(rows, rows.gather(1, tok[c, None]), strict=True)  # tokens more likely than the draw
-        reject = above.sum(-1) >= top_p[c] * mass[c]  # [C]
+        reject = row_sums(above) >= top_p[c] * mass[c]  # [C]; summed as `mass` was, whatever C
         if not bool(reject.any()):
             return tokens
         r = reject.nonzero().squeeze(1)
@@ -350,7 +350,7 @@ def _inverse_cdf(e: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         cdf = torch.cumsum(e, dim=-1)
         return _search(cdf, u[:, None] * cdf[:, -1:])
     blocks = e.reshape(rows, vocab // block, block)
-    cdf = blocks.sum(-1).cumsum(-1)  # [R, V / block]
+    cdf = row_sums(e.reshape(rows * (vocab // block), block)).view(rows, -1).cumsum(-1)  # [R, V / block]
     target = u[:, None] * cdf[:, -1:]
     b = _search(cdf, target)  # [R] the block where the running sum passes the target
     before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
