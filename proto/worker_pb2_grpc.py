@@ -5,7 +5,7 @@ import warnings
 
 from . import worker_pb2 as worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -723,6 +723,11 @@ class PrefillStub:
                 request_serializer=worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=worker__pb2.PrefillReply.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/pdserve.Prefill/Fence',
+                request_serializer=worker__pb2.FenceRequest.SerializeToString,
+                response_deserializer=worker__pb2.FenceReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -741,6 +746,12 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -753,6 +764,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=worker__pb2.PrefillRequest.FromString,
                     response_serializer=worker__pb2.PrefillReply.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=worker__pb2.FenceRequest.FromString,
+                    response_serializer=worker__pb2.FenceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -810,6 +826,33 @@ class Prefill:
             '/pdserve.Prefill/Prefill',
             worker__pb2.PrefillRequest.SerializeToString,
             worker__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Prefill/Fence',
+            worker__pb2.FenceRequest.SerializeToString,
+            worker__pb2.FenceReply.FromString,
             options,
             channel_credentials,
             insecure,

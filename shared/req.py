@@ -37,6 +37,10 @@ class TransferTarget:
 
     peer_name: str
     dst_pages: list[int]
+    # The reservation's fence, which every write into those pages carries, and the deadline (this worker's
+    # monotonic clock) after which none may start (shared/transfer/fence.py); 0: unfenced.
+    fence: int = 0
+    fence_deadline: float = float("inf")
 
 
 @dataclass(eq=False)

@@ -12,6 +12,10 @@ Rank 0 is the worker's face: its `RankTransfers` posts each operation in the ran
 thread, where every post comes from) and then does its own part; every other rank does its part when it reads
 the post (`apply`), and they agree on the outcome (a vote or a barrier), so rank 0 answers for all of them. A
 worker of one rank is the same code with no one to tell.
+
+Fences (shared/transfer/fence.py): rank 0 draws a reservation's fence when it opens the window and every rank
+opens its pages under it; a write is checked against its fence on rank 0, around the whole write and the ranks'
+vote on it, so a revocation (`revoke`, from any thread) returns only once no rank writes it any more.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from pdserve.shared.tp_shards import Shards
 from pdserve.shared.tp_step import KV, START_TIMEOUT_S, TPRank, bytes_payload, read_bytes
 from pdserve.shared.transfer.base import KVTransfer, TransferError, b64, unb64
+from pdserve.shared.transfer.fence import WRITE_BOUND_S, Fence, SenderFences, new_fence
 
 log = logging.getLogger(__name__)
 SETTLE_S = 5.0  # beyond an operation's own timeout, for the ranks to agree on its outcome
@@ -69,6 +74,7 @@ class RankTransfers:
         self._metadata = json.dumps({"kv_heads": total, "ranks": [
             {"kv_heads": list(rng), "agent": b64(md)} for rng, md in zip(ranges, metadatas or [])]}).encode()
         self._peers: dict[str, tuple[bytes, list[Write]]] = {}  # peer -> (its metadata, this rank's writes)
+        self.fences = SenderFences()  # rank 0: the fences revoked, the writes under way
 
     @property
     def leads(self) -> bool:
@@ -100,14 +106,25 @@ class RankTransfers:
         if peer_name in self._peers:
             self._lead("remove", {"peer": peer_name}, 0.0)
 
-    def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int], timeout: float = 30.0) -> None:
+    def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int], timeout: float = 30.0,
+                    fence: Fence | None = None) -> None:
+        """Refused (TransferError) where `fence` was revoked or its lease ran out (fence.SenderFences)."""
         if peer_name not in self._peers:
             raise TransferError(f"peer {peer_name} is not registered")
-        self._lead("write", {"peer": peer_name, "src": list(src_pages), "dst": list(dst_pages),
-                             "timeout": timeout}, timeout)
+        with self.fences.writing(peer_name, fence):
+            self._lead("write", {"peer": peer_name, "src": list(src_pages), "dst": list(dst_pages),
+                                 "fence": fence.value if fence is not None else 0, "timeout": timeout}, timeout)
 
-    def open_window(self, pages: list[int]) -> None:
-        self._lead("open", {"pages": list(pages)}, 0.0)
+    def revoke(self, peer_name: str, fence: int, wait_s: float = WRITE_BOUND_S) -> bool:
+        """No write of `fence` to `peer_name` starts from now on; True once none is under way (False: one still
+        was after `wait_s`). Safe from any thread: it posts nothing to the ranks."""
+        return self.fences.revoke(peer_name, fence, wait_s)
+
+    def open_window(self, pages: list[int]) -> int:
+        """Open `pages` to writes under a fresh fence, which it returns (the writer must carry it)."""
+        fence = new_fence()
+        self._lead("open", {"pages": list(pages), "fence": fence}, 0.0)
+        return fence
 
     def close_window(self, pages: list[int]) -> None:
         self._lead("close", {"pages": list(pages)}, WINDOW_S)
@@ -172,15 +189,15 @@ class RankTransfers:
         for d, _, _ in writes:
             self.agent.remove_peer(f"{peer}#{d}")
 
-    def _write(self, peer: str, src: list[int], dst: list[int], timeout: float) -> None:
+    def _write(self, peer: str, src: list[int], dst: list[int], fence: int, timeout: float) -> None:
         known = self._peers.get(peer)
         if known is None:
             raise TransferError(f"peer {peer} is not registered")
         for d, mine, theirs in known[1]:
-            self.agent.write_heads(f"{peer}#{d}", src, dst, mine, theirs, timeout)
+            self.agent.write_heads(f"{peer}#{d}", src, dst, mine, theirs, timeout, fence)
 
-    def _open(self, pages: list[int], timeout: float) -> None:
-        self.agent.open_window(pages)
+    def _open(self, pages: list[int], fence: int, timeout: float) -> None:
+        self.agent.open_window(pages, fence)
 
     def _close(self, pages: list[int], timeout: float) -> None:
         self.agent.close_window(pages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,11 +34,15 @@ from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scoring import (DecoderPooling, ScoreResult, check_inputs, check_sequences, plan_groups,
                                     pool_group, prefill_prefix, score_group, step_budget)
 from pdserve.shared.tp_transfer import rank_transfers
+from pdserve.shared.transfer.fence import Fence
 
 log = logging.getLogger("pdserve.worker")
 GRAMMAR_TIMEOUT_S = 30.0
 ENCODE_TIMEOUT_S = 120.0  # for one group of a pooling request, queueing included
 PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
+ABORT_WAIT_S = 1.0  # a fence's revocation waits this long for the engine to drop the request, then reports it
+# Tests only: every KV write of a prefill worker waits this long first (a write late past its request's abort).
+WRITE_DELAY_ENV = "PDSERVE_TEST_KV_WRITE_DELAY_S"
 
 
 def lps(items) -> TokenLogprobs | None:
@@ -98,6 +103,7 @@ class EngineCalls(AdminCalls):
         self.traced: dict[str, Req] = {}  # rid -> its Req, for the front's spans (engine thread)
         self._grammar_threads = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self._stop_asked = False
+        self._write_delay_s = float(os.environ.get(WRITE_DELAY_ENV) or 0)
         if args.random_seed is not None:  # once the model is built: the random init before its weights took draws
             torch.manual_seed(args.random_seed)
 
@@ -130,10 +136,14 @@ class EngineCalls(AdminCalls):
                 "transfer_name": self.transfer.name if self.transfer is not None else ""}
 
     def _write_kv(self, req) -> float:
-        peer, num_pages = req.transfer.peer_name, len(req.transfer.dst_pages)
+        target = req.transfer
+        peer, num_pages = target.peer_name, len(target.dst_pages)
+        if self._write_delay_s:
+            time.sleep(self._write_delay_s)
         t0 = time.perf_counter()
         try:
-            self.transfer.write_pages(peer, req.pages[:num_pages], req.transfer.dst_pages)
+            self.transfer.write_pages(peer, req.pages[:num_pages], target.dst_pages,
+                                      fence=Fence(target.fence, target.fence_deadline) if target.fence else None)
         except Exception:
             self.metrics.transfer_failed(peer)
             raise
@@ -188,8 +198,8 @@ class EngineCalls(AdminCalls):
         return self._admit(req, add)
 
     def _pages_reserved(self, req: Req) -> None:  # engine thread: the prefill worker may fill them now
-        self.transfer.open_window(list(req.pages))
-        self.event("reserved", req.rid, list(req.pages), (req.lora and req.lora.version) or "")
+        fence = self.transfer.open_window(list(req.pages))
+        self.event("reserved", req.rid, list(req.pages), (req.lora and req.lora.version) or "", fence)
 
     @runs("engine")
     def call_abort(self, rids: list[str], error: str | None = None) -> list[str]:
@@ -217,9 +227,11 @@ class EngineCalls(AdminCalls):
         return closed
 
     @runs("thread")
-    def call_kv_settle(self, rid: str, pages: list[int], closed: bool) -> None:
-        """The Prefill call ended: no write can land in `pages` once its window is closed; an aborted request's
-        pages go back to the pool then."""
+    def call_kv_settle(self, rid: str, pages: list[int], closed: bool, lease_expired: bool = False) -> None:
+        """The reservation's fence is settled (kv_pull.py): no write can land in `pages` once its window is closed;
+        an aborted request's pages go back to the pool then."""
+        if lease_expired:
+            self.metrics.fence_failed("lease_expired")
         if not closed:
             self._on_kv_thread(lambda: self.transfer.close_window(pages))
         self.on_engine(lambda: self.engine.role.kv_settled(rid))
@@ -228,10 +240,11 @@ class EngineCalls(AdminCalls):
     @runs("here")
     def call_prefill(self, rid: str, input_ids: list[int], params: dict, arrival: float, peer_name: str,
                      dst_pages: list[int], lora: str = "", lora_version: str = "", weights_version: str = "",
-                     traced: bool = False) -> Future:
+                     traced: bool = False, fence: int = 0, fence_deadline: float = float("inf")) -> Future:
         if not self.transfer.has_peer(peer_name):  # we restarted since it registered
             raise PermissionError(f"decode worker {peer_name} is not registered")
-        req = self._request(rid, input_ids, params, arrival, transfer=TransferTarget(peer_name, list(dst_pages)))
+        req = self._request(rid, input_ids, params, arrival,
+                            transfer=TransferTarget(peer_name, list(dst_pages), fence, fence_deadline))
 
         def admit() -> Future:  # no weight swap can come between the check and the admission on this thread
             self.engine.weights.check_peer(weights_version)
@@ -254,6 +267,25 @@ class EngineCalls(AdminCalls):
                                "trace": trace_of(req) if traced else None})
         self._admit(req, admit).add_done_callback(answered)
         return answer
+
+    @runs("thread")
+    def call_fence(self, rid: str, peer_name: str, fence: int) -> dict:
+        """Revoke a reservation's fence (no write of it starts from now on; returns once none is under way), then
+        drop its request. What could not be done is logged, counted and answered, never swallowed."""
+        errors = []
+        fenced = self.transfer.revoke(peer_name, fence)
+        if not fenced:  # cannot happen while every write ends within its timeout (fence.WRITE_BOUND_S)
+            self.metrics.fence_failed("write_still_running")
+            errors.append(f"a KV write of {rid} to {peer_name} was still under way")
+        try:
+            self.on_engine(lambda: self.engine.abort(rid, error="its KV reservation was revoked"), ABORT_WAIT_S)
+        except Exception as exc:  # the abort stays queued; the request's writes are refused meanwhile
+            self.metrics.fence_failed("abort_late")
+            errors.append(f"the engine did not drop {rid} within {ABORT_WAIT_S:g} s ({type(exc).__name__}): its "
+                          "KV writes are refused meanwhile")
+        for error in errors:
+            log.warning("revoking the KV reservation of %s at %s: %s", rid, peer_name, error)
+        return {"fenced": fenced, "error": "; ".join(errors)}
 
     @runs("here")
     def call_has_peer(self, name: str) -> bool:

@@ -1,11 +1,17 @@
 """Decode side of a PD request: ask a prefill worker to fill the pages the engine reserved, and settle them.
 
 Lifecycle of one request: the front expects it (`expect`, before the engine has it) -> the engine process
-reserved the prompt's pages and opened the transfer window on them (the "reserved" event, `reserved`) -> a
-Prefill call to the named prefill worker -> on its answer the engine closes the window and takes the first tokens
-(`kv_answered`: `DecodeRole.kv_ready`) -> when the call has ended, whatever its outcome, no write can land in the
-pages any more: `kv_settle` frees those of a request aborted meanwhile. `abort` asks the prefill worker to drop a
-request; the Prefill call is left to end by itself, since its end is what proves no write is in flight.
+reserved the prompt's pages and opened the transfer window on them under a fresh fence (the "reserved" event,
+`reserved`) -> a Prefill call to the named prefill worker, carrying the fence and its lease -> on its answer the
+engine closes the window and takes the first tokens (`kv_answered`: `DecodeRole.kv_ready`) -> the fence is
+settled and `kv_settle` frees the pages of a request aborted meanwhile. Until then they stay quarantined.
+
+The fence is settled (shared/transfer/fence.py) by the Prefill call's answer (the prefill worker answers after
+its last write), or else by a Fence call the prefill worker answers once no write of it can start or is under
+way (tried again every FENCE_RETRY_S), or, where no answer comes, once the lease has surely run out in the
+prefill worker's clock. The end of the Prefill call alone proves nothing: a call that this side cancelled or
+that hit its deadline ends here while the prefill worker may still be writing. So `abort` cancels the Prefill
+call at once and the pages come back as soon as the prefill worker has revoked the fence.
 """
 from __future__ import annotations
 
@@ -17,12 +23,12 @@ from typing import Callable
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.peers import CHANNEL_OPTIONS, PrefillPeers
-from pdserve.shared.cluster_auth import worker_channel
+from pdserve.services.worker.peers import PrefillPeers
+from pdserve.shared.transfer.fence import WRITE_BOUND_S, Lease
 
 log = logging.getLogger(__name__)
+FENCE_RETRY_S = 1.0  # between two Fence calls that got no answer
 
 
 class KVPull:
@@ -40,7 +46,7 @@ class KVPull:
         # rid -> the reply (its timings) and the call's own: [sent, answered, transfer window closed], monotonic;
         # until its first output
         self.replies: dict[str, tuple[pb.PrefillReply, list[float]]] = {}
-        self._abort_stubs: dict[str, pb_grpc.WorkerStub] = {}
+        self.settling: set[asyncio.Task] = set()  # Fence calls whose answers the pages wait for
 
     def expect(self, rid: str, request: pb.GenerateRequest) -> None:
         self.requests[rid] = request
@@ -48,38 +54,31 @@ class KVPull:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
-    def reserved(self, rid: str, pages: list[int], lora_version: str) -> None:
-        """The engine reserved `pages` for `rid` and opened their window."""
+    def reserved(self, rid: str, pages: list[int], lora_version: str, fence: int = 0) -> None:
+        """The engine reserved `pages` for `rid` and opened their window under `fence`."""
         request = self.requests.pop(rid, None)
         if request is None:  # the Generate call is gone already: drop the request, free the pages
             self.link.cast("abort", rids=[rid])
             self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
             return
         self.addrs[rid] = request.prefill_addr
-        self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version))
+        self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version, fence))
 
     def take_reply(self, rid: str) -> tuple[pb.PrefillReply, list[float]] | None:
         return self.replies.pop(rid, None)
 
     def abort(self, rid: str) -> None:
-        """Ask the prefill worker to drop `rid`, if one is filling its pages."""
+        """Stop asking for `rid`'s KV: its Prefill call is cancelled, and the fence settled before the pages go."""
         self.requests.pop(rid, None)
-        addr = self.addrs.get(rid)
-        if addr is not None:
-            asyncio.ensure_future(self._abort_at(addr, rid))
+        call = self.calls.get(rid)
+        if call is not None:
+            call.cancel()
 
-    async def _abort_at(self, addr: str, rid: str) -> None:
-        stub = self._abort_stubs.get(addr)
-        if stub is None:
-            # The reconnect backoff of the Prefill channels: an abort reaches a restarted prefill worker in a second.
-            stub = self._abort_stubs[addr] = pb_grpc.WorkerStub(worker_channel(addr, options=CHANNEL_OPTIONS))
-        try:
-            await stub.Abort(pb.AbortRequest(rid=rid), timeout=self.call_timeout_s)
-        except grpc.aio.AioRpcError as exc:  # the Prefill call still ends, by its own deadline at worst
-            log.debug("aborting %s at prefill worker %s: %s", rid, addr, exc.code().name)
-
-    async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str) -> None:
-        closed = False
+    async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str,
+                    fence: int) -> None:
+        closed = answered = False
+        lease = Lease(self.deadline_s)
+        peer_name = self.peers.name
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
             sent = time.monotonic()
@@ -88,11 +87,13 @@ class KVPull:
                                                          dst_pages=pages, lora=request.lora,
                                                          lora_version=lora_version,
                                                          weights_version=self.weights_label(),
-                                                         traceparent=request.traceparent),
-                                       timeout=self.deadline_s)
-            # The prefill worker answers after its last write. The engine closes the window before it takes the
-            # pages: caching them frees those that duplicate an already cached prefix, and the next request
-            # reserved may get one at once; closing later would shut that request's window on it.
+                                                         traceparent=request.traceparent, fence=fence),
+                                       timeout=self.deadline_s, lease=lease)
+            answered = True  # after the prefill worker's last write: the fence is settled
+            self.calls.pop(rid, None)  # an abort from now on leaves the engine to drop the request
+            # The engine closes the window before it takes the pages: caching them frees those that duplicate an
+            # already cached prefix, and the next request reserved may get one at once; closing later would shut
+            # that request's window on it.
             timing = [sent, time.monotonic(), time.monotonic()]
             self.replies[rid] = reply, timing  # before the first tokens can reach the stream
             firsts = [(t.token_id, (t.logprob, list(t.top.token_ids), list(t.top.logprobs)) if t.has_logprob
@@ -111,8 +112,34 @@ class KVPull:
         finally:
             self.calls.pop(rid, None)
             self.addrs.pop(rid, None)
-            # The call has ended: the prefill worker answers only after its transfer for `rid` is over and the
-            # request is gone there (or it died, or the deadline beyond its own limits passed). Once no write can
-            # land in the pages any more (closing the window waits out one already under way), they may go back
-            # to the pool.
-            self.link.cast("kv_settle", rid=rid, pages=pages, closed=closed)
+            if answered or not lease.settled_by:  # answered, or never sent: no write can come
+                self.link.cast("kv_settle", rid=rid, pages=pages, closed=closed)
+            else:
+                task = asyncio.ensure_future(self._settle(rid, request.prefill_addr, peer_name, fence, lease, pages))
+                self.settling.add(task)
+                task.add_done_callback(self.settling.discard)
+
+    async def _settle(self, rid: str, addr: str, peer_name: str, fence: int, lease: Lease, pages: list[int]) -> None:
+        """Give the pages back once the prefill worker revoked the fence, or the lease surely ran out."""
+        expired = False
+        while True:
+            try:
+                client, _ = await self.peers.get(addr)
+                reply = await client.Fence(pb.FenceRequest(rid=rid, peer_name=peer_name, fence=fence),
+                                           timeout=self.call_timeout_s + WRITE_BOUND_S)
+                if reply.error:
+                    log.warning("prefill worker %s, revoking the KV reservation of %s: %s", addr, rid, reply.error)
+                if reply.fenced:
+                    break
+            except Exception as exc:  # unreachable, or refused: the lease bounds the wait
+                detail = (exc.details() or exc.code().name) if isinstance(exc, grpc.aio.AioRpcError) else exc
+                log.warning("prefill worker %s did not revoke the KV reservation of %s (%s): its pages stay held",
+                            addr, rid, detail)
+            left = lease.settled_by - time.monotonic()
+            if left <= 0:
+                expired = True
+                log.warning("the KV reservation of %s at prefill worker %s ran out of its lease unacknowledged: its "
+                            "pages go back to the pool (no write of it can land any more)", rid, addr)
+                break
+            await asyncio.sleep(min(FENCE_RETRY_S, left))
+        self.link.cast("kv_settle", rid=rid, pages=pages, closed=False, lease_expired=expired)

@@ -117,6 +117,11 @@ class WorkerMetrics(RequestObserver):
                                           NAME + ["peer"], buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "KV writes that failed",
                                          NAME + ["peer"], registry=r)
+        # What a KV reservation's fence could not do (shared/transfer/fence.py), by reason: prefill role
+        # "abort_late" (the engine did not drop an aborted request at once; its writes are refused meanwhile),
+        # "write_still_running"; decode role "lease_expired" (pages given back on the lease, unacknowledged).
+        self.fence_failures = Counter("pdserve_worker_kv_fence_failures", "KV reservation fences not settled "
+                                      "as asked", NAME + ["reason"], registry=r)
         self.tiers: TierMetrics | None = None  # the KV tiers' series, where the worker has them (`watch_tiers`)
 
     def watch_tiers(self, host: bool, storage: bool) -> None:
@@ -176,6 +181,9 @@ class WorkerMetrics(RequestObserver):
 
     def transfer_failed(self, peer: str) -> None:
         self.transfer_failures.labels(self.model_name, peer).inc()
+
+    def fence_failed(self, reason: str) -> None:
+        self.fence_failures.labels(self.model_name, reason).inc()
 
     # ------------------------------------------------------------ gauges (engine thread)
     def refresh(self, engine: Engine) -> None:

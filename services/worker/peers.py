@@ -10,11 +10,14 @@ there with the mismatch named. Lifecycle of one prefill address:
 - an address that stops answering leaves the registered set (logged once) until it answers again, and is
   no longer tried after `FORGET_AFTER_S` (a prefill worker scaled away); a refusal (incompatible peer) is
   logged and raised to the caller.
+Each registration is also a round trip that tells the prefill worker's clock (`PeerClock`), which bounds the
+leases of the fences its writes carry (shared/transfer/fence.py): every send of a Prefill call stamps its lease.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -23,6 +26,7 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto
 from pdserve.shared.compat import Compat
 from pdserve.shared.cluster_auth import worker_channel
+from pdserve.shared.transfer.fence import Lease, PeerClock
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +65,26 @@ class PrefillClient:
         self._addr = addr
         self._stub = stub
 
-    async def Prefill(self, request: pb.PrefillRequest, timeout: float) -> pb.PrefillReply:  # noqa: N802 (stub's name)
+    async def Prefill(self, request: pb.PrefillRequest, timeout: float,  # noqa: N802 (stub's name)
+                      lease: Lease | None = None) -> pb.PrefillReply:
+        """`lease`: the reservation's, stamped (in `request.fence_deadline`) with the clock of each send."""
         try:
-            return await self._stub.Prefill(request, timeout=timeout)
+            return await self._send(request, timeout, lease)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             log.info("prefill worker %s does not know us (%s): registering again", self._addr, exc.details())
         await self._peers.register(self._addr)  # the same channel: our stub stays valid
+        return await self._send(request, timeout, lease)
+
+    async def _send(self, request: pb.PrefillRequest, timeout: float, lease: Lease | None) -> pb.PrefillReply:
+        if lease is not None:
+            request.fence_deadline = lease.stamp(self._peers.clocks[self._addr])
         return await self._stub.Prefill(request, timeout=timeout)
+
+    async def Fence(self, request: pb.FenceRequest, timeout: float) -> pb.FenceReply:  # noqa: N802 (stub's name)
+        """On the channel the Prefill call took: the prefill worker reads the call (or its cancellation) first."""
+        return await self._stub.Fence(request, timeout=timeout)
 
 
 class PrefillPeers:
@@ -87,6 +102,7 @@ class PrefillPeers:
         self._answered_at: dict[str, float] = {}  # loop time of each address's last registration (or first try)
         self._metadata = metadata
         self._keeper: asyncio.Task | None = None
+        self.clocks: dict[str, PeerClock] = {}  # address -> its clock, as of its latest registration
 
     async def get(self, addr: str) -> tuple[PrefillClient, str]:
         """The client for `addr`, registering first if needed; raises PeerError."""
@@ -103,6 +119,7 @@ class PrefillPeers:
             await self._wait_out_backoff(channel, min(RECONNECT_WAIT_S, timeout or self.timeout))
             stub = pb_grpc.PrefillStub(channel)
             try:
+                sent = time.monotonic()
                 reply = await stub.Register(self._request(), timeout=timeout or self.timeout)
             except grpc.aio.AioRpcError as exc:
                 error = f"cannot register with prefill worker {addr}: {exc.details() or exc.code().name}"
@@ -115,6 +132,7 @@ class PrefillPeers:
                 self._lose(addr, error)
                 raise PeerRefused(error)
             self._answered_at[addr] = asyncio.get_running_loop().time()
+            self.clocks[addr] = PeerClock(sent, reply.clock, time.monotonic())
             if addr not in self._clients:
                 log.info("registered with prefill worker %s", addr)
                 self._clients[addr] = PrefillClient(self, addr, stub)

@@ -2,13 +2,15 @@
 
 A Prefill call lives as long as its request in the engine process: admission (after the peer-weights check, on
 the engine thread), chunked prefill, the KV write into the caller's pages, then the answer with the first tokens.
-A call that ends early (cancelled, timed out) aborts the request and answers only once no write can be in
-flight.
+The pages are the caller's under a fence (shared/transfer/fence.py) that every write carries. A call that ends
+early (cancelled, timed out) revokes the fence, so no write of it starts any more, and aborts the request; the
+decode worker asks the same with a Fence call, and gives the pages back once it is answered. What could not be
+done (the engine did not drop the request in time) is logged, counted and answered, not swallowed: the writes
+stay refused whatever the engine does.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -23,6 +25,9 @@ from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.rpc import CODES, Calls, Timeouts, params_to_wire
 from pdserve.shared.compat import Compat
 from pdserve.shared.sampling_params import InvalidParam
+from pdserve.shared.transfer.fence import WRITE_BOUND_S
+
+MAX_LEASE_S = 3600.0  # a fence deadline further ahead than this was computed from another process's clock
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         now = asyncio.get_running_loop().time()
         self.registered_at[request.peer_name] = now
         await self._forget_silent_peers(now)
-        return pb.RegisterReply(ok=True, transfer_metadata=metadata)
+        return pb.RegisterReply(ok=True, transfer_metadata=metadata, clock=time.monotonic())
 
     async def _forget_silent_peers(self, now: float) -> None:
         for peer, seen in [(p, seen) for p, seen in self.registered_at.items()
@@ -75,12 +80,36 @@ class PrefillService(pb_grpc.PrefillServicer):
         with self.calls.hold(1):
             return await self._prefill(request, context)
 
+    async def Fence(self, request: pb.FenceRequest, context):
+        result = await self._revoke(request.rid, request.peer_name, request.fence)
+        return pb.FenceReply(fenced=result["fenced"], error=result["error"])
+
+    async def _revoke(self, rid: str, peer_name: str, fence: int) -> dict:
+        """No write of `fence` starts from now on and none is under way; then the request is dropped."""
+        try:
+            if not fence:  # an unfenced caller: the engine's abort is all there is
+                await self.link.call("abort", self.timeouts.engine_call, rids=[rid])
+                return {"fenced": True, "error": ""}
+            return await self.link.call("fence", self.timeouts.engine_call + WRITE_BOUND_S, rid=rid,
+                                        peer_name=peer_name, fence=fence)
+        except (RemoteError, EngineGone, asyncio.TimeoutError) as exc:
+            error = f"could not revoke the KV reservation of {rid} at {peer_name}: {type(exc).__name__}: {exc}"
+            log.error(error)
+            return {"fenced": False, "error": error}
+
     async def _prefill(self, request: pb.PrefillRequest, context):
         arrived = time.monotonic()
         try:
             params = params_from_proto(request.sampling)
         except (InvalidParam, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        deadline = request.fence_deadline if request.fence else float("inf")
+        if request.fence and deadline - arrived > MAX_LEASE_S:  # the decode worker registers again and resends
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the pages' fence deadline is not in this "
+                                "worker's clock (it restarted since the decode worker registered)")
+        if deadline <= arrived:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pages' reservation ran out of time before "
+                                "the prefill call arrived")
         span = spans.start("prefill", request.traceparent, {"pdserve.rid": request.rid,
                                                              "pdserve.decode_worker": request.peer_name})
         done, result = False, None
@@ -92,7 +121,8 @@ class PrefillService(pb_grpc.PrefillServicer):
                 input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
                 peer_name=request.peer_name, dst_pages=list(request.dst_pages), lora=request.lora,
                 lora_version=request.lora_version, weights_version=request.weights_version,
-                traced=span is not None), self.timeouts.engine_call + self.timeouts.prefill)
+                traced=span is not None, fence=request.fence, fence_deadline=deadline),
+                self.timeouts.engine_call + self.timeouts.prefill)
             done = True
         except RemoteError as exc:
             done = True
@@ -103,11 +133,10 @@ class PrefillService(pb_grpc.PrefillServicer):
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
         finally:
-            if not done:  # cancelled by the decode side (or it died) or timed out: free everything
-                # and answer only once the engine thread ran the abort: a transfer of this request runs on
-                # that thread, so none is in flight any more and the decode side may reuse the pages.
-                with contextlib.suppress(Exception):
-                    await self.link.call("abort", self.timeouts.engine_call, rids=[request.rid])
+            if not done:  # cancelled by the decode side (or it died) or timed out: no write of this request
+                # may land any more, and its request goes (the decode side's Fence call asks the same and waits
+                # for the answer before it reuses the pages)
+                await self._revoke(request.rid, request.peer_name, request.fence)
             if span is not None and result is None:
                 spans.end_failed(span, "the prefill did not complete (refused, cancelled or timed out)")
         if span is not None and result["trace"]:

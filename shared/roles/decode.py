@@ -9,8 +9,9 @@ answered with the first tokens) -> RUNNING in the scheduler's batch -> FINISHED.
 pages run out waits in the scheduler's queue and is recomputed here, prompt and output so far.
 
 Pages of a request removed while its KV was on its way stay in `quarantine`: the prefill worker may still be
-writing into them, so they go back to the pool only at `kv_settled` (the prefill call ended), never to another
-request before. The role is a `PageHolder` of the scheduler: its requests count as live, its pages as held.
+writing into them, so they go back to the pool only at `kv_settled` (the reservation's fence is settled: no
+write of it can land any more, shared/transfer/fence.py), never to another request before. The role is a
+`PageHolder` of the scheduler: its requests count as live, its pages as held.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class DecodeRole(ColocatedRole):
         self.engine.take([(child, first.token_id, first.logprob) for child, first in zip(children, first_tokens)])
 
     def kv_settled(self, rid: str) -> None:
-        """No KV write into `rid`'s reserved pages can land any more (the prefill call ended): the pages of an
+        """No KV write into `rid`'s reserved pages can land any more (their fence is settled): the pages of an
         `rid` aborted while it waited for them go back to the pool now."""
         self.scheduler.allocator.free(self.quarantine.pop(rid, []))
 

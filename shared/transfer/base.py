@@ -7,6 +7,9 @@ target side only calls `poll()` periodically; it learns that data arrived from t
 initiator (over gRPC, after `write_pages` returned), so the data path carries no
 notifications. `close()` releases everything.
 
+Every write carries the fence of the reservation it fills (fence.py): the receiving side opens its pages under
+that fence, and pages go to another request only once no write of it can land.
+
 Invariant: the pool is one contiguous, page-major tensor `[num_pages, ...]`, so page i
 occupies bytes `[base + i * page_bytes, base + (i + 1) * page_bytes)` and a run of
 consecutive pages is one byte range. Two pools can exchange whole pages only if their
@@ -26,9 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-
-class TransferError(RuntimeError):
-    """A transfer or connection failed, timed out, or the peer is incompatible or gone."""
+from pdserve.shared.transfer.errors import TransferError
 
 
 class Run(NamedTuple):
@@ -89,15 +90,17 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
-                    timeout: float = 30.0) -> None:
-        """Copy local pages `src_pages[i]` into the peer's pages `dst_pages[i]`.
+                    timeout: float = 30.0, fence: int = 0) -> None:
+        """Copy local pages `src_pages[i]` into the peer's pages `dst_pages[i]`, under the reservation's `fence`.
 
         Returns once the bytes are in the peer's memory. Raises TransferError on a
-        bad page id, an unknown or dead peer, or when `timeout` passes; never hangs.
+        bad page id, an unknown or dead peer, a refusal (the pages' fence is another),
+        or when `timeout` passes; never hangs. A write that timed out tears the
+        connection to the peer down, so that no byte of it lands later.
         """
 
     def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
-                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+                    dst_heads: tuple[int, int], timeout: float = 30.0, fence: int = 0) -> None:
         """Copy the KV heads [src_heads) of local pages `src_pages[i]` into heads [dst_heads) of the peer's
         pages `dst_pages[i]` (as many heads on both sides; every other head of the peer's pages untouched).
         Whole pages on both sides are `write_pages`. Raises TransferError as write_pages does."""
@@ -119,16 +122,16 @@ class KVTransfer(ABC):
         """Whether peers can still write into this pool; a worker whose transfer is not reports unhealthy."""
         return True
 
-    # Receiving side: the pages a peer may write now. A decode worker opens a window over a request's reserved
-    # pages before it asks for them to be filled, and closes it when that call ended, before the pages can go
-    # to another request: a late or stray write is refused instead of landing in someone else's KV. Backends
-    # whose writes are one-sided (NIXL: the sender's NIC writes, the receiver's CPU never sees them) cannot
-    # refuse and leave these as they are; their senders write only pages named in an authenticated call.
-    def open_window(self, pages: list[int]) -> None:
-        """Let peers write into `pages` until `close_window`."""
+    # Receiving side: the pages a peer may write now, and under which fence. A decode worker opens a window over
+    # a request's reserved pages before it asks for them to be filled, and closes it when that call ended. Where
+    # the receiver sees each write (TCP's socket) it refuses one into a closed page or under another fence;
+    # one-sided writes (NIXL, CUDA IPC) it never sees: their senders check the fence (fence.py), and the
+    # receiver keeps the pages until the fence is settled.
+    def open_window(self, pages: list[int], fence: int = 0) -> None:
+        """Let writes that carry `fence` into `pages` until `close_window`."""
 
     def close_window(self, pages: list[int]) -> None:
-        """No write into `pages` lands from now on (one in progress finishes first)."""
+        """No write into `pages` lands from now on through this receiver (one in progress finishes first)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -3,8 +3,10 @@
 A pool on a GPU shares its memory through a CUDA IPC handle (the one torch.multiprocessing passes for CUDA
 tensors), sent with the host's boot id in the transfer metadata. A sender on the same host opens it once
 (`open_pool`) and then writes a run of pages with one device-to-device copy: no staging through pinned host
-memory, no socket. Such writes are one-sided, as NIXL's are: the receiver cannot refuse one, so a sender only
-writes pages named in an authenticated call (the receiving side's windows guard the socket path). Where the
+memory, no socket. Such writes are one-sided, as NIXL's are: the receiver cannot refuse one, so the fence of the
+reservation they fill is checked by the sender before each copy (fence.SenderFences, around the whole write), and
+a copy is bounded by construction: it is synchronised before the write returns, so no byte of it lands after the
+sender's fence released it (the receiving side's windows also guard the socket path). Where the
 handle cannot be opened (another host, a container outside the peer's IPC namespace, a driver refusal), the
 sender keeps the socket.
 

@@ -10,6 +10,12 @@ up, WRITEs complete without the target's help.
 Invariant: every NIXL call goes through `self._lock` (the agent is created without
 internal locking) and is never held while waiting, so `poll()` and other transfers
 interleave; every transfer handle is released on every path.
+
+Fences (fence.py): a WRITE lands without the receiver's involvement, so the fence a write
+carries is checked by the sender before it is posted, never here; what this module owns is
+that a WRITE ends within its timeout: one that did not complete in time (or whose handle
+could not be released) tears down the connection to that peer, after which UCX moves none
+of its bytes. The peer's next registration connects again.
 """
 from __future__ import annotations
 
@@ -108,7 +114,7 @@ class NixlTransfer(KVTransfer):
             log.debug("removing NIXL agent %s: %s", peer.nixl_name, exc)
 
     def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
-                    timeout: float = 30.0) -> None:
+                    timeout: float = 30.0, fence: int = 0) -> None:
         peer = self._peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
@@ -124,7 +130,7 @@ class NixlTransfer(KVTransfer):
         self._xfer("WRITE", local, remote, peer, timeout, f"writing {len(src_pages)} pages to {peer_name}")
 
     def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
-                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+                    dst_heads: tuple[int, int], timeout: float = 30.0, fence: int = 0) -> None:
         """Into a peer holding just the heads sent (a narrower decode rank), packed here into whole pages of its
         layout and written a run of pages per descriptor (`_write_packed`). Otherwise some heads of each page are
         one strided run per layer, K/V and token of the page: a descriptor each (layers * 2 * page_size per page),
@@ -185,7 +191,7 @@ class NixlTransfer(KVTransfer):
               what: str) -> None:
         """Post one transfer and wait for it, at most `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        handle = None
+        handle, state = None, "PROC"
         try:
             with self._lock:
                 local_descs = self._agent.get_xfer_descs(local, self._mem)
@@ -214,6 +220,18 @@ class NixlTransfer(KVTransfer):
                         handle.release()
                 except Exception as exc:  # aborting an unfinished transfer may complain; the agent keeps it
                     log.debug("releasing NIXL transfer handle: %s", exc)
+                    state = "PROC"
+            if op == "WRITE" and handle is not None and state == "PROC":  # unfinished: no byte may land later
+                self._tear_down(peer, what)
+
+    def _tear_down(self, peer: _Peer, what: str) -> None:
+        log.warning("%s did not finish: the connection to that peer is torn down (it connects again when it "
+                    "registers)", what)
+        for name, known in list(self._peers.items()):
+            if known is peer:
+                self.remove_peer(name)
+                return
+        self._forget(peer)
 
     def poll(self) -> None:
         # progress UCX (connection set-up from initiators); skip if a transfer is progressing it already

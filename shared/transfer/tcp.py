@@ -14,8 +14,9 @@ HANDSHAKE_TIMEOUT seconds. The accept loop outlives any error (out of file descr
 waits and goes on); should it end anyway, `healthy()` turns false and the worker reports unhealthy.
 
 An empty message (no runs) is the liveness check `add_peer` uses. A message is refused unless
-every destination page is in an open window (`open_window`: pages reserved for a request whose
-KV is on its way); `close_window` waits for a write into those pages that already started.
+every destination page is in an open window under the fence the message carries (`open_window`: pages
+reserved for a request whose KV is on its way; fence.PageFences); `close_window` waits for a write into
+those pages that already started.
 
 CPU pools are sent from and received into a byte view of the pool itself (no copies);
 CUDA pools are staged through a pinned host buffer, STAGING_BYTES at a time, unless the peer's pool is on a
@@ -36,6 +37,7 @@ import torch
 from pdserve.shared import cluster_auth
 from pdserve.shared.transfer import cuda_ipc, tcp_wire
 from pdserve.shared.transfer.base import KVTransfer, Run, TransferError
+from pdserve.shared.transfer.fence import PageFences
 
 RECV_TIMEOUT = 60.0  # a sender that stalls mid-message this long is dropped
 HANDSHAKE_TIMEOUT = 5.0  # for a new connection to prove it holds the cluster token
@@ -79,11 +81,7 @@ class TcpTransfer(KVTransfer):
         self._handshake_timeout = handshake_timeout
         self._unproven = threading.BoundedSemaphore(MAX_UNPROVEN)
         self._token = token if token is not None else cluster_auth.cluster_token()
-        # Receiving side: pages peers may write (1), and how many messages are being written into each page (two
-        # at once where a tensor-parallel peer's ranks each write their own heads of the same pages).
-        self._open = bytearray(self.num_pages)
-        self._busy = [0] * self.num_pages
-        self._windows = threading.Condition()
+        self._fences = PageFences(self.num_pages)  # receiving side: which fence may write each page now
         self._bytes = pool.reshape(-1).view(torch.uint8)  # the pool's memory as flat bytes
         self._host_view = None if pool.is_cuda else memoryview(self._bytes.numpy())
         self._shared = cuda_ipc.share(pool)
@@ -133,7 +131,7 @@ class TcpTransfer(KVTransfer):
             self._drop(peer)
 
     def write_pages(self, peer_name: str, src_pages: list[int], dst_pages: list[int],
-                    timeout: float = 30.0) -> None:
+                    timeout: float = 30.0, fence: int = 0) -> None:
         peer = self._peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
@@ -141,18 +139,18 @@ class TcpTransfer(KVTransfer):
             raise TransferError(f"peer {peer_name} holds {peer.kv_heads} KV heads a page, this worker "
                                 f"{self.kv_heads}: write_heads moves some of them")
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
-        if runs and peer.device_pool is not None:
+        if runs and peer.device_pool is not None:  # one-sided: the fence was checked by the caller (fence.py)
             cuda_ipc.copy_pages(self.pool, peer.device_pool, runs)
         elif runs:
-            self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}")
+            self._send(peer, runs, timeout, f"writing {len(src_pages)} pages to {peer_name}", fence)
 
     def write_heads(self, peer_name: str, src_pages: list[int], dst_pages: list[int], src_heads: tuple[int, int],
-                    dst_heads: tuple[int, int], timeout: float = 30.0) -> None:
+                    dst_heads: tuple[int, int], timeout: float = 30.0, fence: int = 0) -> None:
         peer = self._peers.get(peer_name)
         if peer is None:
             raise TransferError(f"peer {peer_name} is not registered")
         if self._whole(peer.kv_heads, src_heads, dst_heads):
-            return self.write_pages(peer_name, src_pages, dst_pages, timeout)
+            return self.write_pages(peer_name, src_pages, dst_pages, timeout, fence)
         runs = self._runs(peer_name, peer.num_pages, src_pages, dst_pages)
         if not runs:
             return
@@ -162,9 +160,9 @@ class TcpTransfer(KVTransfer):
             return cuda_ipc.copy_heads(self.pool, peer.device_pool, peer.kv_heads, runs, parts, dst_heads)
         per_page = self.page_bytes // self.kv_heads * (hi - lo)
         self._send(peer, runs, timeout, f"writing heads {lo}..{hi - 1} of {len(src_pages)} pages to {peer_name}",
-                   heads=(dst_heads, parts, per_page))
+                   fence, heads=(dst_heads, parts, per_page))
 
-    def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str, heads=None) -> None:
+    def _send(self, peer: _Peer, runs: list[Run], timeout: float, what: str, fence: int = 0, heads=None) -> None:
         """`heads`: (destination heads, each run's pages cut to the heads sent, bytes of one page's cut) for a
         message of some heads; None: whole pages."""
         deadline = time.monotonic() + timeout
@@ -185,14 +183,14 @@ class TcpTransfer(KVTransfer):
             sock = peer.sock
             sock.settimeout(left())
             if heads is None:
-                sock.sendall(tcp_wire.message_head(self.page_bytes, runs))
+                sock.sendall(tcp_wire.message_head(self.page_bytes, runs, fence))
                 for r in runs:
                     for chunk in self._chunks(r.src_start, r.length, peer):
                         sock.settimeout(left())
                         sock.sendall(chunk)
             else:
                 dst_heads, parts, per_page = heads
-                sock.sendall(tcp_wire.message_head(per_page, runs, dst_heads))
+                sock.sendall(tcp_wire.message_head(per_page, runs, fence, dst_heads))
                 for part in parts:
                     data = part.contiguous().cpu().reshape(-1).view(torch.uint8)
                     sock.settimeout(left())
@@ -285,14 +283,14 @@ class TcpTransfer(KVTransfer):
                 if len(head) < tcp_wire.HEADER.size:
                     return  # the sender closed the connection
                 conn.settimeout(RECV_TIMEOUT)
-                magic, page_bytes, count = tcp_wire.HEADER.unpack(head)
+                magic, page_bytes, count, fence = tcp_wire.HEADER.unpack(head)
                 if magic not in (tcp_wire.MAGIC, tcp_wire.HEADS_MAGIC) or count > self.num_pages:
                     return  # not our protocol: drop it
                 heads = None
                 if magic == tcp_wire.HEADS_MAGIC:
                     heads = tcp_wire.HEAD_RANGE.unpack(tcp_wire.recv_exact(conn, tcp_wire.HEAD_RANGE.size))
                 runs = tcp_wire.read_runs(conn, count)
-                error = self._check(page_bytes, runs, heads) or self._claim(runs)
+                error = self._check(page_bytes, runs, heads) or self._fences.claim(runs, fence)
                 if error:
                     tcp_wire.refuse(conn, error)
                     return
@@ -306,7 +304,7 @@ class TcpTransfer(KVTransfer):
                         for dst, pages in runs:
                             self._receive(conn, dst, pages, staging)
                 finally:
-                    self._unclaim(runs)
+                    self._fences.unclaim(runs)
                 tcp_wire.acknowledge(conn)
         except OSError:
             return  # sender died or stalled; it reports its own error
@@ -314,39 +312,14 @@ class TcpTransfer(KVTransfer):
             self._conns.discard(conn)
             conn.close()
 
-    # The windows: pages peers may write now (see KVTransfer.open_window).
-    def open_window(self, pages: list[int]) -> None:
-        with self._windows:
-            for p in pages:
-                self._open[p] = 1
+    # The windows: pages peers may write now, under which fence (see KVTransfer.open_window).
+    def open_window(self, pages: list[int], fence: int = 0) -> None:
+        self._fences.open(pages, fence)
 
     def close_window(self, pages: list[int]) -> None:
-        with self._windows:
-            for p in pages:
-                self._open[p] = 0
-            # A message already being written into these pages: wait for its end (a stalled sender is dropped
-            # after RECV_TIMEOUT), so that no byte of it lands once the pages belong to someone else.
-            self._windows.wait_for(lambda: not any(self._busy[p] for p in pages), RECV_TIMEOUT + 1)
-
-    def _claim(self, runs: list[tuple[int, int]]) -> str:
-        """Mark the message's pages busy, or say why it may not write them."""
-        with self._windows:
-            for dst, pages in runs:
-                span = range(dst, dst + pages)
-                if not all(self._open[p] for p in span):
-                    return (f"destination pages {dst}..{dst + pages - 1} are not reserved for a transfer now "
-                            f"(the request was aborted, or they were never asked for)")
-            for dst, pages in runs:
-                for p in range(dst, dst + pages):
-                    self._busy[p] += 1
-        return ""
-
-    def _unclaim(self, runs: list[tuple[int, int]]) -> None:
-        with self._windows:
-            for dst, pages in runs:
-                for p in range(dst, dst + pages):
-                    self._busy[p] -= 1
-            self._windows.notify_all()
+        # A message already being written into these pages: wait for its end (a stalled sender is dropped after
+        # RECV_TIMEOUT), so that no byte of it lands once the pages belong to someone else.
+        self._fences.close(pages, RECV_TIMEOUT + 1)
 
     def _check(self, page_bytes: int, runs: list[tuple[int, int]], heads: tuple[int, int] | None = None) -> str:
         if heads is not None:

@@ -4,7 +4,7 @@ Handshake: the receiver sends CHALLENGE (magic, random nonce), the sender answer
 token, nonce), and the receiver ACKs it or refuses and closes (cluster_auth.py: the token itself never crosses
 the wire).
 
-Message: HEADER (magic, page_bytes, number of runs), the runs as (dst_start, pages) pairs, then the runs' bytes
+Message: HEADER (magic, page_bytes, number of runs, the fence of the reservation it fills: fence.py), the runs as (dst_start, pages) pairs, then the runs' bytes
 back to back; the receiver answers ACK (status 0 = stored; else an error message follows and it closes the
 connection). An empty message (no runs) is the liveness check `TcpTransfer.add_peer` uses. A message of some
 of each page's KV heads (tensor-parallel peers) has the magic HEADS_MAGIC, the bytes of those heads of one
@@ -19,10 +19,10 @@ import struct
 from pdserve.shared import cluster_auth
 from pdserve.shared.transfer.base import Run, TransferError
 
-MAGIC = b"PDKV"
-HEADS_MAGIC = b"PDKH"
+MAGIC = b"PDK2"  # version 2: messages carry their fence
+HEADS_MAGIC = b"PDH2"
 CHALLENGE = struct.Struct(f"!4s{cluster_auth.CHALLENGE_BYTES}s")  # magic, nonce
-HEADER = struct.Struct("!4sQI")  # magic, page_bytes, number of runs
+HEADER = struct.Struct("!4sQIQ")  # magic, page_bytes, number of runs, fence
 RUN = struct.Struct("!QQ")  # dst_start page, number of pages
 HEAD_RANGE = struct.Struct("!II")  # the destination heads [lo, hi) of a HEADS_MAGIC message
 ACK = struct.Struct("!BI")  # status (0 = ok), length of the error message that follows
@@ -42,12 +42,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def message_head(page_bytes: int, runs: list[Run], heads: tuple[int, int] | None = None) -> bytes:
+def message_head(page_bytes: int, runs: list[Run], fence: int, heads: tuple[int, int] | None = None) -> bytes:
     """What precedes a message's page bytes: its header and where each run goes (and into which heads)."""
     if heads is None:
-        head = HEADER.pack(MAGIC, page_bytes, len(runs))
+        head = HEADER.pack(MAGIC, page_bytes, len(runs), fence)
     else:
-        head = HEADER.pack(HEADS_MAGIC, page_bytes, len(runs)) + HEAD_RANGE.pack(*heads)
+        head = HEADER.pack(HEADS_MAGIC, page_bytes, len(runs), fence) + HEAD_RANGE.pack(*heads)
     return head + b"".join(RUN.pack(r.dst_start, r.length) for r in runs)
 
 
