@@ -116,3 +116,28 @@ def test_the_tcp_receiver_refuses_a_write_of_an_earlier_reservation_of_the_same_
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_worker_writes_nothing_under_a_revoked_fence_even_into_pages_still_open():
+    """The check one-sided routes rely on (NIXL, CUDA IPC), above every backend: the receiver's window is still
+    open under the fence, so only the sender's revocation stops the write."""
+    from pdserve.shared.tp_transfer import RankTransfers
+
+    def worker(name: str, seed: int) -> RankTransfers:
+        agent = TcpTransfer(name, make_pool(8, seed), token=None)
+        return RankTransfers(agent, None, [(0, agent.kv_heads)], [agent.metadata()])
+
+    decode, prefill = worker("decode", 1), worker("prefill", 2)
+    try:
+        prefill.add_peer("decode", decode.metadata())
+        fence = decode.open_window([1, 2])
+        prefill.write_pages("decode", [3, 4], [1, 2], fence=Fence(fence))
+        assert torch.equal(decode.agent.pool[1:3], prefill.agent.pool[3:5])
+        assert prefill.revoke("decode", fence)
+        before = decode.agent.pool.clone()
+        with pytest.raises(TransferError, match="revoked"):
+            prefill.write_pages("decode", [5, 6], [1, 2], fence=Fence(fence))
+        assert torch.equal(decode.agent.pool, before)
+    finally:
+        prefill.close()
+        decode.close()
