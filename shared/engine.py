@@ -35,7 +35,7 @@ from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles import TransferFn, make_role
-from pdserve.shared.sampler import HostCopy, Sampler, make_generator
+from pdserve.shared.sampler import HostCopy, Sampler, make_generator, position_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 from pdserve.shared.speculative import Speculator
@@ -297,8 +297,12 @@ class Engine:
             logits = logits[upload(rows, torch.int64, logits.device)]  # a mixed step, or n > 1 choices
         if any(r.grammar is not None for r in reqs):
             apply_masks(logits, [r.grammar for r in reqs])
+        # A seeded choice's draws at output position i come from (seed + choice index, i), whichever worker
+        # samples it (len(output_ids) counts an overlapped step's placeholders: it is the position).
+        generators = [position_generator(r.generator, None if r.params.seed is None else r.params.seed + r.index,
+                                         len(r.output_ids)) for r in reqs]
         return HostCopy(self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
-                                            [r.output_ids for r in reqs], [r.generator for r in reqs],
+                                            [r.output_ids for r in reqs], generators,
                                             self.model_config.eos_token_ids))
 
     def _prompt_logprobs(self, batch: Batch) -> None:

@@ -142,6 +142,18 @@ async def test_pd_n_choices_share_one_prefill(pair, prompts):
     await assert_clean(paddr, daddr)
 
 
+async def test_pd_seeded_samples_equal_colocated(pair, colocated, prompts):
+    """A seeded choice draws the same uniforms at each output position wherever that position is sampled: the
+    prefill worker samples the first token, the decode worker the rest, and the answer is a colocated worker's
+    (the decode worker's generator, fresh, once gave the second token the first token's uniform)."""
+    paddr, daddr = pair
+    params = dict(temperature=0.8, top_p=0.95, frequency_penalty=0.2, seed=42, max_new_tokens=16)
+    want = [(await generate(colocated, ids, **params))["tokens"] for ids in prompts]
+    got = [(await generate(daddr, ids, prefill=paddr, **params))["tokens"] for ids in prompts]
+    assert got == want
+    await assert_clean(paddr, daddr)
+
+
 CITY = ('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "population": '
         '{"type": "integer", "minimum": 0, "maximum": 99999999}}, "required": ["name", "population"]}')
 
