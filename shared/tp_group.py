@@ -304,7 +304,9 @@ class TorchGroup:
     go device to device too), or gloo between CPU ranks (slower than ShmGroup on one machine; the way between
     machines). A collective that fails (a peer's connection closed, or nothing from it for `timeout_s`) leaves
     the ranks out of step for good: it raises RankGone. A CPU rank widens a bf16/fp16 sum to fp32, so a layer
-    rounds once, as under ShmGroup."""
+    rounds once, and adds the ranks' parts in rank order, as under ShmGroup: past 2 ranks it gathers them and adds
+    them itself, since gloo's ring starts each chunk's sum at another rank and the chunks fall by the tensor's
+    size, so a row got other bits in a batch of another size (which deterministic mode cannot have)."""
 
     def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, device: torch.device,
                  store=None) -> None:
@@ -350,7 +352,14 @@ class TorchGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         try:  # (no context manager on the hottest call: two per layer)
-            if self.device.type == "cpu" and x.dtype != torch.float32:
+            if self.device.type == "cpu" and self.size > 2:
+                parts = [torch.empty(x.numel(), dtype=torch.float32) for _ in range(self.size)]
+                self.dist.all_gather(parts, x.reshape(-1).float())
+                total = parts[0] + parts[1]
+                for part in parts[2:]:
+                    total += part
+                x.copy_(total.view(x.shape))
+            elif self.device.type == "cpu" and x.dtype != torch.float32:
                 wide = x.float()
                 self.dist.all_reduce(wide)
                 x.copy_(wide)

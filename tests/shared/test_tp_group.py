@@ -1,14 +1,18 @@
 """The CPU ranks' shared-memory collectives, both ways a round runs (in C++ where the native build is there, in
 Python where it is not): every rank gets the same sum of every rank's part, in fp32 and bf16, over several rounds
-when a tensor exceeds a slot; the gather puts each rank's columns in rank order."""
+when a tensor exceeds a slot; the gather puts each rank's columns in rank order. Between machines (gloo), three
+ranks sum a row in rank order too, whatever the rows summed with it."""
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
-from pdserve.shared.tp_group import SLOT_BYTES, Mailbox, ShmGroup
+from pdserve.shared.tp_group import SLOT_BYTES, Mailbox, ShmGroup, TorchGroup
 
 
 def ranks(native: bool, size: int = 2) -> list[ShmGroup]:
@@ -64,3 +68,36 @@ def test_the_gather_puts_each_ranks_columns_in_rank_order():
     got = together(groups, lambda g: g.all_gather_columns(torch.full((4, 3), float(g.rank))))
     want = torch.tensor([[0.0] * 3 + [1.0] * 3] * 4)
     assert all(torch.equal(x, want) for x in got)
+
+
+# One gloo rank in its own process: its sums of 3 rows alone and inside batches of 2, 17 and 67 rows.
+GLOO_RANK = """
+import sys, torch
+from pdserve.shared.tp_group import TorchGroup
+rank, size, init_method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+group = TorchGroup(rank, size, init_method, 60.0, torch.device("cpu"))
+part = torch.randn(67, 576, generator=torch.Generator().manual_seed(rank)) * 10
+alone = torch.cat([group.all_reduce(part[r:r + 1].clone()) for r in range(3)])
+torch.save([alone] + [group.all_reduce(part[:n].clone())[:3] for n in (2, 17, 67)], out)
+group.dist.destroy_process_group()
+"""
+
+
+def test_three_gloo_ranks_sum_a_row_in_rank_order_whatever_the_batch(tmp_path):
+    """gloo's own ring started each chunk's sum at another rank, and a row's chunk moved with the batch's size:
+    its bits changed with the batch (deterministic mode's start check refused it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK, str(r), "3", init, str(tmp_path / f"{r}.pt")])
+             for r in range(3)]
+    try:
+        assert [p.wait(120) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    parts = [torch.randn(67, 576, generator=torch.Generator().manual_seed(r)) * 10 for r in range(3)]
+    want = parts[0] + parts[1] + parts[2]
+    for r in range(3):
+        for got in torch.load(tmp_path / f"{r}.pt"):
+            assert torch.equal(got, want[:len(got)])
