@@ -35,9 +35,10 @@ from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles import TransferFn, make_role
-from pdserve.shared.sampler import HostCopy, Sampler, make_generator, position_generator
+from pdserve.shared.sampler import HostCopy, Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
+from pdserve.shared.seeded_draws import position_generator
 from pdserve.shared.speculative import Speculator
 from pdserve.shared.tp_group import RankGone
 

@@ -17,12 +17,8 @@ Logprobs describe the model, not the sampling settings: log_softmax of the raw l
 temperature (vLLM's default). Rows that asked for none hold NaN (token ids -1).
 
 Randomness: each draw takes one uniform number per row, from the row's own generator when the request has a
-seed (the global torch generator otherwise). A seeded row's draws thus depend only on its own generator and
-logits, never on its neighbours in the batch. Its generator is seeded afresh at every output position from
-(seed, position) (`position_generator`), so the uniforms of position i are the same whichever worker samples
-it: in PD the prefill worker draws the first token and the decode worker the rest, and a decode worker that
-computes a cached prompt itself draws all of them; with one generator advancing per step, the decode worker's
-fresh generator gave the second token the first token's uniform.
+seed (the global torch generator otherwise), seeded for each output position (shared/seeded_draws.py). A seeded
+row's draws thus depend only on its seed, position and logits, never on its neighbours or on the worker.
 """
 from __future__ import annotations
 
@@ -95,23 +91,6 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-
-
-def position_generator(generator: torch.Generator | None, seed: int | None,
-                       position: int) -> torch.Generator | None:
-    """`generator` seeded for the draws of output position `position` of a row seeded with `seed` (None when the
-    row draws from the global generator). torch's CPU generator keeps only 32 bits of a seed, so seed and
-    position are mixed into those 32 (SplitMix64's finaliser): nearby seeds and positions get unrelated streams."""
-    if generator is None or seed is None:
-        return generator
-    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return generator.manual_seed((x ^ (x >> 32)) & 0xFFFF_FFFF)
-
-
-_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Sampler:

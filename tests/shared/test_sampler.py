@@ -11,8 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from pdserve.shared.sampler import Sampler, make_generator, position_generator
+from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.seeded_draws import position_generator
 
 torch.set_num_threads(1)
 
