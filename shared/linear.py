@@ -25,23 +25,26 @@ in fp32 (inputs widened exactly, fp32 accumulation as in the bf16 kernel, output
 of an embedding model keeps its activations, bias and residual in fp32 and runs only the matmul in bf16 (inputs
 rounded, fp32 accumulation): Bf16MatmulLinear, `bf16_matmul_pays`, PDSERVE_CPU_FP32_MATMUL=bf16|f32 overrides it.
 
-Two kinds of layer never take oneDNN, whose kernel (and with it the order in which a row's products are summed)
-changes with the number of rows and with the CPU (AMX tiles at some row counts, AVX-512 at others): the layers of
-deterministic mode (`batch_invariant`) and the LM head (`fp32_output`). Both run the native fixed-order matmul
-(FixedOrderMatmul, kernels/native/dense.cpp), which sums every output in one lane from the first k to the last,
-so a row has the same bits at every row count by construction; the LM head keeps those fp32 sums as its logits.
-On the default model's shapes it measured 0.5-1.1x oneDNN's (with the GEMV's) time from 1 to 1,024 rows on
-AVX512-BF16 (README, "Deterministic mode and fp32 logits").
+Deterministic mode's layers (`batch_invariant`) never take oneDNN, whose kernel (and with it the order in which a
+row's products are summed) changes with the number of rows and with the CPU (AMX tiles at some row counts,
+AVX-512 at others): they run the native fixed-order matmul (FixedOrderMatmul, kernels/native/dense.cpp), which
+sums every output in one lane from the first k to the last, so a row has the same bits at every row count by
+construction. In the default mode the bf16 layers and the layers with fp32 output (the LM head, whose fp32 sums
+are the logits) run on whichever kernel measured faster on this machine (shared/matmul_choice.py: timed once
+per CPU model and native build, then read back; `fixed_order_pays`, `fixed_order_head_pays`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import native
+from pdserve.shared.matmul_choice import (PROBE_ROWS, PROBE_SHAPES, MatmulChoice, Timing, cache_key,
+                                          load_or_measure, time_pair)
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +57,22 @@ WIDE_MIN_ROWS = 64
 
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool = False,
-                 fp32_output: bool = False) -> None:
+                 fp32_output: bool = False, fixed: bool | None = None) -> None:
         """`batch_invariant`: a row's result does not depend on the other rows computed with it (deterministic
         mode): every row count runs the fixed-order kernel (FixedOrderMatmul), never oneDNN, whose kernel and
         summation order change with the row count and the CPU. `fp32_output`: return fp32 whatever the weight's
-        dtype (the LM head: logits are sampled in fp32, not rounded to bf16 first); on the CPU the fixed-order
-        kernel computes it too."""
+        dtype (the LM head: logits are sampled in fp32, not rounded to bf16 first). `fixed`: whether a CPU layer
+        runs the fixed-order kernel where it can (None: as measured on this CPU, `fixed_order_pays` for bf16
+        layers, `fixed_order_head_pays` for fp32 outputs of bf16 weights; the probe times bf16 weights only, so
+        fp32 weights keep what they ran before it: oneDNN, or the fixed-order kernel for an fp32 output)."""
         self.shape = weight.shape  # [out_features, in_features]
         self.dtype = weight.dtype
         self.bias = bias
         self.fp32_output = fp32_output
-        fixed_here = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fixed_order_pays()
-        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fp32_output or fixed_here else None
+        if fixed is None and weight.device.type == "cpu":
+            bf16 = weight.dtype == torch.bfloat16
+            fixed = (not bf16 or fixed_order_head_pays()) if fp32_output else bf16 and fixed_order_pays()
+        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fixed else None
         if batch_invariant and self._fixed is None:
             raise ValueError("a batch-invariant layer needs the native CPU kernels' fixed-order matmul (a CPU "
                              "weight in float32 or bfloat16 and a native build)")
@@ -305,24 +312,73 @@ def _packs_bf16() -> bool:
         return False
 
 
-_fixed_order: bool | None = None
+_matmul_choice: MatmulChoice | None = None
 
 
 def fixed_order_pays() -> bool:
-    """Whether every bf16 layer on this CPU should run the fixed-order kernel, not oneDNN and the GEMV: on AMD's
-    AVX512-BF16 cores without AMX, where it measured 0.5-1.0x their time at 1 to 1,024 rows on the default model's
-    shapes and a whole decode step 0.75-0.82x (README, "Deterministic mode and fp32 logits"); AMX tiles and other
-    CPUs keep oneDNN until measured. PDSERVE_CPU_MATMUL=fixed|onednn overrides it. A layer on it also gives a
-    row the same bits at every row count, though only deterministic mode promises that."""
-    global _fixed_order
-    if _fixed_order is None:
+    """Whether the bf16 layers of the default mode run the fixed-order kernel on this CPU rather than oneDNN and
+    the GEMV: as timed on this CPU model and native build (shared/matmul_choice.py), or as PDSERVE_CPU_MATMUL=
+    fixed|onednn says. A layer on it also gives a row the same bits at every row count, though only deterministic
+    mode promises that."""
+    return _choice_here().layers
+
+
+def fixed_order_head_pays() -> bool:
+    """Whether the layers with fp32 output (the LM head) run the fixed-order kernel on this CPU rather than oneDNN
+    over an fp32 copy of the weight: as timed (shared/matmul_choice.py), or as PDSERVE_CPU_MATMUL says."""
+    return _choice_here().head
+
+
+def _choice_here() -> MatmulChoice:
+    global _matmul_choice
+    if _matmul_choice is None:
         choice = os.environ.get("PDSERVE_CPU_MATMUL", "auto")
         if choice not in ("auto", "fixed", "onednn"):
             raise ValueError(f"PDSERVE_CPU_MATMUL must be auto, fixed or onednn, got {choice!r}")
-        auto = _cpu_vendor() == "AuthenticAMD" and _has_avx512_bf16() and not amx_usable()
-        _fixed_order = auto if choice == "auto" else choice == "fixed"
-        log.info("bf16 CPU matmuls run on %s", "the fixed-order kernel" if _fixed_order else "oneDNN")
-    return _fixed_order
+        if choice != "auto":
+            _matmul_choice = MatmulChoice(choice == "fixed", choice == "fixed", (), f"PDSERVE_CPU_MATMUL={choice}")
+        elif not native.available():
+            _matmul_choice = MatmulChoice(False, False, (), "no native build")
+        else:
+            build = native.build_dir().name
+            model = _cpu_model()
+            _matmul_choice = load_or_measure(cache_key(model, build), probe,
+                                             {"cpu": model, "native_build": build, "torch": torch.__version__})
+        log.info("bf16 CPU matmuls run on %s, fp32-output ones (the LM head) on %s (%s)",
+                 *("the fixed-order kernel" if c else "oneDNN" for c in (_matmul_choice.layers, _matmul_choice.head)),
+                 _matmul_choice.source)
+    return _matmul_choice
+
+
+def probe(reps: int = 9, rows: tuple[int, ...] = PROBE_ROWS, shapes=PROBE_SHAPES, threads: int = 1) -> list[Timing]:
+    """Both kernels at each of `shapes` and `rows` (shared/matmul_choice.py) on `threads` threads, as the layers
+    of the default mode run them (oneDNN's side with the GEMV at its rows, and over an fp32 copy for fp32
+    outputs)."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    timings = []
+    torch.set_num_threads(threads)
+    try:
+        for name, (n, k), fp32 in shapes:
+            weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+            fixed, onednn = Linear(weight, fp32_output=fp32, fixed=True), Linear(weight, fp32_output=fp32, fixed=False)
+            for r in rows:
+                x = torch.randn(r, k, generator=gen).bfloat16()
+                timings.append(Timing(name, r, *time_pair(lambda: fixed(x), lambda: onednn(x), reps)))
+    finally:
+        torch.set_num_threads(before)
+    return timings
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 _wide_f32: bool | None = None

@@ -91,5 +91,7 @@ def _machine_lines() -> list[str]:
             f"{torch.backends.cpu.get_cpu_capability()}; AVX512-BF16 {linear._has_avx512_bf16()}, "
             f"AMX {linear.amx_usable()}, VNNI {'/'.join(vnni) or 'none'}",
             f"paths: oneDNN packs bf16 {linear._packs_bf16()}; bf16 layers on "
-            f"{'the fixed-order kernel' if linear.fixed_order_pays() else 'oneDNN'}; {kernels}; "
+            f"{'the fixed-order kernel' if linear.fixed_order_pays() else 'oneDNN'}, the LM head on "
+            f"{'the fixed-order kernel' if linear.fixed_order_head_pays() else 'oneDNN'} "
+            f"({linear._choice_here().source}); {kernels}; "
             f"--dtype auto serves a bf16 checkpoint as {str(resolve_dtype('auto', 'bfloat16', 'cpu'))[6:]}"]

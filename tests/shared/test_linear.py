@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pdserve.shared import linear
 from pdserve.shared.linear import Linear
+from pdserve.shared.matmul_choice import MatmulChoice, Timing
 
 ONEDNN_REFUSAL = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
                   "avx512vl and avx512dq")  # what torch 2.13 says on an AVX2-only CPU
@@ -19,6 +20,13 @@ needs_bf16_packing = pytest.mark.skipif(
     not linear._packs_bf16(),
     reason="oneDNN packs no bf16 weights on this CPU (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT); the product "
            "falls back to F.linear, tested by test_a_bf16_weight_onednn_refuses_falls_back_to_f_linear")
+
+
+def native_available() -> bool:
+    from pdserve.kernels import native
+
+    return native.available()
+
 
 
 @pytest.fixture
@@ -38,7 +46,7 @@ def onednn_refuses_bf16(monkeypatch):
 def onednn_layers(monkeypatch):
     """The oneDNN and GEMV paths under test, wherever this CPU would run bf16 layers on the fixed-order kernel
     (tests/kernels/test_dense.py tests that one)."""
-    monkeypatch.setattr(linear, "_fixed_order", False)
+    monkeypatch.setattr(linear, "_matmul_choice", MatmulChoice(False, False, (), "test"))
 
 
 @pytest.fixture
@@ -262,29 +270,122 @@ def test_bf16_or_fp32_is_chosen_from_the_cpu(monkeypatch, amx, vendor, avx512_bf
     assert linear.cpu_has_bf16() is (amx or avx512_bf16)
     assert linear.bf16_matmul_pays() is (faster and packs)
     assert linear.wide_f32_pays() is (not faster and torch.backends.mkldnn.is_available())
-    monkeypatch.setattr(linear, "_fixed_order", None)
-    monkeypatch.delenv("PDSERVE_CPU_MATMUL", raising=False)
-    assert linear.fixed_order_pays() is (vendor == "AuthenticAMD" and avx512_bf16 and not amx)
 
 
 def test_the_matmul_kernel_choice_can_be_forced_and_a_bf16_layer_follows_it(monkeypatch):
     weight = torch.randn(40, 64, dtype=torch.bfloat16)
     for choice, fixed in [("fixed", True), ("onednn", False)]:
-        monkeypatch.setattr(linear, "_fixed_order", None)
+        monkeypatch.setattr(linear, "_matmul_choice", None)
         monkeypatch.setenv("PDSERVE_CPU_MATMUL", choice)
-        assert linear.fixed_order_pays() is fixed
+        assert linear.fixed_order_pays() is fixed and linear.fixed_order_head_pays() is fixed
         assert (Linear(weight)._fixed is not None) is (fixed and native_available())
-        assert Linear(weight.float())._fixed is None  # fp32 layers keep oneDNN until measured
-    monkeypatch.setattr(linear, "_fixed_order", None)
+        assert (Linear(weight, fp32_output=True)._fixed is not None) is (fixed and native_available())
+        assert Linear(weight.float())._fixed is None  # fp32 layers keep oneDNN: the probe times bf16 only
+    monkeypatch.setattr(linear, "_matmul_choice", None)
     monkeypatch.setenv("PDSERVE_CPU_MATMUL", "mkl")
     with pytest.raises(ValueError, match="auto, fixed or onednn"):
         linear.fixed_order_pays()
 
 
-def native_available() -> bool:
+def timings(layers: float, head: float) -> list[Timing]:
+    """Probe timings in which the fixed-order kernel takes `layers` (bf16 layers) and `head` (the LM head) times
+    oneDNN's time, at every row count of the probe."""
+    from pdserve.shared.matmul_choice import PROBE_ROWS, PROBE_SHAPES
+
+    return [Timing(name, r, 100.0 * r * (head if fp32 else layers), 100.0 * r)
+            for name, _, fp32 in PROBE_SHAPES for r in PROBE_ROWS]
+
+
+@pytest.mark.parametrize("layers,head", [(0.8, 0.9), (1.04, 1.2), (1.2, 0.5), (1.3, 1.06)])
+def test_the_faster_kernel_is_chosen_with_a_small_allowance_for_the_fixed_order_one(layers, head):
+    from pdserve.shared.matmul_choice import TOLERANCE, decide
+
+    choice = decide(timings(layers, head), "test")
+    assert choice.layers is (layers <= TOLERANCE) and choice.head is (head <= TOLERANCE)
+    assert choice.ratio(False) == pytest.approx(layers) and choice.ratio(True) == pytest.approx(head)
+    # One slow row count does not outvote the others: a geometric mean over the row counts.
+    mixed = [Timing(t.shape, t.rows, t.onednn_us * (3.0 if t.rows == 1 else 0.8), t.onednn_us)
+             for t in timings(1, 1)]
+    assert decide(mixed, "test").layers is False  # 3 x 0.8^3 = 1.54
+
+
+@pytest.fixture
+def probe_here(monkeypatch, tmp_path):
+    """The start-up probe on a fake machine: a CPU model and native build of the test's choosing, a cache in
+    tmp_path, and a probe that answers `timings(...)` and counts its calls."""
     from pdserve.kernels import native
 
-    return native.available()
+    calls = []
+    machine = {"cpu": "Test CPU 1", "build": "build-a", "timings": timings(0.8, 1.5)}
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(native, "build_dir", lambda march=None: tmp_path / "kernels" / machine["build"])
+    monkeypatch.setattr(linear, "_cpu_model", lambda: machine["cpu"])
+    monkeypatch.setattr(linear, "probe", lambda: calls.append(1) or machine["timings"])
+
+    def start() -> tuple[bool, bool]:
+        monkeypatch.setattr(linear, "_matmul_choice", None)  # as a new process finds it
+        return linear.fixed_order_pays(), linear.fixed_order_head_pays()
+
+    return start, calls, machine
+
+
+def test_the_choice_is_timed_once_per_cpu_model_and_build_then_read_back(probe_here, tmp_path):
+    import json
+
+    start, calls, machine = probe_here
+    assert start() == (True, False) and len(calls) == 1  # measured: layers 0.8x, the head 1.5x oneDNN's time
+    (cached,) = (tmp_path / "matmul").glob("*.json")
+    record = json.loads(cached.read_text())
+    assert record["cpu"] == "Test CPU 1" and record["native_build"] == "build-a" and len(record["timings"]) == 20
+    machine["timings"] = timings(1.5, 0.8)  # a busy machine would time otherwise now: the cached choice holds
+    assert start() == (True, False) and len(calls) == 1
+    machine["build"] = "build-b"  # another native build (sources, torch, -march): timed again
+    assert start() == (False, True) and len(calls) == 2
+    machine["cpu"] = "Test CPU 2"
+    assert start() == (False, True) and len(calls) == 3
+    assert len(list((tmp_path / "matmul").glob("*.json"))) == 3
+    cached.write_text("{not json")  # a damaged file costs one probe, not the start
+    machine.update(cpu="Test CPU 1", build="build-a")
+    assert start() == (False, True) and len(calls) == 4
+    assert json.loads(cached.read_text())["layers_ratio"] == pytest.approx(1.5)
+
+
+def test_the_choice_still_starts_where_the_cache_cannot_be_written(probe_here, tmp_path):
+    start, calls, _ = probe_here
+    (tmp_path / "matmul").write_text("a file where the cache's folder should be")
+    assert start() == (True, False) and len(calls) == 1
+
+
+@pytest.mark.skipif(not native_available(), reason="no native build: every layer runs oneDNN, nothing to time")
+def test_the_probe_times_both_kernels_on_this_cpu_and_leaves_the_threads_as_they_were():
+    threads = torch.get_num_threads()
+    shapes = (("small", (64, 96), False), ("head", (128, 96), True))
+    got = linear.probe(reps=2, rows=(1, 5), shapes=shapes, threads=1)
+    assert [(t.shape, t.rows) for t in got] == [("small", 1), ("small", 5), ("head", 1), ("head", 5)]
+    assert all(t.fixed_us > 0 and t.onednn_us > 0 for t in got)
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("head_fixed", [True, False])  # False: oneDNN over an fp32 copy (AMX until measured)
+def test_the_lm_head_takes_its_own_choice_and_deterministic_mode_keeps_the_fixed_order_kernel(monkeypatch,
+                                                                                            head_fixed):
+    monkeypatch.setattr(linear, "_matmul_choice", MatmulChoice(True, head_fixed, (), "test"))
+    torch.manual_seed(5)
+    weight = (torch.randn(200, 96) * 0.1).bfloat16()
+    x = torch.randn(6, 96).bfloat16()
+    want = x.double() @ weight.double().T
+    head = Linear(weight, fp32_output=True)
+    assert (head._fixed is not None) is (head_fixed and native_available())
+    got = head(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums, not rounded to bf16
+    if native_available():
+        assert Linear(weight, fp32_output=True, batch_invariant=True)._fixed is not None
+        assert Linear(weight.float(), fp32_output=True)._fixed is not None  # fp32 weights: as before the probe
+
+
 
 
 def test_dtype_auto_serves_bf16_checkpoints_in_fp32_on_a_cpu_without_bf16_instructions(monkeypatch):
