@@ -2,7 +2,7 @@
 --hicache-storage-backend file --hicache-storage-dir DIR`, shared/kv_tiers.py) against the same servers without it,
 driven over HTTP, one case at a time on this machine.
 
-    .venv/bin/python benchmarks/bench_kv_tiers.py [--cases multiturn,pd,no-reuse,restart] [--conversations 16]
+    .venv/bin/python benchmarks/bench_kv_tiers.py [--cases multiturn,pd,no-reuse,restart,long] [--conversations 16]
         [--concurrency 8] [--write-policy P] [--prefetch-policy P] [--up-args="..."] [--json FILE]  (--help: sizes)
 
 The issue's full size is `--conversations 64` (8 in flight). On a 2-core CPU machine with the default model
@@ -30,6 +30,8 @@ the machine alike.
                directory) is up; A stops; B (tier, the same directory) starts with a cold pool. B's TTFT p50 of A's
                prompts against prompts nobody has seen, of the same length, on B: <= 0.3; C's of prompts only A
                saw against unseen ones on C: <= 0.3.
+    long       a prompt of long-len tokens (past a quarter of a long-pool pool) pushed out by five others and
+               asked again (kv_tiers_long.py). Targets: >= 1,000 cached tokens; TTFT p50 read back / cold <= 0.35.
     greedy     within the others: temperature-0 answers of a few prompts identical with and without the tier
                (sent to both servers before and after the multi-turn load, after which the tier server reads
                them back from storage), and B's and C's answers to A's prompts identical to A's.
@@ -57,9 +59,10 @@ import aiohttp
 import servers
 from kv_tiers_load import (QUESTION_LEN, Answer, Check, Conversations, ask_all, greedy_prompts, ratio_check,
                            same_answers, text, ttft_ms_p50)
+from kv_tiers_long import long_case
 from pdserve.benchclient import ErrorReporter, Load, Target, make_prompts, run_level
 
-CASES = ("multiturn", "pd", "no-reuse", "restart")
+CASES = ("multiturn", "pd", "no-reuse", "restart", "long")
 TEMPLATE_TOKENS = 48  # the chat template's own tokens in a conversation, generously
 
 
@@ -332,7 +335,9 @@ def main() -> int:
     parser.add_argument("--pool-factor", type=float, default=4.0, help="the conversations' KV / the pool")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--restart-len", type=int, default=2000, help="tokens of the restart case's prompts")
-    parser.add_argument("--reps", type=int, default=3, help="prompts of each kind in the restart case")
+    parser.add_argument("--reps", type=int, default=3, help="prompts of each kind in the restart and long cases")
+    parser.add_argument("--long-len", type=int, default=1900, help="tokens of the long case's prompts")
+    parser.add_argument("--long-pool", type=int, default=4096, help="the long case's pool (--max-total-tokens)")
     parser.add_argument("--no-reuse-requests", type=int, default=16, help="prompts per round and server")
     parser.add_argument("--rounds", type=int, default=2, help="no-reuse rounds per server")
     parser.add_argument("--write-policy", default="write_through",
@@ -365,6 +370,8 @@ def main() -> int:
                     checks += multiturn_case(ctx, case, "colocated" if case == "multiturn" else "pd")
                 elif case == "no-reuse":
                     checks += no_reuse_case(ctx)
+                elif case == "long":
+                    checks += long_case(ctx, serving, warm)
                 else:
                     checks += restart_case(ctx)
             except RuntimeError as exc:
