@@ -1,7 +1,8 @@
 """The native kernels as an AVX2-only CPU builds them (-march=x86-64-v3: AVX2 and FMA, no AVX-512).
 
-On an AVX-512 machine those paths never run in the product, so this runs the native kernel tests a second time
-in a child pytest against that build (PDSERVE_NATIVE_MARCH), with oneDNN held to AVX2 as well
+On an AVX-512 machine those paths never run in the product, so this runs the native kernel tests (and
+deterministic mode's start check over a model's every op) a second time in a child pytest against that build
+(PDSERVE_NATIVE_MARCH), with oneDNN held to AVX2 as well
 (ONEDNN_MAX_CPU_ISA: it then refuses bf16 weights, as on an AVX2-only CPU). What it cannot imitate is the CPU's
 own probes (torch.cpu._is_avx512_bf16_supported, AMX): tests/shared/test_linear.py simulates those. torch's own
 kernels stay on this CPU's capability: under ATEN_CPU_CAPABILITY=avx2 the torch twin of quantize_rows gave other
@@ -63,10 +64,12 @@ def test_native_kernels_pass_their_tests_on_the_avx2_build():
     assert build.returncode == 0 and build.stdout.strip() == "avx2", build.stdout + build.stderr
     here = Path(__file__).parent
     # The bad-input checks come before any vector path: they run once, in the main run.
-    tests = "(native and not refuses) or test_linear or int8_mm or test_dense"
+    # And deterministic mode's start check over every op of a model's step, on this build's vector paths.
+    tests = "(native and not refuses) or test_linear or int8_mm or test_dense or test_the_check_passes_here"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rs", "-k", tests,
                           *(str(here / m) for m in MODULES),
-                          str(ROOT / "tests/shared/test_linear.py")],
+                          str(ROOT / "tests/shared/test_linear.py"),
+                          str(ROOT / "tests/shared/test_deterministic_check.py")],
                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     report = run.stdout[-6000:] + run.stderr[-2000:]
     assert run.returncode == 0, report
