@@ -2,7 +2,7 @@
 
 Middlewares, outermost first: observation (the request id, which the response carries in X-Request-Id;
 then, with every final status, the request count and the access line), error mapping (every exception
-becomes an OpenAI-shaped error), body size limit, API key check, the body read (within --body-timeout), and with
+becomes an OpenAI-shaped error), body size limit and coding (body_encoding.py), API key check, the body read (within --body-timeout), and with
 --log-requests the body log. A request head must arrive within --header-timeout (aiohttp's keep-alive timer).
 The worker pool starts with the app and stops with it. Handlers are cancelled when their client
 disconnects (see `run`), which cancels the gRPC calls they hold and so aborts the requests on the workers.
@@ -26,8 +26,9 @@ from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.apis.messages import routes as messages_routes
 from pdserve.services.gateway.apis.responses import routes as responses_routes
 from pdserve.services.gateway.apis.responses.store import ResponseStore
+from pdserve.services.gateway import body_encoding
 from pdserve.services.gateway.cpu_pool import CPU_POOL
-from pdserve.services.gateway.errors import ApiError, Busy, error_middleware, too_large
+from pdserve.services.gateway.errors import ApiError, Busy, body_bytes, error_middleware, too_large
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
@@ -130,7 +131,7 @@ async def log_body(request: web.Request, handler):
     """--log-requests: the body of each authorised request at debug level; never a header (the API key is
     one). Uploads that the jobs proxy streams through are not read."""
     if request.body_exists and request.match_info.handler is not jobs_proxy.forward:
-        body = (await request.read()).decode("utf-8", "replace")
+        body = (await body_bytes(request)).decode("utf-8", "replace")
         cut = f"... ({len(body)} characters)" if len(body) > MAX_LOGGED_BODY else ""
         body_log.debug("%s %s body: %s%s", request.method, request.path, body[:MAX_LOGGED_BODY], cut)
     return await handler(request)
@@ -139,24 +140,30 @@ async def log_body(request: web.Request, handler):
 @web.middleware
 async def limit_body(request: web.Request, handler):
     """413 for a body whose Content-Length is over the limit, before anything reads it (a body without one is
-    cut off at the same limit by aiohttp as it is read). The jobs proxy streams uploads through: the jobs
-    service holds them to its own limit."""
+    cut off at the same limit by aiohttp as it is read); 415 for a compressed body the gateway does not take
+    (body_encoding.check). The jobs proxy streams uploads through: the jobs service holds them to its own limit."""
     limit = request.client_max_size
-    if (request.content_length or 0) > limit and request.match_info.handler is not jobs_proxy.forward:
+    streamed = request.match_info.handler is jobs_proxy.forward
+    if (request.content_length or 0) > limit and not streamed:
         raise too_large(limit)
+    body_encoding.check(request, request.app[GATEWAY].inflate_bodies, streamed)
     return await handler(request)
 
 
 @web.middleware
 async def read_body(request: web.Request, handler):
     """An authorised request's body, read here once within --body-timeout (408 after: a client cannot hold a
-    connection and its handler by sending a body slowly); handlers get it from aiohttp's cache. Uploads that
-    the jobs proxy streams through are not read."""
+    connection and its handler by sending a body slowly), and inflated if it came compressed; handlers get it
+    from aiohttp's cache (errors.body_bytes). Uploads that the jobs proxy streams through are not read."""
     if request.body_exists and request.match_info.handler is not jobs_proxy.forward:
-        timeout_s = request.app[GATEWAY].limits.body_timeout_s
+        limits = request.app[GATEWAY].limits
+        timeout_s = limits.body_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                await request.read()
+                if body_encoding.content_encoding(request):
+                    await body_encoding.inflate(request, limits, request.app[CPU_POOL])
+                else:
+                    await request.read()
         except TimeoutError:
             response = ApiError(408, f"The request body did not arrive within {timeout_s:g} s "
                                      "(--body-timeout).").response()
@@ -254,7 +261,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
                    check_api_key, read_body]
     if gateway.server_args.get("log_requests"):
         middlewares.append(log_body)
-    app = web.Application(middlewares=middlewares, client_max_size=gateway.max_body_bytes)
+    app = web.Application(middlewares=middlewares, client_max_size=gateway.limits.max_body_bytes)
     app.on_response_prepare.append(send_request_id)
     app[GATEWAY] = gateway
     app[CPU_POOL] = gateway.cpu
@@ -298,9 +305,11 @@ async def serve(app: web.Application, host: str, port: int, stop, drain_timeout_
     # keepalive_timeout: a connection that has not sent a whole request head within it (a new one, or one idle
     # after its last answer) is closed; aiohttp's default holds a half-sent request for an hour. lingering_time:
     # how long the rest of a body answered early (413, 408) is read before the connection closes.
+    # auto_decompress off: a compressed body reaches the gateway as sent (body_encoding.py).
     header_timeout_s = app[GATEWAY].limits.header_timeout_s
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=END_GRACE_S,
-                           keepalive_timeout=header_timeout_s, lingering_time=min(10.0, header_timeout_s))
+                           keepalive_timeout=header_timeout_s, lingering_time=min(10.0, header_timeout_s),
+                           auto_decompress=False)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()

@@ -4,8 +4,8 @@ Handlers raise `ApiError` (or let pydantic's `ValidationError` escape); `error_m
 exception into `{"object": "error", "message", "type", "param", "code"}` with its HTTP status. Anything
 unexpected becomes a 500 whose body names no internals (the traceback goes to the log only).
 
-`read_json` is the one door for JSON bodies: one over the app's `client_max_size` is a 413 as soon as it passes
-the limit, a large one is decoded off the event loop (`parse_body`), and JSON that Python accepts but nothing
+`read_json` is the one door for JSON bodies: one over the app's `client_max_size` (--max-body-bytes) is a 413 as
+soon as it passes the limit, a compressed one is read inflated (body_encoding.py), a large one is decoded off the event loop (`parse_body`), and JSON that Python accepts but nothing
 downstream can use (lone UTF-16 surrogates such as "\\ud800", nesting deeper than the parser's stack) is a 400.
 """
 from __future__ import annotations
@@ -15,51 +15,12 @@ import logging
 from aiohttp import web
 from pydantic import ValidationError
 
+# ApiError and Busy are imported from here by the handlers.
+from pdserve.services.gateway.api_error import ERROR_TYPES, ApiError, Busy  # noqa: F401
 from pdserve.services.gateway.cpu_pool import CPU_POOL
 from pdserve.services.gateway.json_codec import LARGE_BODY, Decoded, decode
 
 log = logging.getLogger("pdserve.gateway")
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable_error",
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
-
-    def body(self) -> dict:
-        return {"object": "error", "message": self.message, "type": self.type, "param": self.param,
-                "code": self.status}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
-
-
-class Busy(ApiError):
-    """A refusal that tells the client when to come back: 429 (over the limits) or 503 (no worker, stopping)."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
-        super().__init__(status, message)
-        self.retry_after_s = retry_after_s
-
-    def response(self):
-        response = super().response()
-        response.headers["Retry-After"] = str(self.retry_after_s)
-        return response
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -94,10 +55,19 @@ def _is_union_tag(part) -> bool:
 
 
 def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The request body is larger than the limit of {limit / (1 << 20):g} MiB.")
+    return ApiError(413, f"The request body is larger than the limit of {limit / (1 << 20):g} MiB "
+                         "(--max-body-bytes).")
 
 
 _PARSED = "pdserve.parsed_body"
+INFLATED = "pdserve.inflated_body"  # a compressed body, as body_encoding.inflate inflated it
+
+
+async def body_bytes(request: web.Request) -> bytes:
+    """The request's body as the client meant it: inflated when it came compressed."""
+    if INFLATED in request:
+        return request[INFLATED]
+    return await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
 
 
 async def parse_body(request: web.Request) -> Decoded:
@@ -106,7 +76,7 @@ async def parse_body(request: web.Request) -> Decoded:
     numbers, a logit_bias over the whole vocabulary) takes the event loop, and every stream it serves, for up to a
     second otherwise."""
     if _PARSED not in request:
-        raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) once the body passes the limit
+        raw = await body_bytes(request)
         pool = request.app.get(CPU_POOL)
         if len(raw) >= LARGE_BODY and pool is not None:
             request[_PARSED] = await pool.run(len(raw), decode, raw, True)

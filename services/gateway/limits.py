@@ -23,10 +23,18 @@ from pdserve.services.gateway.errors import ApiError
 from pdserve.shared.sampling_params import MAX_SCORE_LABELS, MAX_STOP_TOKEN_IDS
 
 KIB = 1 << 10
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Limits:
+    max_body_bytes: int = 32 * MIB
+    """Bytes of a JSON request body, as it arrives or as it inflates (--inflate-request-bodies): 413 past them,
+    as soon as they are passed. It holds a full context of token ids many times over; file uploads stream through
+    to the jobs service, which has its own limit (--max-file-size)."""
+    max_inflation_ratio: int = 100
+    """With --inflate-request-bodies: how many times its compressed size a body may grow as it inflates, once
+    past 1 MiB (413 beyond): JSON compresses 5-20 times; a body of padding, thousands of times."""
     max_messages: int = 2048
     """Messages in one chat completion (OpenAI's limit); checked before the chat template renders them."""
     max_list_items: int = 2048

@@ -25,10 +25,6 @@ from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, 
 from pdserve.services.gateway.workers.backend import Backend
 from pdserve.services.gateway.workers.pool import Worker
 
-# JSON bodies beyond it are a 413. 32 MiB holds a full context of token ids many times over; file uploads
-# stream through to the jobs service, which has its own limit (--max-file-size).
-MAX_BODY_BYTES = 32 << 20
-
 
 @dataclass
 class Gateway:
@@ -51,7 +47,7 @@ class Gateway:
     accepted_model_names: frozenset[str] = frozenset()
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
-    max_body_bytes: int = MAX_BODY_BYTES  # largest JSON request body (413 beyond)
+    inflate_bodies: bool = False  # --inflate-request-bodies: gzip and deflate bodies taken (bodies.py)
     limits: Limits = field(default_factory=Limits)  # what one request may ask (limits.py)
     cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing and rendering of large inputs, off the event loop
     grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
