@@ -25,6 +25,7 @@ from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.grammar import Constraint, Grammars, apply_masks
 from pdserve.shared.kv_keys import kv_identity
+from pdserve.shared.kv_tier_ranks import TierRanks
 from pdserve.shared.kv_tiers import KVTiers
 from pdserve.shared.host_memory import upload
 from pdserve.shared.model_runner import ModelRunner
@@ -82,8 +83,10 @@ class Engine:
         self.adapters = Adapters(self)
         self.experts = ExpertRecording(self)
         self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
+        tp = getattr(self.runner, "tp", None)  # a tensor-parallel worker's ranks each store their own KV heads
         self.tiers = KVTiers(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner),
-                             wake=lambda: self.call(lambda: None), model_path=config.model_path) \
+                             wake=lambda: self.call(lambda: None), model_path=config.model_path,
+                             ranks=TierRanks(tp) if tp is not None else None) \
             if config.tiers is not None else None
 
     def compile_grammar(self, params: SamplingParams):

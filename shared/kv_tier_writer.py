@@ -96,9 +96,10 @@ class PathWrites:
     """
 
     def __init__(self, cache: RadixCache, writer: TierWriter, buffer: torch.Tensor, key: Callable[[Node], str],
-                 full: Callable[[Node], bool]) -> None:
+                 full: Callable[[Node], bool], also: Callable[[list[str], list[int]], None] | None = None) -> None:
+        """`also(keys, pages)`: the other ranks of a tensor-parallel worker store their part of each part."""
         self.cache, self.writer, self.buffer = cache, writer, buffer
-        self._key, self._full = key, full
+        self._key, self._full, self._also = key, full, also
         self.waiting: dict[int, Node] = {}
 
     def write(self, node: Node) -> None:
@@ -116,6 +117,8 @@ class PathWrites:
             n.stored = True  # asked for once; a failed write clears it again
         self.cache.lock(part[-1])  # the part's pages (and the path above them) stay until the writer has read them
         self.writer.put(Write(keys, self.buffer, [n.page for n in part], part, locked=part[-1]))
+        if self._also is not None:
+            self._also(keys, [n.page for n in part])
 
     def resume(self) -> None:
         """Engine thread, as parts land: the waiting paths' next parts, oldest first, while the writer has room."""

@@ -54,6 +54,7 @@ from pdserve.shared.req import Req, ReqStatus
 
 if TYPE_CHECKING:
     from pdserve.shared.kv_pool import KVPool
+    from pdserve.shared.kv_tier_ranks import TierRanks
     from pdserve.shared.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ class _Load:
 
 class KVTiers:
     def __init__(self, config: TierConfig, scheduler: Scheduler, pool: KVPool, identity: dict,
-                 wake: Callable[[], None], model_path: str = "") -> None:
+                 wake: Callable[[], None], model_path: str = "", ranks: TierRanks | None = None) -> None:
+        """`ranks`: the other ranks of a tensor-parallel worker, each storing its own KV heads of every page
+        (kv_tier_ranks.py); `model_path`: for the directory's record of the identity."""
         self.config = config
+        self.ranks = ranks
         self.scheduler = scheduler
         self.cache = scheduler.cache
         self.pool = pool
@@ -100,8 +104,8 @@ class KVTiers:
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-read")
         # at most a quarter of the pool waits to be written
         self.writer = TierWriter(self.files, pool.num_pages // 4, self._report) if self.files is not None else None
-        self.paths = PathWrites(self.cache, self.writer, pool.buffer, self._key, self._full) \
-            if self.writer is not None else None
+        self.paths = PathWrites(self.cache, self.writer, pool.buffer, self._key, self._full,
+                                ranks.write if ranks is not None else None) if self.writer is not None else None
         scheduler.holders.append(self)
         scheduler.tier = self
 
@@ -132,6 +136,8 @@ class KVTiers:
                 self.events.cleared(HOST)
         if storage and self.files is not None:
             self.files.flush()
+            if self.ranks is not None:
+                self.ranks.flush()
             for node in self.cache.nodes():
                 node.stored = False
             if self.events is not None:
@@ -221,6 +227,8 @@ class KVTiers:
         del self._loading[id(load.req)]
         load.done = True
         req = load.req
+        if pages and self.ranks is not None:  # only the pages every rank has its part of
+            pages = pages[:self.ranks.read(load.keys[load.first:load.first + len(pages)])]
         got, nodes = self._insert(req, load.first, pages, self._put_read(pages)) if pages else (0, [])
         for node in nodes:
             node.stored = True
@@ -238,6 +246,8 @@ class KVTiers:
             staged = torch.frombuffer(bytearray(b"".join(pages[first:first + len(fresh)])), dtype=torch.uint8)
             staged = staged.view(layout.dtype).view(len(fresh), *buffer.shape[1:])
             buffer[torch.tensor(fresh, device=buffer.device)] = staged.to(buffer.device)
+            if self.ranks is not None:
+                self.ranks.put(first, fresh)
         return put
 
     def _insert(self, req: Req, first: int, pages: list, put: Callable[[list[int], int], None]
@@ -301,6 +311,8 @@ class KVTiers:
             self.host.lend(kept)
             self.writer.put(Write(keys, self.host.buffer, kept, nodes, ready=self.host.ready(), lent=True))
             return
+        if self.ranks is not None:
+            self.ranks.write(keys, [n.page for n in nodes])
         index = torch.tensor([n.page for n in nodes], device=self.pool.buffer.device)
         copies = self.pool.buffer[index].to("cpu")  # one copy: these pages are reused by the step that follows
         self.writer.put(Write(keys, copies, list(range(len(keys))), nodes))

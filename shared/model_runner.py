@@ -49,8 +49,10 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:
 def _check_tp_features(config: RuntimeConfig) -> None:
     """What a tensor-parallel worker does not do yet, refused at start with the reason."""
     refused = []
-    if config.tiers is not None:
-        refused.append("--enable-hierarchical-cache (each rank would store its own KV heads)")
+    if config.tiers is not None and (config.tiers.host_ratio is not None or config.tiers.host_gb is not None):
+        # the storage tier works across ranks (kv_tier_ranks.py); the host tier's copies are rank 0's alone
+        refused.append("--hicache-ratio / --hicache-size (the host tier keeps rank 0's KV heads only; use the "
+                       "storage tier, --hicache-storage-backend file, whose pages every rank stores its part of)")
     if config.decode_graphs == "static":
         refused.append("static decode graphs (a captured step cannot wait on the other ranks' all-reduce)")
     if refused:

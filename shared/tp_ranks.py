@@ -30,8 +30,8 @@ from pdserve.shared.tp_link import Link
 from pdserve.shared.tp_nodes import (LINK, Nodes, check_settings, client_store, form, join, master_store,
                                      settings_of)
 from pdserve.shared.tp_shards import Shards
-from pdserve.shared.tp_step import (DISCARD, KV, LORA, POOL, START_TIMEOUT_S, STEP, STOP, SWAP, WEIGHTS, TPRank,
-                                    read_bytes, read_step)
+from pdserve.shared.tp_step import (DISCARD, KV, LORA, POOL, START_TIMEOUT_S, STEP, STOP, SWAP, TIER, WEIGHTS,
+                                    TPRank, read_bytes, read_step)
 from pdserve.shared.tp_transfer import TransferSpec, rank_transfers
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
         raise RankGone(f"tensor-parallel rank {rank.shards.rank}: expected the pool's size first, got kind {kind}")
     runner.build_pool(header[0])
     kv = rank_transfers(transfer, rank, runner) if transfer is not None else None
+    store = _rank_store(rank, runner)
     log.info("tensor-parallel rank %d of %d: %d KV pages, following rank 0", rank.shards.rank, rank.shards.size,
              header[0])
     staged = None  # the weights rank 0 had every rank build, until it swaps or drops them
@@ -68,8 +69,21 @@ def follow(rank: TPRank, runner, transfer: TransferSpec | None = None) -> None:
             kv.apply()
         elif kind == LORA:
             _put_adapter(rank, runner, header)
+        elif kind == TIER and store is not None:
+            store.apply()
         else:
             raise RankGone(f"tensor-parallel rank {rank.shards.rank}: unknown step kind {kind}")
+
+
+def _rank_store(rank: TPRank, runner):
+    """This rank's part of the storage tier (shared/kv_tier_ranks.py), when the worker has one."""
+    tiers = runner.config.tiers
+    if tiers is None or tiers.storage_dir is None:
+        return None
+    from pdserve.shared.kv_keys import kv_identity
+    from pdserve.shared.kv_tier_ranks import RankStore
+
+    return RankStore(rank, tiers, runner.pool, kv_identity(runner.config, runner), runner.config.model_path)
 
 
 def _put_adapter(rank: TPRank, runner, header: list[int]) -> None:

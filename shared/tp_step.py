@@ -5,7 +5,8 @@ step (`lead_step`: the flattened ForwardBatch and the page copies) in the mailbo
 follower (shared/tp_ranks.py `follow`) reads it, makes the same page copies in its own pool (every rank's pool has
 the same pages, each holding its own KV heads), and runs the same forward on its shards, meeting rank 0 in every
 all-reduce. Only rank 0 reads the logits. Other posts say what else every rank does together: build, swap or drop
-new weights, put an adapter in a LoRA slot (`LoraMirror`), a KV transfer operation (shared/tp_transfer.py). Only
+new weights, put an adapter in a LoRA slot (`LoraMirror`), a KV transfer operation (shared/tp_transfer.py), a
+storage tier operation (shared/kv_tier_ranks.py). Only
 rank 0's engine thread posts, and each post is followed by a collective of all ranks before the next one, so no
 post is overwritten unread.
 """
@@ -20,7 +21,7 @@ from pdserve.shared.models.llama import ForwardBatch
 from pdserve.shared.tp_group import Mailbox, ShmGroup, TorchGroup
 from pdserve.shared.tp_shards import Shards
 
-STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV, LORA = 1, 2, 3, 4, 5, 6, 7, 8
+STEP, STOP, POOL, WEIGHTS, SWAP, DISCARD, KV, LORA, TIER = 1, 2, 3, 4, 5, 6, 7, 8, 9
 START_TIMEOUT_S = 600.0  # for the other ranks to load their shards (or a checkpoint, or an adapter)
 
 

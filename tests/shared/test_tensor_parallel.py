@@ -5,6 +5,7 @@ Rank 0 runs in this process and leads; the other ranks are the follower processe
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -15,9 +16,11 @@ import torch
 
 from fixtures import make_tiny_model
 
-from pdserve.shared.config import CacheConfig, LoraConfig, ModelConfig, Role, RuntimeConfig, SpeculativeConfig
+from pdserve.shared.config import (CacheConfig, LoraConfig, ModelConfig, Role, RuntimeConfig, SpeculativeConfig,
+                                   TierConfig)
 from pdserve.shared.engine import Engine
-from pdserve.shared.model_runner import ModelRunner
+from pdserve.shared.kv_keys import chain_keys
+from pdserve.shared.model_runner import ModelRunner, _check_tp_features
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
@@ -255,3 +258,65 @@ def test_lora_adapters_sharded_as_their_layers_answer_as_one_process(default_mod
     for (ids_a, lps_a), (ids_b, lps_b) in zip(alone, split):
         assert ids_b == ids_a
         assert max(abs(a - b) for a, b in zip(lps_a, lps_b)) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ the storage tier
+def run_prompts(engine: Engine, prompts: dict[str, list[int]], reqs: dict[str, Req] | None = None) -> dict:
+    """{rid: greedy tokens}, one prompt at a time, the engine stepped as its loop would (the tier polled)."""
+    out: dict[str, list[int]] = {}
+    for rid, ids in prompts.items():
+        req = (reqs or {}).get(rid) or Req(rid=rid, input_ids=list(ids), params=SamplingParams(
+            temperature=0, max_new_tokens=8))
+        req.on_output = lambda o: out.setdefault(o.rid, []).extend(o.token_ids)
+        engine.add_request(req)
+        end = time.monotonic() + 120
+        while engine.has_work() or (engine.tiers is not None and engine.tiers.held_reqs()):
+            assert time.monotonic() < end, "the engine did not finish"
+            if engine.tiers is not None:
+                engine.tiers.poll()
+            engine.step() if engine.has_work() else time.sleep(0.001)
+        while engine.tiers is not None and engine.tiers.writing:  # its pages written before the next prompt
+            engine.tiers.poll()
+            time.sleep(0.002)
+    return out
+
+
+def test_two_ranks_store_and_read_back_their_own_kv_heads_of_a_long_prompt(tmp_path):
+    """fp32, 2 KV heads over 2 ranks, the storage tier: a 1,100-token prompt pushed out of a 2,048-token pool by two
+    others as long comes back from storage (each rank reads its own heads, under its own keys) and answers as one
+    process computing it cold; a worker started on the directory reads all of it; a page one rank lost is
+    computed again by both."""
+    model = make_tiny_model("llama", tmp_path / "model", max_position_embeddings=2048)
+    long = [(i * 37 + 11) % 500 + 1 for i in range(1100)]
+    others = {f"b{k}": [(k * 13 + i * 7) % 480 + 20 for i in range(1100)] for k in range(2)}
+    plain = dataclasses.replace(config(model), cache=CacheConfig(page_size=16, max_total_tokens=2048))
+    cold = run_prompts(Engine(plain, Role.COLOCATED, ModelRunner(plain)), {"a": long})["a"]
+    tiered = dataclasses.replace(plain, tiers=TierConfig(str(tmp_path / "kv"), prefetch_policy="wait_complete"))
+    with Split(tiered, 2) as runner:
+        engine = Engine(tiered, Role.COLOCATED, runner)
+        assert run_prompts(engine, {"a": long, **others})["a"] == cold
+        again = Req(rid="a2", input_ids=list(long), params=SamplingParams(temperature=0, max_new_tokens=8))
+        assert run_prompts(engine, {"a2": long}, {"a2": again})["a2"] == cold
+        assert again.tier_tokens == {"storage": 1088}  # every full page: none was left in the pool
+    parts = {p.parent.parent.name for p in (tmp_path / "kv").rglob("*.kv")}
+    assert len(parts) == 2  # an identity of each rank's, each with its own page files
+    with Split(tiered, 2) as runner:  # a fresh worker, its pool empty
+        engine = Engine(tiered, Role.COLOCATED, runner)
+        first = Req(rid="a", input_ids=list(long), params=SamplingParams(temperature=0, max_new_tokens=8))
+        assert run_prompts(engine, {"a": long}, {"a": first})["a"] == cold and first.tier_tokens == {"storage": 1088}
+        assert engine.flush_cache(lower=())  # the pool only: the files stay
+        # rank 1's part of page 40 gone: from there on both ranks compute, though rank 0 has its parts
+        key = chain_keys(engine.tiers.root_key, engine.cache.page_keys(long, 68, None))[40]
+        rank1, = {p.parent.parent.name for p in (tmp_path / "kv").rglob("*.kv")} - {engine.tiers.root_key}
+        part = chain_keys(rank1, [(key,)])[0]
+        (tmp_path / "kv" / rank1 / part[:2] / f"{part}.kv").unlink()
+        third = Req(rid="a3", input_ids=list(long), params=SamplingParams(temperature=0, max_new_tokens=8))
+        assert run_prompts(engine, {"a3": long}, {"a3": third})["a3"] == cold
+        assert third.tier_tokens == {"storage": 40 * 16}
+
+
+def test_the_host_tier_under_two_ranks_is_refused_naming_why(tiny_models):
+    tiered = dataclasses.replace(config(tiny_models["llama"]), tiers=TierConfig(host_ratio=2.0))
+    with pytest.raises(ValueError, match=r"--hicache-ratio / --hicache-size \(the host tier keeps rank 0's KV heads"):
+        _check_tp_features(tiered)
+    _check_tp_features(dataclasses.replace(tiered, tiers=TierConfig("/tmp/kv")))  # storage alone: taken
