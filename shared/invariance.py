@@ -133,7 +133,7 @@ def _lora(model, ops, gen: torch.Generator) -> int:
     row_slots = torch.tensor([r % (slots + 1) - 1 for r in range(n)], dtype=torch.int32)
     row_slots[:PROBE_ROWS] = torch.arange(PROBE_ROWS) % slots  # every probe row on an adapter
     checks, seen = 0, set()
-    for (_, linear), lay in pool._layers.items():
+    for (_, linear), lay in pool.covered.items():
         a_shape, b_shape = tuple(lay.lora_a.shape), tuple(lay.lora_b.shape)  # [S, n_sub R, in], [S, out, R]
         if (linear, a_shape, b_shape) in seen:
             continue

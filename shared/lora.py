@@ -219,6 +219,11 @@ class LoraPool:
         if adapter is not None:
             self._write(slot, adapter)
 
+    @property
+    def covered(self) -> dict[tuple[int, str], LoraLayer]:
+        """Every (layer, fused linear) the slots cover, with its tensors, whether or not a slot's adapter changes it."""
+        return self._layers
+
     def layer(self, i: int, linear: str) -> LoraLayer | None:
         """Layer `i`'s tensors for fused `linear`, or None when no slot's adapter changes it (skip the op)."""
         return self._layers[(i, linear)] if self._touched[(i, linear)] > 0 else None
