@@ -31,10 +31,11 @@ def page_hash(prev: int, tokens: tuple) -> int:
     return hash((prev, tokens))
 
 
-def prefix_hashes(input_ids: list[int], page_size: int, max_pages: int) -> list[int]:
-    """The name of each of the first full pages of a prompt (at most `max_pages`)."""
+def prefix_hashes(input_ids: list[int], page_size: int, max_pages: int, root: int = ROOT) -> list[int]:
+    """The name of each of the first full pages of a prompt (at most `max_pages`), chained from `root` (a router
+    names a salted prompt's pages from a root of the salt's own, so that they meet no other salt's)."""
     hashes: list[int] = []
-    h = ROOT
+    h = root
     for i in range(min(len(input_ids) // page_size, max_pages)):
         h = page_hash(h, tuple(input_ids[i * page_size:(i + 1) * page_size]))
         hashes.append(h)

@@ -8,6 +8,7 @@ A retracted request goes back to WAITING with its output so far.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -96,8 +97,13 @@ class Req:
 
     @property
     def cache_namespace(self) -> str | None:
-        """Prefix-cache namespace: KV computed under an adapter is only ever reused under the same adapter."""
-        return None if self.lora is None else f"{self.lora.name}@{self.lora.version}"
+        """Prefix-cache namespace: KV computed under an adapter is only ever reused under the same adapter, and KV
+        of a salted prompt (`cache_salt`) only by prompts of the same salt (named by a digest: a salt is a secret
+        and the namespace reaches the storage tier's keys)."""
+        parts = [] if self.lora is None else [f"{self.lora.name}@{self.lora.version}"]
+        if self.params.cache_salt is not None:
+            parts.append("salt:" + hashlib.blake2b(self.params.cache_salt.encode(), digest_size=16).hexdigest())
+        return "|".join(parts) or None
 
     @property
     def fill_ids(self) -> list[int]:

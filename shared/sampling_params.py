@@ -33,6 +33,7 @@ MAX_STOP_TOKEN_IDS = 256
 # 1.5 GB of a worker. shared/scoring.py refuses more at the worker's edge.
 MAX_SCORE_LABELS = 1024
 MAX_SCORE_VALUES = 1 << 20  # items x labels of one call: ~32 MB as Python floats
+MAX_CACHE_SALT = 1024  # characters of a cache_salt (vLLM suggests 43: 256 random bits in base64)
 # The grammar constraints; at most one per request (pdserve.shared.grammar compiles it).
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _INT32_MAX = 2**31 - 1
@@ -131,6 +132,10 @@ class SamplingParams:
     """With a grammar and think_end_ids: the output may first reason, unconstrained, until think_end_ids; the
     grammar holds for what follows. With think_start_ids too, the reasoning happens only if the output opens
     with them (otherwise the grammar holds from the first token); without, the output starts in the reasoning."""
+    cache_salt: str | None = param(None, lo=1, hi=MAX_CACHE_SALT)
+    """Not a sampling choice but the prompt's cache namespace (vLLM's cache_salt): its KV is shared only with
+    requests of the same salt, in the pool, the routers and every tier, so that one tenant cannot learn from cached
+    token counts or timings what another sent. Carried here so that every path keeps it (PD, migration)."""
 
     def __post_init__(self) -> None:
         # Callers pass lists and dicts (JSON, proto fields); tuples keep the params hashable and comparable.
@@ -275,8 +280,12 @@ def _boolean(name: str, value: object, spec: FieldSpec, vocab_size: int | None =
 
 
 def _text(name: str, value: object, spec: FieldSpec, vocab_size: int | None = None) -> None:
+    """A string; of lo to hi characters where the definition gives them."""
     if not isinstance(value, str):
         raise InvalidParam(name, f"{name} must be a string, got {value!r}")
+    if spec.lo is not None and spec.hi is not None and not spec.lo <= len(value) <= spec.hi:
+        raise InvalidParam(name, f"{name} must be a string of {_fmt(spec.lo)} to {_fmt(spec.hi)} characters, "
+                                 f"got {len(value)}")
 
 
 def _token_ids(name: str, ids: object, spec: FieldSpec, vocab_size: int | None) -> None:

@@ -69,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="read tool calls out of the model's output (tool_choice auto) in this model family's "
                              "format: qwen25/qwen (Qwen2.5, Qwen3), llama3 (Llama 3 JSON), pythonic (Llama 3.2+, 4)")
     parser.add_argument("--enable-cache-report", action="store_true",
-                        help="report usage.prompt_tokens_details.cached_tokens in every response")
+                        help="report cached prompt tokens in every response (usage.prompt_tokens_details, Responses' "
+                             "input_tokens_details, Messages' cache_read_input_tokens); without it none is told "
+                             "(0 where the API's shape needs the field), as SGLang: they tell one client what "
+                             "another's prompts hold")
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
     parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
     parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,

@@ -65,10 +65,10 @@ def test_the_runtime_library_does_not_import_the_wire_format():
 
 def test_native_sampling_params_carry_every_runtime_field():
     missing = {NATIVE.api_name(n) for n in PARAMS} - set(NativeSampling.model_fields) \
-        - {"return_logprob", "top_logprobs_num", "logprob_start_len"} - set(GATEWAY_DERIVED)  # request-level
-    assert not missing
+        - {"return_logprob", "top_logprobs_num", "logprob_start_len", "cache_salt"} - set(GATEWAY_DERIVED)
+    assert not missing  # those: request-level fields of /generate
     draft = intake.read(NATIVE, NativeSampling(logit_bias={"1": 2.0}, regex="a", max_new_tokens=8),
-                        return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
+                        return_logprob=True, top_logprobs_num=2, logprob_start_len=0, cache_salt="tenant")
     values = draft.values
     assert set(values) == set(PARAMS) - (set(CONSTRAINT_FIELDS) - {"regex"}) - set(GATEWAY_DERIVED)
     SamplingParams(**values).validate()

@@ -81,6 +81,12 @@ class Gateway:
         return adapter_of(model, lora_path, served=self.served_model_name, accepted=self.accepted_model_names,
                           workers=workers)
 
+    def reported_cached(self, cached: int) -> int:
+        """Cached prompt tokens where an API's shape always has the field (Responses' input_tokens_details,
+        Messages' cache_read_input_tokens): the count with --enable-cache-report, else 0. Prompts of every client
+        answer from one cache: the count for a guessed prompt tells how much of it another client sent."""
+        return cached if self.enable_cache_report else 0
+
     def close(self) -> None:
         self.inputs.close()
 

@@ -60,7 +60,7 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         jobs.append(await intake.job(gw.inputs, NATIVE, sp, ids, rid=rid, lora=loras[k], max_tokens=sp.max_new_tokens,
                                      public_id=rids[k] if rids is not None else "", prefix=prefix,
                                      return_logprob=logprob_flags[k], top_logprobs_num=tops[k],
-                                     logprob_start_len=start))
+                                     logprob_start_len=start, cache_salt=req.cache_salt))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 

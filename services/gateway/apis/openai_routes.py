@@ -18,8 +18,8 @@ from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_an
 from pdserve.services.gateway.apis.served_models import MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_COMPLETION
-from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, OpenAISampling, parse,
-                                                      per_prompt, refuse_unsupported)
+from pdserve.services.gateway.intake.protocol import (ChatCompletionRequest, CompletionRequest, parse, per_prompt,
+                                                      refuse_unsupported)
 from pdserve.services.gateway.intake.reasoning import ReasoningSplitter, split_text
 from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools, template_messages
 from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
@@ -27,8 +27,11 @@ from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.job import Job, Update
 
 
-def cached_report(gw: Gateway, req: OpenAISampling, cached: int) -> int | None:
-    return cached if gw.enable_cache_report or req.return_cached_tokens_details else None
+def cached_report(gw: Gateway, cached: int) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens: only with --enable-cache-report, as SGLang (a client's
+    return_cached_tokens_details alone does not turn it on): another client's prompts answer from the same cache,
+    and how much of a guessed prompt is cached tells what they sent."""
+    return cached if gw.enable_cache_report else None
 
 
 # ---------------------------------------------------------------- chat
@@ -90,7 +93,7 @@ def _chat_answer(gw: Gateway, req: ChatCompletionRequest, job: Job, gen, results
         calls.push(content or "", final=True)
         choices.append(fmt.chat_choice(r, calls.message_content(), reasoning, lps, calls.message_calls(),
                                        calls.finish_reason(r.finish_reason, r.matched_stop)))
-    usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
+    usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, gen.cached_tokens),
                       reasoning_tokens)
     return fmt.chat_completion(job.public_id, int(time.time()), req.model or gw.served_model_name, choices, usage)
 
@@ -135,7 +138,7 @@ async def _stream_chat(request: web.Request, gw: Gateway, req: ChatCompletionReq
     except ApiError as exc:
         return await sse.fail(exc)
     if req.include_usage:
-        usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, req, gen.cached_tokens),
+        usage = fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached_report(gw, gen.cached_tokens),
                           reasoning_tokens)
         await sse.send(fmt.chat_chunk(job.public_id, created, model, [], usage))
     return await sse.done()
@@ -202,7 +205,7 @@ def _completion_answer(gw: Gateway, req: CompletionRequest, rid: str, gens: list
             choices.append(fmt.completion_choice(k * req.n + r.index, echoes[k] + r.text, lps, r.finish_reason,
                                                  r.matched_stop))
     usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
-                      cached_report(gw, req, sum(g.cached_tokens for g in gens)))
+                      cached_report(gw, sum(g.cached_tokens for g in gens)))
     return fmt.completion(rid, int(time.time()), req.model or gw.served_model_name, choices, usage)
 
 
@@ -239,7 +242,7 @@ async def _stream_completions(request: web.Request, gw: Gateway, req: Completion
         return await sse.fail(exc)
     if req.include_usage:
         usage = fmt.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
-                          cached_report(gw, req, sum(g.cached_tokens for g in gens)))
+                          cached_report(gw, sum(g.cached_tokens for g in gens)))
         await sse.send(fmt.completion(rid, created, model, [], usage))
     return await sse.done()
 

@@ -65,9 +65,11 @@ ANTHROPIC_MESSAGES = Dialect(
     renamed={"max_new_tokens": "max_tokens"},
     elsewhere=LOGPROB_FIELDS | GATEWAY_DERIVED | {"max_new_tokens", "n"},
     nullable=frozenset({"temperature", "top_p", "top_k"}))
+# /generate: cache_salt beside the prompts, as lora_path and rid (it names whose cache, not how to sample).
 NATIVE = Dialect(
     "native",
     renamed={"seed": "sampling_seed"},
+    elsewhere=LOGPROB_FIELDS | GATEWAY_DERIVED | {"cache_salt"},
     nullable=frozenset({"max_new_tokens"}))  # null: as many as the context leaves
 
 

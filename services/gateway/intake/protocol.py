@@ -272,6 +272,7 @@ class GenerateRequest(_Schema):
     rid: str | list[str] | None = None
     model: str | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter by name or loaded path (a list: one per prompt)
+    cache_salt: str | None = None  # the prompts' cache namespace (SamplingParams.cache_salt), for all of them
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(one entry per prompt, whether the request is a batch)."""

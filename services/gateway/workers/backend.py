@@ -161,9 +161,10 @@ class Backend:
     def context_length(self) -> int:
         return self.pool.context_length() or self.default_context_length or 4096
 
-    def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair:
+    def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset(),
+              cache_salt: str | None = None) -> Pair:
         try:
-            return self.router.choose(input_ids, exclude)
+            return self.router.choose(input_ids, exclude, cache_salt)
         except NoWorker as exc:
             raise Busy(503, f"No healthy worker is available to serve the request ({exc}).",
                        self.settings.retry_after_s) from None

@@ -51,7 +51,8 @@ class Pairs(Protocol):
     """Where a generation's attempts run (the gateway's Backend): a pair for a prompt, and, after a failure,
     which workers of the pair are down."""
 
-    def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair: ...
+    def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset(),
+              cache_salt: str | None = None) -> Pair: ...
 
     async def probe_pair(self, pair: Pair) -> set[str]: ...
 
@@ -182,7 +183,7 @@ class Generation:
 
     def _route(self, tries: _Tries) -> Pair:
         try:
-            return self.pairs.route(self._input_ids(), frozenset(tries.down))
+            return self.pairs.route(self._input_ids(), frozenset(tries.down), self.job.params.cache_salt)
         except ApiError as exc:
             if not self.produced:
                 raise

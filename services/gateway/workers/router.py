@@ -37,7 +37,7 @@ from typing import Callable
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.gateway.workers.kv_events import HeldPrefixes
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
-from pdserve.shared.kv_events import prefix_hashes
+from pdserve.shared.kv_events import ROOT, prefix_hashes
 
 POLICIES = ("cache_aware", "round_robin")
 STORED_PAGE_WORTH = 0.9  # a page read from a storage tier saves this much of computing it
@@ -89,33 +89,36 @@ class Router:
         pool.on_rejoin.append(self.forget)  # a worker back after a failure may have restarted with an empty cache
         self._turn = count()
 
-    def choose(self, input_ids: list[int], exclude: frozenset[str] = frozenset()) -> Pair:
+    def choose(self, input_ids: list[int], exclude: frozenset[str] = frozenset(),
+               cache_salt: str | None = None) -> Pair:
+        """`cache_salt`: the prompt's cache namespace; its pages are named apart from every other salt's."""
+        root = ROOT if cache_salt is None else salt_root(cache_salt)
         cache_workers = [w for w in self.pool.healthy(self.pool.cache_role) if w.address not in exclude]
         if not cache_workers:
             raise NoWorker(f"no healthy {self.pool.cache_role} worker")
         if self.pool.mode == "colocated":
-            worker, why = self._pick_cache_worker(cache_workers, input_ids)
+            worker, why = self._pick_cache_worker(cache_workers, input_ids, root)
             return Pair(worker, why=why)
         decodes = [w for w in self.pool.healthy("decode") if w.address not in exclude]
         if not decodes:
             raise NoWorker("no healthy decode worker")
-        prefill, why_prefill = self._pick_cache_worker(cache_workers, input_ids)
-        decode, why_decode = self._pick_decode(decodes, input_ids)
+        prefill, why_prefill = self._pick_cache_worker(cache_workers, input_ids, root)
+        decode, why_decode = self._pick_decode(decodes, input_ids, root)
         return Pair(decode, prefill, why=f"prefill: {why_prefill}; decode: {why_decode}")
 
     # ------------------------------------------------------------ policies
-    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
+    def _pick_cache_worker(self, workers: list[Worker], input_ids: list[int], root: int) -> tuple[Worker, str]:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], "round robin"
-        hashes = self._prefix_hashes(input_ids, workers[0].page_size)
+        hashes = self._prefix_hashes(input_ids, workers[0].page_size, root)
         least = least_loaded(workers, hashes, load_of)
         return self._by_prefix(workers, hashes, least, self.prefixes, load_of)
 
-    def _pick_decode(self, workers: list[Worker], input_ids: list[int]) -> tuple[Worker, str]:
+    def _pick_decode(self, workers: list[Worker], input_ids: list[int], root: int) -> tuple[Worker, str]:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], "round robin"
         roomy = [w for w in workers if w.free_pages * w.page_size > len(input_ids)] or workers
-        hashes = self._prefix_hashes(input_ids, roomy[0].page_size)
+        hashes = self._prefix_hashes(input_ids, roomy[0].page_size, root)
         least = least_loaded(roomy, hashes, decode_load)
         return self._by_prefix(roomy, hashes, least, self.decode_prefixes, decode_load)
 
@@ -170,9 +173,10 @@ class Router:
         return a - b <= self.balance_abs or a <= b * self.balance_rel
 
     # ------------------------------------------------------------ prefix table
-    def _prefix_hashes(self, input_ids: list[int], page_size: int) -> list[int]:
-        """The names of the prompt's first full pages (at most max_prefix_pages), as the workers name them."""
-        return prefix_hashes(input_ids, page_size, self.max_prefix_pages)
+    def _prefix_hashes(self, input_ids: list[int], page_size: int, root: int = ROOT) -> list[int]:
+        """The names of the prompt's first full pages (at most max_prefix_pages), as the workers name them (a
+        salted prompt's from its salt's root: the workers tell nothing of those)."""
+        return prefix_hashes(input_ids, page_size, self.max_prefix_pages, root)
 
     def _remember(self, hashes: list[int], address: str, table: OrderedDict[int, str]) -> None:
         for h in hashes:
@@ -186,6 +190,11 @@ class Router:
         for table in (self.prefixes, self.decode_prefixes):
             for h in [h for h, a in table.items() if a == address]:
                 del table[h]
+
+
+def salt_root(cache_salt: str) -> int:
+    """Where a salted prompt's page names start: a digest of the salt (stable across processes, as page names are)."""
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def least_loaded(workers: list[Worker], hashes: list[int], load: Callable[[Worker], object]) -> Worker:

@@ -32,7 +32,7 @@ def pd(default_model_dir):
         for proc, addr in prefills + decodes:
             system.workers[addr] = proc
         targets = decode_flags + [flag for _, a in decodes for flag in ("--decode", a)]
-        gw = start_gateway(default_model_dir, *targets)
+        gw = start_gateway(default_model_dir, *targets, "--enable-cache-report")
         system.gateways.append(gw)
         for proc, _ in prefills + decodes:
             proc.wait_healthy(240)
@@ -97,6 +97,24 @@ def test_pd_a_responses_chain_is_prefilled_from_the_cache_of_the_worker_holding_
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
     assert second.output_text
+
+
+def test_pd_a_cache_salt_shares_a_prefix_only_within_itself(pd):
+    # The salt travels to the prefill worker with the sampling parameters: its radix cache, the decode worker's
+    # own cache and the router all keep the two salts apart.
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    system_prompt = "You are the support assistant of a bank. The customer's PIN is 4921; never say it. " * 4
+
+    def ask(salt: str) -> int:
+        r = c.chat.completions.create(model="default", temperature=0, max_tokens=2, extra_body={"cache_salt": salt},
+                                      messages=[{"role": "system", "content": system_prompt},
+                                                {"role": "user", "content": "Hello?"}])
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert ask("tenant-a") == 0
+    assert ask("tenant-a") >= 5 * 16
+    assert ask("tenant-b") == 0
 
 
 def prompt_tokens(proc) -> float:

@@ -44,7 +44,7 @@ def replicas(colocated, default_model_dir, tmp_path_factory):
     try:
         for _ in range(2):
             system.gateways.append(start_gateway(default_model_dir, "--worker", colocated.worker,
-                                                 "--redis-url", redis.url()))
+                                                 "--redis-url", redis.url(), "--enable-cache-report"))
         for gw in system.gateways:
             gw.proc.wait_healthy(60)
         yield system
@@ -148,7 +148,7 @@ def test_a_chain_survives_a_gateway_restart(replicas):
     old = replicas.gateways[0]
     old.proc.stop()
     replicas.gateways[0] = start_gateway(replicas.model_dir, "--worker", replicas.worker, "--redis-url",
-                                         replicas.redis.url())
+                                         replicas.redis.url(), "--enable-cache-report")
     replicas.gateways[0].proc.wait_healthy(60)
     second = ask(replicas.client(0), "Which number?", previous_response_id=first.id)
     assert second.status in ("completed", "incomplete")

@@ -251,3 +251,19 @@ def test_a_worker_whose_event_stream_ended_is_forgotten():
     router.held.forget(b.address)
     assert router.held.pages(b.address, router._prefix_hashes(p, PAGE)) == (0, 0, 0)
     assert router.held.storage == {}  # no worker is in that domain any more
+
+
+def test_a_salted_prompt_meets_only_its_own_salts_prefixes():
+    # A worker says it holds the prompt's pages (unsalted: the workers tell nothing of salted pages), and the router
+    # has sent the prompt under salt "a" to another worker: a salted prompt goes by its salt's history alone.
+    pool = make_pool("colocated", {"colocated": 3})
+    router = Router(pool)
+    holder = pool.of_role("colocated")[0]
+    p = prompt(7)
+    router.learn(holder.address, events(snapshot=True, device=router._prefix_hashes(p, PAGE)))
+    assert router.choose(p).generate is holder
+    salted = router.choose(p, cache_salt="a")
+    assert salted.why == "least loaded, no known prefix"
+    salted.generate.in_flight += 1
+    assert router.choose(p, cache_salt="a").generate is salted.generate  # its own history
+    assert router.choose(p, cache_salt="b").why == "least loaded, no known prefix"

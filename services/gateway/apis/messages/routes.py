@@ -99,7 +99,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     writer.push(r.text, final=True)
     reason, sequence = fmt.stop_reason(r.finish_reason, r.matched_stop, writer.called)
     return web.json_response(fmt.message(job.public_id, req.model, writer.blocks.final(), reason, sequence,
-                                         fmt.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
+                                         fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached(request, gen))))
+
+
+def cached(request: web.Request, gen) -> int:
+    """cache_read_input_tokens: 0 unless --enable-cache-report (context.Gateway.reported_cached)."""
+    return request.app[GATEWAY].reported_cached(gen.cached_tokens)
 
 
 class EventStream(SSE):
@@ -130,7 +135,7 @@ async def _stream(request: web.Request, req: MessagesRequest, job: Job, gen,
     sse = EventStream(request)
 
     async def start() -> None:
-        empty = fmt.usage(gen.prompt_tokens, 0, gen.cached_tokens)
+        empty = fmt.usage(gen.prompt_tokens, 0, cached(request, gen))
         await sse.send({"type": "message_start",
                         "message": fmt.message(job.public_id, req.model, [], None, None, empty)})
         await sse.send({"type": "ping"})
@@ -156,7 +161,7 @@ async def _stream(request: web.Request, req: MessagesRequest, job: Job, gen,
     if not sse.started:
         await start()
     await sse.send({"type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
-                    "usage": fmt.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)})
+                    "usage": fmt.usage(gen.prompt_tokens, gen.completion_tokens, cached(request, gen))})
     await sse.send({"type": "message_stop"})
     return await sse.done()
 

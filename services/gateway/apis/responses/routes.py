@@ -193,7 +193,8 @@ def finish(gw: Gateway, gen, builder: out.OutputBuilder, response: dict, text: s
     events = builder.push(text, final=True, status="incomplete" if status == "incomplete" else "completed")
     reasoning = builder.reasoning_text
     reasoning_tokens = len(gw.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-    usage = out.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, reasoning_tokens)
+    usage = out.usage(gen.prompt_tokens, gen.completion_tokens, gw.reported_cached(gen.cached_tokens),
+                      reasoning_tokens)
     return out.finished(response, status, builder.items, usage, incomplete), events
 
 
