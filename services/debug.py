@@ -68,7 +68,9 @@ def _trace(args: argparse.Namespace) -> int:
     import urllib.request
 
     url = f"{args.gateway.rstrip('/')}/debug/requests/{urllib.parse.quote(args.id, safe='')}"
-    key = os.environ.get("PDSERVE_API_KEY")  # never a flag: a command line shows in `ps`
+    # Never a flag: a command line shows in `ps`. The admin key where there is one: with an API key beside it, other
+    # clients' requests are the admin key's.
+    key = os.environ.get("PDSERVE_ADMIN_API_KEY") or os.environ.get("PDSERVE_API_KEY")
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as r:

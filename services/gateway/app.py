@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 from pdserve.services import tracing
 from pdserve.services.gateway.apis import classify, jobs_proxy, native, openai_routes, openapi, pooling, status_page
 from pdserve.services.gateway.apis.admin import experts, lora, weights
-from pdserve.services.gateway.apis.context import GATEWAY, Gateway
+from pdserve.services.gateway.apis.context import ADMIN_CALLER, GATEWAY, Gateway
 from pdserve.services.gateway.apis.messages import routes as messages_routes
 from pdserve.services.gateway.apis.responses import routes as responses_routes
 from pdserve.services.gateway.apis.responses.store import ResponseStore
@@ -40,6 +40,9 @@ OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS}
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter", "/flush_cache",
                          "/abort_request", "/start_expert_distribution_record", "/stop_expert_distribution_record",
                          "/dump_expert_distribution_record"})
+# Other clients' requests, by id: their timings and token counts. With an API key and an admin key both set, the
+# admin key's (so is /status.json's list of requests: status_page.py).
+OTHER_CLIENTS_PREFIX = "/debug/requests/"
 # Where an operator finds the admin key, for the 401 of an admin route (no value of it, only its places): `pdserve
 # up` (services/up_plan.admin_key_path), compose.yaml, the Helm chart (tests/security/test_admin_key.py checks them).
 ADMIN_KEY_WHERE = ("The admin key is the gateway's PDSERVE_ADMIN_API_KEY or --admin-api-key-file: `pdserve up` writes "
@@ -193,6 +196,11 @@ async def check_api_key(request: web.Request, handler):
     if request.path in OPEN_PATHS:
         return await handler(request)
     given = presented_key(request)
+    request[ADMIN_CALLER] = _is(given, gw.admin_api_key)
+    if request.path.startswith(OTHER_CLIENTS_PREFIX) and gw.api_key and gw.admin_api_key \
+            and not request[ADMIN_CALLER]:
+        raise ApiError(401, "Other clients' requests are shown to the admin key only: send 'Authorization: Bearer "
+                            f"<admin key>'. {ADMIN_KEY_WHERE}")
     if request.path in ADMIN_PATHS and not gw.open_admin_routes:
         if not gw.admin_api_key:
             raise ApiError(403, "Admin routes are off on this gateway: start it with an admin key "

@@ -91,6 +91,15 @@ class Gateway:
         self.inputs.close()
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+ADMIN_CALLER = "pdserve.admin_caller"  # set on a request that presented the admin key (app.check_api_key)
+
+
+def sees_other_clients(request: web.Request) -> bool:
+    """Whether the caller may see other clients' requests (their ids, timings, token counts): where the gateway
+    tells keys apart (an API key and an admin key both set), only the admin key's holder; elsewhere, whoever
+    passed the key check."""
+    gw = request.app[GATEWAY]
+    return not (gw.api_key and gw.admin_api_key) or request.get(ADMIN_CALLER, False)
 
 
 def new_id() -> str:

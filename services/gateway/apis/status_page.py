@@ -8,6 +8,8 @@ ring buffer of throughput and TTFT samples. A background task takes one sample e
 gateway's own counters (output tokens, the TTFT histogram), keeping the last `WINDOW_S`: it starts and stops
 with the app. With several gateway processes (--gateway-workers) the counters and the generations in flight are
 summed over them, as /metrics shows them. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
+With an API key and an admin key both set, the requests' timelines (/status.json's, and /debug/requests) are the
+admin key's: the API key is every client's, and they hold other clients' ids, timings and token counts.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.services.gateway.apis import jobs_proxy
-from pdserve.services.gateway.apis.context import GATEWAY
+from pdserve.services.gateway.apis.context import GATEWAY, sees_other_clients
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.timelines import RECENT, SLOWEST
@@ -164,7 +166,8 @@ async def status_json(request: web.Request) -> web.Response:
             "samples": {"interval_s": request.app[SAMPLER].interval_s,
                         "points": [asdict(s) for s in request.app[SAMPLER].samples]},
             "timelines": {"recent": [t.as_dict() for t in list(backend.recorder.recent)[::-1][:SHOWN]],
-                          "slowest": [t.as_dict() for t in backend.recorder.slowest[:SHOWN]]}}
+                          "slowest": [t.as_dict() for t in backend.recorder.slowest[:SHOWN]]}
+            if sees_other_clients(request) else None}
     batches = await batches_in_flight(request)
     if batches is not None:
         body["batches_in_flight"] = batches
@@ -321,8 +324,9 @@ function render(s) {
     }
   }
   $("workers").innerHTML = rows || `<tr><td colspan="8" class="muted">no workers</td></tr>`;
-  $("timelines").innerHTML = timelineRows(s.timelines.recent);
-  $("slowest").innerHTML = timelineRows(s.timelines.slowest);
+  const hidden = `<tr><td colspan="8" class="muted">other clients' requests: open the page with the admin key</td></tr>`;
+  $("timelines").innerHTML = s.timelines ? timelineRows(s.timelines.recent) : hidden;
+  $("slowest").innerHTML = s.timelines ? timelineRows(s.timelines.slowest) : hidden;
   chart($("chart-throughput"), "Output tokens/s", s.samples.points, (p) => p.tokens_per_s, "tok/s");
   chart($("chart-ttft"), "TTFT p50 (ms)", s.samples.points,
         (p) => p.ttft_p50_s === null ? null : 1000 * p.ttft_p50_s, "ms");

@@ -85,6 +85,25 @@ def test_page_is_open_but_its_data_needs_the_key(colocated):
     assert requests.get(gw.url + "/status.json", headers=gw.headers(), timeout=TIMEOUT).status_code == 200
 
 
+def test_other_clients_requests_are_the_admin_keys_where_both_keys_are_set(colocated):
+    # colocated.secured has an API key and an admin key: the API key is every client's, so it does not see the
+    # requests' ids, timings and token counts (/status.json's timelines, /debug/requests); the admin key does.
+    gw = colocated.secured
+    r = requests.post(gw.url + "/generate", headers=gw.headers(), timeout=TIMEOUT,
+                      json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2}})
+    rid = r.headers["X-Request-Id"]
+    as_client = requests.get(gw.url + "/status.json", headers=gw.headers(), timeout=TIMEOUT).json()
+    assert as_client["timelines"] is None and as_client["workers"] and rid not in str(as_client)
+    as_admin = requests.get(gw.url + "/status.json", headers=gw.admin_headers(), timeout=TIMEOUT).json()
+    assert rid in str(as_admin["timelines"]["recent"])
+    r = requests.get(f"{gw.url}/debug/requests/{rid}", headers=gw.headers(), timeout=TIMEOUT)
+    assert r.status_code == 401 and "admin key" in r.json()["message"] and rid not in r.text
+    r = requests.get(f"{gw.url}/debug/requests/{rid}", headers=gw.admin_headers(), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["timelines"][0]["prompt_tokens"] > 0, r.text
+    # Without an API key there is no client to tell apart: the timelines are everyone's, as before.
+    assert requests.get(colocated.open.url + "/status.json", timeout=TIMEOUT).json()["timelines"] is not None
+
+
 def test_page_renders_workers_and_chart_in_chromium(colocated, tmp_path):
     gw = colocated.open
     generate(gw)
