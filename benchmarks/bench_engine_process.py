@@ -1,13 +1,14 @@
 """What serving costs above the engine's own step, before and after the engine got a process of its own.
 
-    .venv/bin/python benchmarks/bench_engine_process.py [--before REV] [--rounds 5] [--tokens 128] [--streams 32]
-                                                        [--threads N] [--quantization w8a8_int8]
+    .venv/bin/python benchmarks/bench_engine_process.py [--before REV] [--after REV] [--rounds 5] [--tokens 128]
+                                                        [--streams 32] [--threads N] [--quantization w8a8_int8]
 
 Lays out the project at REV (default: the last commit whose workers ran the engine in their own process,
-1f637ac) beside this checkout, then runs `--rounds` rounds of three arms, each in a process of its own with the
+1f637ac) beside this checkout (or beside `--after REV`, laid out the same way: a commit, where the working tree
+may change while the benchmark runs), then runs `--rounds` rounds of three arms, each in a process of its own with the
 same `--threads` compute threads (default: every core this process may use) and one inter-op thread, in an order
 that rotates from round to round (benchmarks/arms.py: no arm always first):
-- before / after: a colocated worker of the default model from REV / from this checkout, measured by a gRPC
+- before / after: a colocated worker of the default model from REV / from this checkout or --after, measured by a gRPC
   client on loopback (the worker's Generate stream; no gateway in between, so what is measured is the worker):
   the inter-token gap p50 of one stream, and the output tokens per second of `--streams` concurrent streams;
 - in-process: the engine's own step: the gap between one request's outputs with the engine stepping in a
@@ -98,9 +99,10 @@ print(statistics.median(gaps) * 1000)
 """
 
 
-def in_process_step(tokens: int, quantization: str, threads: int) -> float:
+def in_process_step(tokens: int, quantization: str, threads: int, pythonpath: str | None) -> float:
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(tokens), quantization, str(threads)],
-                         capture_output=True, text=True, cwd=ROOT, check=True)
+                         capture_output=True, text=True, env=env, check=True)
     return float(out.stdout.split()[-1])
 
 
@@ -115,6 +117,7 @@ def worker(label: str, path: str | None, extra: list[str], args: argparse.Namesp
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", default="1f637ac", help="the commit to compare with")
+    ap.add_argument("--after", default="", help="a commit to measure instead of this checkout's working tree")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     ap.add_argument("--streams", type=int, default=32)
@@ -129,11 +132,17 @@ def main() -> int:
     tps: dict[str, list[float]] = {"before": [], "after": []}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-engine-process-") as tmp:
-        paths = {"before": str(layout(args.before, Path(tmp))), "after": None}
+        for rev in ("before", "after"):
+            (Path(tmp) / rev).mkdir()
+        paths = {"before": str(layout(args.before, Path(tmp) / "before")),
+                 "after": str(layout(args.after, Path(tmp) / "after")) if args.after else None}
+        # Every arm's process runs from here: run from the checkout, `python -m pdserve` and `-c` put it first
+        # on sys.path and its pdserve/ won over PYTHONPATH, so the "before" workers ran this checkout's code.
+        os.chdir(tmp)
         for r in range(args.rounds):
             for arm in order(list(itl), r):
                 if arm == "in-process":
-                    itl[arm].append(in_process_step(args.tokens, args.quantization, args.threads))
+                    itl[arm].append(in_process_step(args.tokens, args.quantization, args.threads, paths["after"]))
                     print(f"round {r + 1} {arm:>10}: step {itl[arm][-1]:6.2f} ms", flush=True)
                     continue
                 gap, rate = worker(arm, paths[arm], extra, args, f"{arm}{r}")
