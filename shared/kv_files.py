@@ -8,12 +8,14 @@ prefix, went through the same weights the same way, so a stored page can never a
 or adapter. Files sit under a directory per identity: a weight update starts a new one, and `flush` makes the old
 one unreachable at once (renamed away, deleted in the background).
 
-A file is a header (magic, format version, payload size, the payload's XXH3-128 checksum, the key) and the page's
-bytes. The checksum finds torn, truncated and corrupted files at memory speed; a cryptographic hash would bound the
-tier at about 1 GB/s of a core and guard against nothing more, as whoever can write the directory can write a
-matching hash too. A file is written under a temporary name and renamed, so a reader sees a whole file or none; one
-that is short, torn, corrupted or written for another key fails its check on read, is deleted and counts as a miss:
-the page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
+A file is a header (magic, format version, payload size, a MAC, the key) and the page's bytes. The MAC is keyed
+BLAKE3 over the header and payload with the deployment's secret (kv_file_access.py: from the cluster token, else a
+key file only the worker's user reads), so a page another user or deployment wrote, or one altered since, is
+refused (`refused`), as is anything under a page's name that is not a regular file of this user (a link, a FIFO:
+opened without following or blocking). Files are 0600 in 0700 directories (group mode: 0640 and 02770). A file
+is written under a temporary name and renamed, so a reader sees a whole file or none; one that is short, torn or
+written for another key fails its check on read (`corrupt`). Either way it is deleted and counts as a miss: the
+page is computed again, never read wrong. Every I/O error (a full disk, a vanished directory) is a miss or a
 skipped write, and a counter, never an exception for the caller. Identities are recorded in the directory, and
 one nobody uses any more is deleted whole (kv_identities.py: the pages that go first when the disk is full).
 
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -39,17 +43,17 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
-
+from pdserve.shared.kv_file_access import MAC_BYTES, Access, Refused
 from pdserve.shared.kv_file_io import NAME as NIXL, NixlFileIO, NixlIOError, nixl_file_io
 from pdserve.shared.kv_identities import IdentityRecords
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDKV"
-FORMAT = 2  # 1: a BLAKE2b digest (such files fail the check: computed again)
-HEADER = struct.Struct("<4sHxxQ16s32s")  # magic, format, payload bytes, checksum, key (hex)
-checksum = xxhash.xxh3_128_digest  # of a page's bytes
+FORMAT = 3  # 1: a BLAKE2b digest, 2: an unkeyed XXH3-128 (such files fail the check: computed again)
+HEADER = struct.Struct(f"<4sHxxQ{MAC_BYTES}s32s")  # magic, format, payload bytes, MAC, key (hex)
+AUTHENTICATED = struct.Struct("<4sHxxQ32s")  # what the MAC covers of the header: all but itself
+REFUSED = "its MAC is not this deployment's"
 COUNT_EVERY_S = 5.0  # the directory's files are counted in the background at most this often (a walk takes seconds)
 
 
@@ -62,15 +66,18 @@ class FileCounts:
     pages_written: int = 0
     bytes_written: int = 0
     corrupt: int = 0  # files that failed their check (deleted)
+    refused: int = 0  # files not written by this deployment: a wrong MAC, not a regular file, not ours (deleted)
     errors: int = 0  # reads or writes that failed with an OSError
     io_fallbacks: int = 0  # runs whose NIXL transfer failed, done again with plain file I/O
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class KVFiles:
-    def __init__(self, directory: str, page_bytes: int, io: str | None = None) -> None:
-        """`io`: "nixl-posix" (the default when NIXL loads) or "file"; None reads PDSERVE_KV_FILE_IO."""
+    def __init__(self, directory: str, page_bytes: int, io: str | None = None, group: bool = False) -> None:
+        """`io`: "nixl-posix" (the default when NIXL loads) or "file"; None reads PDSERVE_KV_FILE_IO. `group`:
+        files shared with the directory's group (kv_file_access.py)."""
         self.root = Path(directory)
+        self.access = Access(self.root, group)
         self.page_bytes = page_bytes
         self.file_bytes = HEADER.size + page_bytes
         self.counts = FileCounts()
@@ -91,14 +98,14 @@ class KVFiles:
         self._counted_at = -COUNT_EVERY_S
         self._counting = 0  # the generation of the count under way (0: none); a flush or `use` starts a new one
         self._generation = 1
-        self.records = IdentityRecords(self.root)  # a start error when PDSERVE_KV_RETAIN_HOURS is not a number
+        self.records = IdentityRecords(self.root, self.access)  # a start error when PDSERVE_KV_RETAIN_HOURS is not a number
 
     @staticmethod
     def check_directory(directory: str) -> None:
         """Raise ValueError naming the problem when `directory` cannot be created or written (a start error)."""
         root = Path(directory)
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
             probe = root / f".probe-{uuid.uuid4().hex}"
             probe.write_bytes(b"ok")
             probe.unlink()
@@ -122,7 +129,7 @@ class KVFiles:
 
     def contains(self, key: str) -> bool:
         try:
-            return self._path(key).is_file()
+            return stat.S_ISREG(self._path(key).lstat().st_mode)
         except OSError:
             return False
 
@@ -135,18 +142,41 @@ class KVFiles:
         """The page stored under `key`, or None (absent, or failed its check: then deleted)."""
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read(self.file_bytes + 1)
+            fd, _ = self.access.open_checked(path)
         except FileNotFoundError:
             return None
+        except Refused as exc:
+            self._refuse(path, str(exc))
+            return None
+        except OSError as exc:
+            self._count_error("read", exc)
+            return None
+        try:
+            with open(fd, "rb", closefd=True) as f:
+                data = f.read(self.file_bytes + 1)
         except OSError as exc:
             self._count_error("read", exc)
             return None
         return self._accept(data, key, path)
 
+    def _refuse(self, path: Path, why: str) -> None:
+        self.counts.refused += 1
+        if self.counts.refused in (1, 100, 10000):
+            log.warning("stored KV page %s refused (%s; x%d): not written by this deployment, deleted", path, why,
+                        self.counts.refused)
+        with contextlib.suppress(OSError):
+            path.unlink()
+
     def _accept(self, data: bytes | memoryview, key: str, path: Path) -> bytes | None:
         """The page in `data` (a whole file's bytes), or None when it fails its check (then the file is deleted)."""
-        problem = self._check(data, key)
+        try:
+            problem = self._check(data, key)
+        except OSError as exc:  # the MAC's key file cannot be had
+            self._count_error("read", exc)
+            return None
+        if problem == REFUSED:
+            self._refuse(path, problem)
+            return None
         if problem is not None:
             self.counts.corrupt += 1
             log.warning("stored KV page %s is unusable (%s): deleted, the page is computed again", path, problem)
@@ -160,15 +190,16 @@ class KVFiles:
     def _check(self, data: bytes | memoryview, key: str) -> str | None:
         if len(data) < HEADER.size:
             return "truncated header"
-        magic, fmt, size, digest, stored_key = HEADER.unpack_from(data)
+        magic, fmt, size, mac, stored_key = HEADER.unpack_from(data)
         if magic != MAGIC or fmt != FORMAT:
             return "not a page file of this format"
         if size != self.page_bytes or len(data) != HEADER.size + size:
             return f"{len(data) - HEADER.size} bytes where {self.page_bytes} belong"
         if stored_key.decode("ascii", "replace") != key:
             return "written for another key"
-        if checksum(data[HEADER.size:]) != digest:
-            return "checksum mismatch"
+        auth = AUTHENTICATED.pack(magic, fmt, size, stored_key)
+        if not hmac.compare_digest(self.access.mac(auth, data[HEADER.size:]), mac):
+            return REFUSED
         return None
 
     def read_run(self, keys: list[str]) -> list[bytes]:
@@ -182,17 +213,16 @@ class KVFiles:
         for key in keys:
             path = self._path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd, size = self.access.open_checked(path)
             except FileNotFoundError:
+                break
+            except Refused as exc:
+                self._refuse(path, str(exc))
                 break
             except OSError as exc:
                 self._count_error("read", exc)
                 break
-            try:
-                whole = os.fstat(fd).st_size == self.file_bytes
-            except OSError:
-                whole = False
-            if not whole:
+            if size != self.file_bytes:
                 os.close(fd)
                 tail = key
                 break
@@ -237,12 +267,12 @@ class KVFiles:
         todo: list[tuple[int, Path, Path, int]] = []  # (index, path, temporary path, descriptor)
         for i, key in enumerate(keys):
             path = self._path(key)
-            if path.is_file():
+            if self.contains(key):
                 continue
             tmp = self._temporary(path)
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                todo.append((i, path, tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+                self.access.makedirs(path.parent)
+                todo.append((i, path, tmp, self.access.create(tmp)))
             except OSError as exc:
                 self._count_error("write", exc)
                 ok[i] = False
@@ -251,11 +281,19 @@ class KVFiles:
         size = self.file_bytes
         data = bytearray(len(todo) * size)
         view = memoryview(data)
-        for n, (i, _, _, _) in enumerate(todo):
-            view[n * size:n * size + HEADER.size] = self._header(keys[i], payloads[i])
-            view[n * size + HEADER.size:(n + 1) * size] = memoryview(payloads[i]).cast("B")
         try:
+            for n, (i, _, _, _) in enumerate(todo):
+                view[n * size:n * size + HEADER.size] = self._header(keys[i], payloads[i])
+                view[n * size + HEADER.size:(n + 1) * size] = memoryview(payloads[i]).cast("B")
             self._nixl.write([fd for _, _, _, fd in todo], data, size)
+        except OSError as exc:  # the MAC's key file cannot be had: every page of the run is a skipped write
+            self._count_error("write", exc)
+            for i, _, tmp, fd in todo:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                    tmp.unlink()
+                ok[i] = False
+            return ok
         except NixlIOError as exc:
             self._fell_back(exc)
             for i, _, tmp, _ in todo:
@@ -277,7 +315,9 @@ class KVFiles:
         return ok
 
     def _header(self, key: str, payload: bytes | memoryview) -> bytes:
-        return HEADER.pack(MAGIC, FORMAT, len(payload), checksum(payload), key.encode("ascii"))
+        stored_key = key.encode("ascii")
+        mac = self.access.mac(AUTHENTICATED.pack(MAGIC, FORMAT, len(payload), stored_key), payload)
+        return HEADER.pack(MAGIC, FORMAT, len(payload), mac, stored_key)
 
     @staticmethod
     def _temporary(path: Path) -> Path:
@@ -294,13 +334,13 @@ class KVFiles:
         if len(payload) != self.page_bytes:
             raise ValueError(f"a page is {self.page_bytes} bytes, got {len(payload)}")
         path = self._path(key)
-        if path.is_file():
+        if self.contains(key):
             return True
-        header = self._header(key, payload)
         tmp = self._temporary(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            header = self._header(key, payload)  # an OSError when the MAC's key file cannot be had
+            self.access.makedirs(path.parent)
+            with open(self.access.create(tmp), "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)

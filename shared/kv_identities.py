@@ -57,8 +57,9 @@ class IdentityRecords:
     a sweep of identities past the retention time at `use` and at most every SWEEP_EVERY_S, and one of those
     unused for PRESSED_UNUSED_S when the disk is full (`make_room`, at most once a minute)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, access=None) -> None:
         self.root = root
+        self.access = access  # kv_file_access.Access: the records' modes (None: the umask's)
         self.retain_s = retain_s()
         self._current: tuple[str, dict, str] = ("", {}, "")  # key, identity, model path: replaced whole
         self._touched = self._swept = self._pressed = -SWEEP_EVERY_S  # monotonic
@@ -82,13 +83,13 @@ class IdentityRecords:
     def _keep(self, sweep_too: bool) -> None:
         self._touched = time.monotonic()
         key, about, model_path = self._current
-        record_use(self.root, key, about, model_path)
+        record_use(self.root, key, about, model_path, self.access)
         if sweep_too:
             self._swept = time.monotonic()
             sweep(self.root, key, self.retain_s)
 
 
-def record_use(root: Path, key: str, identity: dict, model_path: str = "") -> None:
+def record_use(root: Path, key: str, identity: dict, model_path: str = "", access=None) -> None:
     """Say in the directory that this host uses `identity` (under `key`) now, from `model_path`."""
     path = root / RECORDS / f"{key}.json"
     now = _stamp(time.time())
@@ -101,8 +102,14 @@ def record_use(root: Path, key: str, identity: dict, model_path: str = "") -> No
                   last_used=now)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+        if access is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+        else:  # the records name model paths and hosts: as private as the pages
+            access.makedirs(path.parent)
+            with open(access.create(tmp), "w") as f:
+                f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
         log.info("KV storage tier: the record of identity %s could not be written: %s", key, exc)

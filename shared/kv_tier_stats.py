@@ -44,6 +44,6 @@ def tier_stats(counts: TierCounts, host: HostPages | None, files: KVFiles | None
             "pages_read": done.pages_read, "bytes_read": done.bytes_read,
             "pages_written": done.pages_written, "bytes_written": done.bytes_written,
             "load_seconds": counts.load_seconds, "given_up": counts.given_up,
-            "corrupt": done.corrupt, "io_errors": done.errors, "writes_dropped": sum(dropped.values()),
+            "corrupt": done.corrupt, "refused": done.refused, "io_errors": done.errors, "writes_dropped": sum(dropped.values()),
             **{f"writes_dropped_{reason}": n for reason, n in dropped.items()},
             "io_fallbacks": done.io_fallbacks, "io": files.io}  # io: a name, the rest numbers

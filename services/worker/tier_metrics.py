@@ -22,6 +22,9 @@ COUNTED = {
                  "had not arrived was computed"),
     "corrupt": ("pdserve_worker_kv_storage_corrupt_pages", "page files that failed their check (deleted; the page "
                 "was computed again)"),
+    "refused": ("pdserve_worker_kv_storage_refused_pages", "files under a page's name not written by this "
+                "deployment: a MAC not its own (forged, another deployment's, altered), a link, a FIFO, another "
+                "user's file (deleted; the page was computed again)"),
     "io_errors": ("pdserve_worker_kv_storage_io_errors", "reads, writes or flushes that failed with an OS error"),
 }
 

@@ -108,7 +108,8 @@ def test_a_page_file_is_read_back_only_when_whole_and_its_own(tmp_path):
     files.write(b, bytes(64))
     path_b.write_bytes(path_b.read_bytes()[:HEADER.size + 10])  # torn
     assert files.read(b) is None
-    assert files.counts.corrupt == 3 and files.counts.pages_read == 1
+    assert files.counts.corrupt == 2 and files.counts.pages_read == 1
+    assert files.counts.refused == 1  # the flipped bit: its MAC is wrong
     files.write(a, bytes(64))
     files.flush()
     assert files.read(a) is None and not files.contains(a)
@@ -132,8 +133,9 @@ def test_a_run_of_pages_is_read_back_byte_exact(tmp_path, io):
     assert files.read_run(keys[3:5]) == payloads[3:5]
     assert files.write_run(keys[:2], payloads[:2]) == [True, True]  # stored already: not written again
     assert (files.counts.pages_read, files.counts.pages_written, files.counts.io_fallbacks) == (14, 12, 0)
-    # no temporary left: page files and the identity's record only
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".kv" and p.parent.name != "identities"]
+    # no temporary left: page files, the identity's record and the MAC key (no cluster token here) only
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".kv" and p.parent.name != "identities"
+                and p.name != ".pdserve-storage-key"]
     with pytest.raises(ValueError, match="4096 bytes"):
         files.write_run(keys[:1], [b"short"])
 
@@ -165,7 +167,9 @@ def test_a_damaged_file_ends_a_run_there_and_is_deleted(tmp_path, io, damage):
         damage(bad)
     assert files.read_run(keys) == payloads[:4]
     assert not bad.exists() and files._path(keys[5]).exists()
-    assert files.counts.corrupt == (0 if damage == "missing" else 1)
+    bad_mac = damage is corrupted  # a flipped payload bit fails the MAC: refused, as a forged page
+    assert files.counts.corrupt == (0 if damage == "missing" or bad_mac else 1)
+    assert files.counts.refused == bad_mac
     assert files.read_run(keys[5:]) == payloads[5:]  # the pages after it are as good as ever
 
 
