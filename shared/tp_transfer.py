@@ -86,6 +86,10 @@ class RankTransfers:
     def healthy(self) -> bool:
         return self.agent.healthy()
 
+    @property
+    def checks_every_write(self) -> bool:
+        return self.agent.checks_every_write
+
     def poll(self) -> None:
         self.agent.poll()
 

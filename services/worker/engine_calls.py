@@ -199,7 +199,8 @@ class EngineCalls(AdminCalls):
 
     def _pages_reserved(self, req: Req) -> None:  # engine thread: the prefill worker may fill them now
         fence = self.transfer.open_window(list(req.pages))
-        self.event("reserved", req.rid, list(req.pages), (req.lora and req.lora.version) or "", fence)
+        self.event("reserved", req.rid, list(req.pages), (req.lora and req.lora.version) or "", fence,
+                   self.transfer.checks_every_write)
 
     @runs("engine")
     def call_abort(self, rids: list[str], error: str | None = None) -> list[str]:

@@ -9,9 +9,10 @@ settled and `kv_settle` frees the pages of a request aborted meanwhile. Until th
 The fence is settled (shared/transfer/fence.py) by the Prefill call's answer (the prefill worker answers after
 its last write), or else by a Fence call the prefill worker answers once no write of it can start or is under
 way (tried again every FENCE_RETRY_S), or, where no answer comes, once the lease has surely run out in the
-prefill worker's clock. The end of the Prefill call alone proves nothing: a call that this side cancelled or
-that hit its deadline ends here while the prefill worker may still be writing. So `abort` cancels the Prefill
-call at once and the pages come back as soon as the prefill worker has revoked the fence.
+prefill worker's clock. Where every write passes the receiver's check (TCP's socket), closing the window is
+enough (`kv_settle` does, waiting out a write already landing). The end of the Prefill call alone proves
+nothing: a call that this side cancelled or that hit its deadline ends here while the prefill worker may still
+be writing. So `abort` cancels the Prefill call at once, and the pages come back as soon as the fence is settled.
 """
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ class KVPull:
         self.link = link
         self.peers = peers
         self.weights_label = weights_label  # the weights this worker serves, which its prefill worker must too
-        self.call_timeout_s = call_timeout_s  # for one small call (an abort at the prefill worker)
+        self.call_timeout_s = call_timeout_s  # for one small call (a Fence call, beyond the write it waits out)
         # Longer than the prefill worker's own limits, so that it is the one that answers.
         self.deadline_s = call_timeout_s + prefill_timeout_s + 10.0
         self.requests: dict[str, pb.GenerateRequest] = {}  # rid -> its Generate request, until its pages come
         self.calls: dict[str, asyncio.Task] = {}  # rid -> its Prefill call
-        self.addrs: dict[str, str] = {}  # rid -> the prefill worker filling its pages
         # rid -> the reply (its timings) and the call's own: [sent, answered, transfer window closed], monotonic;
         # until its first output
         self.replies: dict[str, tuple[pb.PrefillReply, list[float]]] = {}
@@ -54,15 +54,22 @@ class KVPull:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
-    def reserved(self, rid: str, pages: list[int], lora_version: str, fence: int = 0) -> None:
-        """The engine reserved `pages` for `rid` and opened their window under `fence`."""
+    def reserved(self, rid: str, pages: list[int], lora_version: str, fence: int = 0, checked: bool = False) -> None:
+        """The engine reserved `pages` for `rid` and opened their window under `fence`; `checked`: every write into
+        them passes the receiver's check (TCP's socket), so closing the window settles the fence."""
         request = self.requests.pop(rid, None)
         if request is None:  # the Generate call is gone already: drop the request, free the pages
             self.link.cast("abort", rids=[rid])
             self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
             return
-        self.addrs[rid] = request.prefill_addr
-        self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version, fence))
+        call = self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version, fence, checked))
+        call.add_done_callback(lambda _: self._never_started(rid, call, pages))
+
+    def _never_started(self, rid: str, call: asyncio.Task, pages: list[int]) -> None:
+        """A call cancelled before its first step never ran its `finally`: nothing was sent, the pages go back."""
+        if self.calls.get(rid) is call:
+            del self.calls[rid]
+            self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
 
     def take_reply(self, rid: str) -> tuple[pb.PrefillReply, list[float]] | None:
         return self.replies.pop(rid, None)
@@ -75,7 +82,7 @@ class KVPull:
             call.cancel()
 
     async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str,
-                    fence: int) -> None:
+                    fence: int, checked: bool) -> None:
         closed = answered = False
         lease = Lease(self.deadline_s)
         peer_name = self.peers.name
@@ -111,8 +118,7 @@ class KVPull:
             self.link.cast("abort", rids=[rid], error=error)
         finally:
             self.calls.pop(rid, None)
-            self.addrs.pop(rid, None)
-            if answered or not lease.settled_by:  # answered, or never sent: no write can come
+            if answered or not lease.settled_by or checked:  # answered, never sent, or refused at landing
                 self.link.cast("kv_settle", rid=rid, pages=pages, closed=closed)
             else:
                 task = asyncio.ensure_future(self._settle(rid, request.prefill_addr, peer_name, fence, lease, pages))

@@ -127,6 +127,10 @@ class KVTransfer(ABC):
     # the receiver sees each write (TCP's socket) it refuses one into a closed page or under another fence;
     # one-sided writes (NIXL, CUDA IPC) it never sees: their senders check the fence (fence.py), and the
     # receiver keeps the pages until the fence is settled.
+    # Whether every write into this pool passes the receiver's check (TCP's socket), so that closing a window is
+    # enough to keep late writes out; one-sided routes (NIXL, CUDA IPC) need the fence settled with the sender.
+    checks_every_write = False
+
     def open_window(self, pages: list[int], fence: int = 0) -> None:
         """Let writes that carry `fence` into `pages` until `close_window`."""
 

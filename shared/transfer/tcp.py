@@ -312,6 +312,10 @@ class TcpTransfer(KVTransfer):
             self._conns.discard(conn)
             conn.close()
 
+    @property
+    def checks_every_write(self) -> bool:  # unless a peer on this host may copy into our GPU pool (CUDA IPC)
+        return self._shared is None
+
     # The windows: pages peers may write now, under which fence (see KVTransfer.open_window).
     def open_window(self, pages: list[int], fence: int = 0) -> None:
         self._fences.open(pages, fence)

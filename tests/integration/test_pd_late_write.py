@@ -3,7 +3,8 @@
 Real processes on a tiny model, for each transfer backend: a decode worker registered with two prefill workers,
 the slow one waiting WRITE_DELAY_S before each KV write (the test hook PDSERVE_TEST_KV_WRITE_DELAY_S). Request A
 goes through the slow one and is cancelled while its write waits: its pages come back to the decode worker as
-soon as the slow worker has revoked A's fence, well before A's write comes due. Request B, through the other
+soon as A's fence is settled (NIXL: the slow worker revoked it; TCP: the receiver closed A's window, and refuses
+a write under A's fence from then on), well before A's write comes due. Request B, through the other
 prefill worker, gets exactly those pages (the allocator hands out the latest freed first) and keeps them in the
 prefix cache, where the second B reads them after A's write came due: both answer what B answers alone, and the
 slow worker reports A's write refused and the abort that came late.
