@@ -249,6 +249,11 @@ class TierConfig:
     # The host tier's size: `host_ratio` times the pool's pages, or `host_gb` GB when given; neither: no host tier.
     host_ratio: float | None = None
     host_gb: float | None = None
+    # The storage directory's bounds (kv_file_capacity.py; 0: none) and who shares its files (kv_file_access.py).
+    storage_max_bytes: int = 0
+    storage_min_free_bytes: int = 0
+    storage_eviction_ratio: float = 0.9
+    storage_group_access: bool = False
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -257,6 +262,10 @@ class TierConfig:
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"--hicache-storage-prefetch-policy must be one of {', '.join(PREFETCH_POLICIES)}, "
                              f"got {self.prefetch_policy!r}")
+        if not 0 < self.storage_eviction_ratio <= 1:
+            raise ValueError(f"--hicache-storage-eviction-ratio must be in (0, 1], got {self.storage_eviction_ratio}")
+        if self.storage_max_bytes < 0 or self.storage_min_free_bytes < 0:
+            raise ValueError("--hicache-storage-max-size and --hicache-storage-min-free-space must be >= 0")
         if not self.prefetch_timeout_s > 0:
             raise ValueError(f"--hicache-storage-prefetch-timeout must be > 0, got {self.prefetch_timeout_s}")
         if self.host_ratio is not None and not self.host_ratio >= 1:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.shared.kv_file_access import MAC_BYTES, Access, Refused
+from pdserve.shared.kv_file_capacity import Capacity, Limits
 from pdserve.shared.kv_file_io import NAME as NIXL, NixlFileIO, NixlIOError, nixl_file_io
 from pdserve.shared.kv_identities import IdentityRecords
 
@@ -54,7 +55,6 @@ FORMAT = 3  # 1: a BLAKE2b digest, 2: an unkeyed XXH3-128 (such files fail the c
 HEADER = struct.Struct(f"<4sHxxQ{MAC_BYTES}s32s")  # magic, format, payload bytes, MAC, key (hex)
 AUTHENTICATED = struct.Struct("<4sHxxQ32s")  # what the MAC covers of the header: all but itself
 REFUSED = "its MAC is not this deployment's"
-COUNT_EVERY_S = 5.0  # the directory's files are counted in the background at most this often (a walk takes seconds)
 
 
 @dataclass
@@ -73,9 +73,10 @@ class FileCounts:
 
 
 class KVFiles:
-    def __init__(self, directory: str, page_bytes: int, io: str | None = None, group: bool = False) -> None:
+    def __init__(self, directory: str, page_bytes: int, io: str | None = None, group: bool = False,
+                 limits: Limits | None = None) -> None:
         """`io`: "nixl-posix" (the default when NIXL loads) or "file"; None reads PDSERVE_KV_FILE_IO. `group`:
-        files shared with the directory's group (kv_file_access.py)."""
+        files shared with the directory's group (kv_file_access.py). `limits`: its size (kv_file_capacity.py)."""
         self.root = Path(directory)
         self.access = Access(self.root, group)
         self.page_bytes = page_bytes
@@ -94,11 +95,14 @@ class KVFiles:
             log.info("KV storage tier %s: plain file I/O (%s)", directory, why)
         self._identity = ""
         self._lock = threading.Lock()  # guards `_identity` against a flush renaming its directory
-        self._occupancy = (0, 0)  # (pages, bytes) at the latest count
-        self._counted_at = -COUNT_EVERY_S
-        self._counting = 0  # the generation of the count under way (0: none); a flush or `use` starts a new one
-        self._generation = 1
+        self.capacity = Capacity(self.root, self.file_bytes, limits or Limits())
         self.records = IdentityRecords(self.root, self.access)  # a start error when PDSERVE_KV_RETAIN_HOURS is not a number
+
+    @classmethod
+    def for_tier(cls, config, page_bytes: int) -> KVFiles:
+        """The storage tier of a TierConfig (config.py): its directory, modes and limits."""
+        return cls(config.storage_dir, page_bytes, group=config.storage_group_access,
+                   limits=Limits(config.storage_max_bytes, config.storage_min_free_bytes, config.storage_eviction_ratio))
 
     @staticmethod
     def check_directory(directory: str) -> None:
@@ -117,7 +121,7 @@ class KVFiles:
         from (`about`, kv_keys.py) and `model_path` go into its record."""
         with self._lock:
             self._identity = identity
-            self._forget_count()
+        self.capacity.use(identity)
         self.records.use(identity, about or {}, model_path)
 
     @property
@@ -164,6 +168,7 @@ class KVFiles:
         if self.counts.refused in (1, 100, 10000):
             log.warning("stored KV page %s refused (%s; x%d): not written by this deployment, deleted", path, why,
                         self.counts.refused)
+        self.capacity.removed(path)
         with contextlib.suppress(OSError):
             path.unlink()
 
@@ -180,11 +185,13 @@ class KVFiles:
         if problem is not None:
             self.counts.corrupt += 1
             log.warning("stored KV page %s is unusable (%s): deleted, the page is computed again", path, problem)
+            self.capacity.removed(path)
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
         self.counts.pages_read += 1
         self.counts.bytes_read += self.page_bytes
+        self.capacity.used(path)
         return bytes(data[HEADER.size:])
 
     def _check(self, data: bytes | memoryview, key: str) -> str | None:
@@ -312,6 +319,7 @@ class KVFiles:
                 continue
             self.counts.pages_written += 1
             self.counts.bytes_written += self.page_bytes
+            self.capacity.added(path)
         return ok
 
     def _header(self, key: str, payload: bytes | memoryview) -> bytes:
@@ -351,6 +359,7 @@ class KVFiles:
             return False
         self.counts.pages_written += 1
         self.counts.bytes_written += len(payload)
+        self.capacity.added(path)
         return True
 
     def flush(self) -> None:
@@ -365,39 +374,16 @@ class KVFiles:
             except OSError as exc:
                 self._count_error("flush", exc)
                 return
-            self._forget_count()
+        self.capacity.use(self._identity)
         threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
                          name="kv-files-flush", daemon=True).start()
 
     def occupancy(self) -> tuple[int, int]:
-        """(pages, bytes) stored under the current identity as of the latest count, which a thread of its own takes
-        at most every COUNT_EVERY_S: the caller (the engine thread, a scrape) never waits on a walk of the
-        directory. (0, 0) until the first count is in, and right after a flush."""
+        """(pages, bytes) stored under the current identity: counted by a walk of the directory on a thread of its
+        own (the caller, the engine thread or a scrape, never waits on one), and by every write and eviction since.
+        (0, 0) until the first walk is in, and right after a flush."""
         self.records.touch()
-        with self._lock:
-            if not self._counting and time.monotonic() - self._counted_at >= COUNT_EVERY_S:
-                self._counting, self._counted_at = self._generation, time.monotonic()
-                threading.Thread(target=self._count, args=(self.root / self._identity, self._generation),
-                                 name="kv-files-count", daemon=True).start()
-            return self._occupancy
-
-    def _count(self, directory: Path, generation: int) -> None:
-        pages = 0
-        try:
-            for sub in directory.iterdir():
-                pages += sum(1 for p in sub.iterdir() if p.suffix == ".kv")
-        except OSError:
-            pass
-        with self._lock:
-            if generation == self._generation:  # no flush or new identity since it started
-                self._occupancy = (pages, pages * (HEADER.size + self.page_bytes))
-            if self._counting == generation:
-                self._counting = 0
-
-    def _forget_count(self) -> None:
-        """Under the lock: what was counted is of another directory now; the next `occupancy` counts again."""
-        self._generation += 1
-        self._occupancy, self._counted_at, self._counting = (0, 0), -COUNT_EVERY_S, 0
+        return self.capacity.occupancy()
 
     def _count_error(self, what: str, exc: OSError) -> None:
         self.counts.errors += 1
@@ -408,22 +394,3 @@ class KVFiles:
         if self.counts.by_reason[reason] in (1, 100, 10000):  # the first of each kind, then rarely
             log.warning("KV storage tier %s failed (%s x%d): %s", what, self.root, self.counts.by_reason[reason], exc)
 
-
-def directory_id(root: Path) -> str:
-    """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
-    starting at once agree); its path where the file cannot be had."""
-    marker = root / ".pdserve-directory"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not marker.exists():
-            tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
-            tmp.write_text(uuid.uuid4().hex)
-            try:
-                os.link(tmp, marker)
-            except FileExistsError:
-                pass  # another worker's is there first
-            finally:
-                tmp.unlink()
-        return marker.read_text().strip()
-    except OSError:
-        return str(root.resolve())

@@ -186,3 +186,23 @@ def sweep(root: Path, keep: str, unused_s: float) -> list[str]:
 
 def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+def directory_id(root: Path) -> str:
+    """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
+    starting at once agree); its path where the file cannot be had."""
+    marker = root / ".pdserve-directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not marker.exists():
+            tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, marker)
+            except FileExistsError:
+                pass  # another worker's is there first
+            finally:
+                tmp.unlink()
+        return marker.read_text().strip()
+    except OSError:
+        return str(root.resolve())

@@ -80,7 +80,7 @@ class RankStore:
 
     def __init__(self, tp: TPRank, config: TierConfig, pool: KVPool, identity: dict, model_path: str) -> None:
         self.tp, self.pool = tp, pool
-        self.files = KVFiles(config.storage_dir, pool.layout.page_bytes)
+        self.files = KVFiles.for_tier(config, pool.layout.page_bytes)
         self.root_key = identity_key(identity)
         self.files.use(self.root_key, identity, model_path)
         self.limit_pages = max(1, pool.num_pages // 4)

@@ -38,7 +38,7 @@ def tier_stats(counts: TierCounts, host: HostPages | None, files: KVFiles | None
     if files is None or writer is None:
         return stats
     pages, size = files.occupancy()
-    done, dropped = files.counts, writer.dropped
+    done, dropped, bounded = files.counts, writer.dropped, files.capacity.counts
     return {**stats, "storage_pages": pages, "storage_bytes": size,
             "hits": counts.hits, "hit_tokens": counts.hit_tokens,
             "pages_read": done.pages_read, "bytes_read": done.bytes_read,
@@ -46,4 +46,7 @@ def tier_stats(counts: TierCounts, host: HostPages | None, files: KVFiles | None
             "load_seconds": counts.load_seconds, "given_up": counts.given_up,
             "corrupt": done.corrupt, "refused": done.refused, "io_errors": done.errors, "writes_dropped": sum(dropped.values()),
             **{f"writes_dropped_{reason}": n for reason, n in dropped.items()},
-            "io_fallbacks": done.io_fallbacks, "io": files.io}  # io: a name, the rest numbers
+            "io_fallbacks": done.io_fallbacks,
+            "evicted_pages": bounded.evicted_pages, "evicted_bytes": bounded.evicted_bytes,
+            "evicted_identities": bounded.evicted_identities, "temporaries_removed": bounded.temporaries_removed,
+            "io": files.io}  # io: a name, the rest numbers

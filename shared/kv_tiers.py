@@ -44,7 +44,8 @@ import torch
 
 from pdserve.shared.config import TierConfig
 from pdserve.shared.kv_events import HOST, STORAGE, CacheEvents
-from pdserve.shared.kv_files import KVFiles, directory_id
+from pdserve.shared.kv_files import KVFiles
+from pdserve.shared.kv_identities import directory_id
 from pdserve.shared.kv_keys import chain_keys, identity_key, weights_digest
 from pdserve.shared.kv_host import HostPages, host_pages
 from pdserve.shared.kv_tier_stats import TierCounts, tier_stats
@@ -88,7 +89,7 @@ class KVTiers:
         slots = host_pages(config, pool)
         self.host = HostPages(slots, tuple(pool.buffer.shape[1:]), pool.layout.dtype, pool.buffer.device) \
             if slots else None
-        self.files = KVFiles(config.storage_dir, pool.layout.page_bytes) if config.storage_dir is not None else None
+        self.files = KVFiles.for_tier(config, pool.layout.page_bytes) if config.storage_dir is not None else None
         self.counts = TierCounts()
         self._identity = dict(identity)
         self.root_key = identity_key(self._identity)  # the chain of every page's key starts here

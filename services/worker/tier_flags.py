@@ -9,14 +9,20 @@ flags silently ignored.
 from __future__ import annotations
 
 import argparse
+import os
 
 from pdserve.shared.config import PREFETCH_POLICIES, WRITE_POLICIES, TierConfig
+from pdserve.shared.kv_file_capacity import parse_size
 
 STORAGE_BACKENDS = ("file",)
 # SGLang's other storage backends, named in the refusal so that a command line copied from SGLang says what to do.
 NOT_BUILT_BACKENDS = ("mooncake", "hf3fs", "nixl", "aibrix", "eic", "dynamic")
 DEFAULT_PREFETCH_TIMEOUT_S = TierConfig.prefetch_timeout_s
 DEFAULT_HOST_RATIO = 2.0  # SGLang's default
+# The storage tier's bounds: flag -> SGLang's environment variable for its file backend, read when the flag is absent.
+SGLANG_ENV = {"--hicache-storage-max-size": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
+              "--hicache-storage-min-free-space": "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE",
+              "--hicache-storage-eviction-ratio": "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"}
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +45,20 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
                              "none), wait_complete (all of it)")
     parser.add_argument("--hicache-storage-prefetch-timeout", type=float, default=None, metavar="SECONDS",
                         help=f"the wait of best_effort and timeout (default: {DEFAULT_PREFETCH_TIMEOUT_S:g})")
+    parser.add_argument("--hicache-storage-max-size", default=None, metavar="SIZE",
+                        help="the storage directory's cap (200GB, 500MB, 2GiB or bytes; default: "
+                             "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, else none): past it, unused identities' pages "
+                             "then this worker's least recently used go, down to --hicache-storage-eviction-ratio "
+                             "of it")
+    parser.add_argument("--hicache-storage-min-free-space", default=None, metavar="SIZE",
+                        help="free space kept on the directory's volume, evicting as past the cap (default: "
+                             "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE, else none)")
+    parser.add_argument("--hicache-storage-eviction-ratio", default=None, metavar="RATIO",
+                        help="what eviction leaves, times the cap, in (0, 1] (default: "
+                             "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, else 0.9)")
+    parser.add_argument("--hicache-storage-group-access", action="store_true", default=None,
+                        help="share the page files with the directory's group (files 0640, directories 02770) "
+                             "for workers running as different users; default: the user's only (0600, 0700)")
     parser.add_argument("--hicache-ratio", type=float, default=None, metavar="RATIO",
                         help=f"GPU workers: the host-memory tier's size, times the pool's (default: "
                              f"{DEFAULT_HOST_RATIO:g}; at least 1); pinned host memory the pool evicts into")
@@ -63,7 +83,11 @@ def tier_config(args: argparse.Namespace) -> TierConfig | None:
              "--hicache-storage-dir": args.hicache_storage_dir,
              "--hicache-write-policy": args.hicache_write_policy,
              "--hicache-storage-prefetch-policy": args.hicache_storage_prefetch_policy,
-             "--hicache-storage-prefetch-timeout": args.hicache_storage_prefetch_timeout}
+             "--hicache-storage-prefetch-timeout": args.hicache_storage_prefetch_timeout,
+             "--hicache-storage-max-size": args.hicache_storage_max_size,
+             "--hicache-storage-min-free-space": args.hicache_storage_min_free_space,
+             "--hicache-storage-eviction-ratio": args.hicache_storage_eviction_ratio,
+             "--hicache-storage-group-access": args.hicache_storage_group_access}
     if not args.enable_hierarchical_cache:
         stray = [flag for flag, value in {**given, **host_flags}.items() if value is not None]
         if stray:
@@ -87,8 +111,36 @@ def tier_config(args: argparse.Namespace) -> TierConfig | None:
                          "files live in")
     host_ratio = (args.hicache_ratio if args.hicache_ratio is not None
                   else DEFAULT_HOST_RATIO if on_gpu and args.hicache_size is None else None)
-    return TierConfig(args.hicache_storage_dir, host_ratio=host_ratio, host_gb=args.hicache_size,
+    bounds = storage_bounds(args) if backend is not None else {}
+    return TierConfig(args.hicache_storage_dir, host_ratio=host_ratio, host_gb=args.hicache_size, **bounds,
                       write_policy=args.hicache_write_policy or TierConfig.write_policy,
                       prefetch_policy=args.hicache_storage_prefetch_policy or TierConfig.prefetch_policy,
                       prefetch_timeout_s=(DEFAULT_PREFETCH_TIMEOUT_S if args.hicache_storage_prefetch_timeout is None
                                           else args.hicache_storage_prefetch_timeout))
+
+
+def storage_bounds(args: argparse.Namespace) -> dict:
+    """TierConfig's storage bounds from the flags, else SGLang's environment variables; ValueError naming either."""
+    def given(flag: str) -> tuple[str | None, str]:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            return value, flag
+        env = SGLANG_ENV[flag]
+        return (os.environ.get(env) or None), env
+
+    bounds = {"storage_group_access": bool(args.hicache_storage_group_access)}
+    for flag, field in (("--hicache-storage-max-size", "storage_max_bytes"),
+                        ("--hicache-storage-min-free-space", "storage_min_free_bytes")):
+        value, source = given(flag)
+        if value is not None:
+            bounds[field] = parse_size(value, source)
+    value, source = given("--hicache-storage-eviction-ratio")
+    if value is not None:
+        try:
+            ratio = float(value)
+        except ValueError:
+            ratio = -1.0
+        if not 0 < ratio <= 1:
+            raise ValueError(f"{source} must be a number in (0, 1], got {value!r}")
+        bounds["storage_eviction_ratio"] = ratio
+    return bounds

@@ -25,6 +25,14 @@ COUNTED = {
     "refused": ("pdserve_worker_kv_storage_refused_pages", "files under a page's name not written by this "
                 "deployment: a MAC not its own (forged, another deployment's, altered), a link, a FIFO, another "
                 "user's file (deleted; the page was computed again)"),
+    "evicted_pages": ("pdserve_worker_kv_storage_evicted_pages", "page files deleted to keep the directory under "
+                      "--hicache-storage-max-size or above --hicache-storage-min-free-space, least recently used "
+                      "first"),
+    "evicted_bytes": ("pdserve_worker_kv_storage_evicted_bytes", "bytes of those page files"),
+    "evicted_identities": ("pdserve_worker_kv_storage_evicted_identities", "identities nobody used for an hour "
+                           "deleted whole to make room, before any page of the worker's own"),
+    "temporaries_removed": ("pdserve_worker_kv_storage_temporaries_removed", "temporary files of writes never "
+                            "finished (a killed worker's) deleted at start"),
     "io_errors": ("pdserve_worker_kv_storage_io_errors", "reads, writes or flushes that failed with an OS error"),
 }
 
@@ -82,7 +90,7 @@ class TierMetrics:
         for direction in ("read", "written"):
             self.bytes.labels(m, direction)
         self.pages = Gauge("pdserve_worker_kv_storage_pages", "pages stored under this worker's weights (the "
-                           "directory is counted every few seconds)", NAME, registry=r).labels(m)
+                           "directory walked every minute, writes and evictions counted between)", NAME, registry=r).labels(m)
         self.stored_bytes = Gauge("pdserve_worker_kv_storage_stored_bytes", "bytes of those page files", NAME,
                                   registry=r).labels(m)
 

@@ -87,3 +87,26 @@ def test_a_host_tier_on_cpu_workers_or_smaller_than_the_pool_is_refused(helm):
     small = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true", "--set", "gpu.enabled=true",
                  "--set", "kvTiers.hostRatio=0.5")
     assert small.returncode != 0 and "hostRatio" in small.stderr
+
+
+def test_the_storage_bounds_and_group_access_reach_the_workers(render):
+    from pdserve.services.worker.cli import runtime_config
+
+    plain = runtime_config(pdserve_parse(render("--set", "kvTiers.enabled=true").container("prefill")["args"]),
+                           "m").tiers
+    assert (plain.storage_max_bytes, plain.storage_min_free_bytes, plain.storage_group_access) == (0, 0, False)
+    r = render("--set", "kvTiers.enabled=true", "--set", "kvTiers.maxSize=18GB", "--set",
+               "kvTiers.minFreeSpace=2GiB", "--set-string", "kvTiers.evictionRatio=0.8", "--set",
+               "kvTiers.groupAccess=true")
+    for role in ("prefill", "decode"):
+        tiers = runtime_config(pdserve_parse(r.container(role)["args"]), "m").tiers
+        assert (tiers.storage_max_bytes, tiers.storage_min_free_bytes, tiers.storage_eviction_ratio,
+                tiers.storage_group_access) == (18 * 10**9, 2 * 2**30, 0.8, True), role
+
+
+def test_a_bound_that_is_not_a_size_is_refused_by_the_schema(helm):
+    from test_helm import CHART, RELEASE
+
+    for value, key in (("kvTiers.maxSize=lots", "maxSize"), ("kvTiers.evictionRatio=1.5", "evictionRatio")):
+        result = helm("template", RELEASE, str(CHART), "--set", "kvTiers.enabled=true", "--set-string", value)
+        assert result.returncode != 0 and key in result.stderr, value

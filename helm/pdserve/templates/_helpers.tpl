@@ -232,6 +232,21 @@ livenessProbe:
 - {{ .prefetchPolicy | quote }}
 - --hicache-storage-prefetch-timeout
 - {{ .prefetchTimeoutSeconds | quote }}
+{{- if .maxSize }}
+- --hicache-storage-max-size
+- {{ .maxSize | quote }}
+{{- end }}
+{{- if .minFreeSpace }}
+- --hicache-storage-min-free-space
+- {{ .minFreeSpace | quote }}
+{{- end }}
+{{- if .evictionRatio }}
+- --hicache-storage-eviction-ratio
+- {{ .evictionRatio | quote }}
+{{- end }}
+{{- if .groupAccess }}
+- --hicache-storage-group-access
+{{- end }}
 {{- if or .hostRatio .hostSizeGB }}
 {{- if not $.Values.gpu.enabled }}
 {{- fail "kvTiers.hostRatio / kvTiers.hostSizeGB size the host-memory tier of GPU workers (gpu.enabled): a CPU worker's pool already lives in host memory" }}

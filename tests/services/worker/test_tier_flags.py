@@ -106,3 +106,38 @@ def test_an_encoder_worker_refuses_the_tier(tmp_path, minilm_dir):
     r = run_worker("--model-path", str(minilm_dir), *ENABLE, "--hicache-storage-dir", str(tmp_path / "kv"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "error: --enable-hierarchical-cache does not apply to an embedding worker" in r.stderr
+
+
+def test_storage_bounds_from_the_flags_else_sglangs_environment(tmp_path, monkeypatch):
+    storage = (*ENABLE, "--hicache-storage-dir", str(tmp_path))
+    tiers = config_of(*storage, "--hicache-storage-max-size", "200GB", "--hicache-storage-min-free-space", "500MB",
+                      "--hicache-storage-eviction-ratio", "0.8", "--hicache-storage-group-access").tiers
+    assert (tiers.storage_max_bytes, tiers.storage_min_free_bytes, tiers.storage_eviction_ratio,
+            tiers.storage_group_access) == (200 * 10**9, 500 * 10**6, 0.8, True)
+    plain = config_of(*storage).tiers
+    assert (plain.storage_max_bytes, plain.storage_min_free_bytes, plain.storage_eviction_ratio,
+            plain.storage_group_access) == (0, 0, 0.9, False)
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "2Gi")
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "10G")
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO", "0.5")
+    env = config_of(*storage).tiers
+    assert (env.storage_max_bytes, env.storage_min_free_bytes, env.storage_eviction_ratio) == (2 * 2**30, 10**10, 0.5)
+    assert config_of(*storage, "--hicache-storage-max-size", "64MB").tiers.storage_max_bytes == 64 * 10**6
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (("--hicache-storage-max-size", "lots"), {}, "--hicache-storage-max-size must be a size"),
+    ((), {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "200X"}, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE must be a size"),
+    (("--hicache-storage-eviction-ratio", "1.5"), {}, r"--hicache-storage-eviction-ratio must be a number in \(0, 1\]"),
+    (("--hicache-storage-min-free-space=-3G",), {}, "--hicache-storage-min-free-space must be a size"),
+])
+def test_a_bound_that_cannot_be_read_is_a_start_error(tmp_path, monkeypatch, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        config_of(*ENABLE, "--hicache-storage-dir", str(tmp_path), *argv)
+
+
+def test_storage_bounds_need_the_storage_tier():
+    with pytest.raises(ValueError, match="--hicache-storage-max-size needs --enable-hierarchical-cache"):
+        config_of("--hicache-storage-max-size", "1GB")
