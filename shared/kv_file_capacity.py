@@ -81,6 +81,7 @@ class Capacity:
         self.identity = ""
         self._lru: OrderedDict[str, int] = OrderedDict()  # this identity's page files, least recent first
         self._others: dict[str, int] = {}  # bytes of every other identity (and anything else in the directory)
+        self._own_bytes = self._other_bytes = 0  # the sums of those two, kept as they change (a write is O(1))
         self._touched: set[str] = set()  # paths written or read since the walk under way began
         self._lock = threading.Lock()
         self._evicting = threading.Lock()
@@ -93,7 +94,7 @@ class Capacity:
 
     @property
     def total(self) -> int:
-        return sum(self._lru.values()) + sum(self._others.values())
+        return self._own_bytes + self._other_bytes
 
     def occupancy(self) -> tuple[int, int]:
         """(pages, bytes) of this identity's files as of the latest walk plus what was written since; starts a walk
@@ -107,6 +108,7 @@ class Capacity:
         with self._lock:
             self.identity, self._generation = identity, self._generation + 1
             self._lru, self._touched, self._walked_at, self._walking = OrderedDict(), set(), -RESCAN_S, False
+            self._own_bytes = 0
         self._maybe_walk()
 
     def walk_now(self) -> None:
@@ -154,6 +156,7 @@ class Capacity:
                     lru[path] = self._lru[path]
                     lru.move_to_end(path)
             self._lru, self._others, self._touched = lru, others, set()
+            self._own_bytes, self._other_bytes = sum(lru.values()), sum(others.values())
             if self._first and self.counts.temporaries_removed:
                 log.info("KV storage tier %s: %d temporary files of writes never finished removed", self.root,
                          self.counts.temporaries_removed)
@@ -163,6 +166,8 @@ class Capacity:
     def added(self, path: Path) -> None:
         """A page file written (renamed into place)."""
         with self._lock:
+            if str(path) not in self._lru:
+                self._own_bytes += charge(self.file_bytes)
             self._lru[str(path)] = charge(self.file_bytes)
             self._lru.move_to_end(str(path))
             self._touched.add(str(path))
@@ -182,7 +187,7 @@ class Capacity:
 
     def removed(self, path: Path) -> None:
         with self._lock:
-            self._lru.pop(str(path), None)
+            self._own_bytes -= self._lru.pop(str(path), 0)
 
     def make_room(self) -> None:
         """Delete down to the limits (see the module's docstring); at once when within them."""
@@ -194,7 +199,7 @@ class Capacity:
                 self._swept_at = time.monotonic()
                 for key in sweep(self.root, self.identity, PRESSED_UNUSED_S):
                     with self._lock:
-                        self._others.pop(key, None)
+                        self._other_bytes -= self._others.pop(key, 0)
                     self.counts.evicted_identities += 1
                 need = self._excess()
             while need > 0:
@@ -202,6 +207,7 @@ class Capacity:
                     if not self._lru:
                         break
                     path, size = self._lru.popitem(last=False)
+                    self._own_bytes -= size
                 with contextlib.suppress(FileNotFoundError), _logged(path):
                     os.unlink(path)
                     self.counts.evicted_pages += 1

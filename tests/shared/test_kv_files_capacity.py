@@ -123,3 +123,45 @@ def test_sizes_read_as_sglang_writes_them(text, size):
 def test_a_size_that_is_not_one_is_refused_naming_the_flag(text):
     with pytest.raises(ValueError, match="--hicache-storage-max-size must be a size"):
         parse_size(text, "--hicache-storage-max-size")
+
+
+def test_an_engines_capped_tier_stays_under_its_cap_and_answers_as_before(tiny_models, tmp_path):
+    from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
+    from pdserve.shared.engine import Engine
+    from pdserve.shared.req import Req
+    from pdserve.shared.sampling_params import SamplingParams
+
+    def engine(storage: Path | None, cap: int = 0) -> Engine:
+        tiers = TierConfig(str(storage), storage_max_bytes=cap) if storage is not None else None
+        return Engine(RuntimeConfig(model_path=str(tiny_models["llama"]), dtype="float32", tiers=tiers,
+                                    cache=CacheConfig(page_size=4, max_total_tokens=4 * 64),
+                                    scheduler=SchedulerConfig(max_prefill_tokens=256)))
+
+    def answer(e: Engine, prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        req = Req(rid=str(prompt[0]), input_ids=prompt, params=SamplingParams(temperature=0, max_new_tokens=4))
+        req.on_output = lambda o: out.extend(o.token_ids)
+        e.add_request(req)
+        end = time.monotonic() + 60
+        while e.has_work() or (e.tiers is not None and (e.tiers.held_reqs() or e.tiers.writing)):
+            assert time.monotonic() < end
+            if e.tiers is not None:
+                e.tiers.poll()
+            e.step() if e.has_work() else time.sleep(0.002)
+        return out
+
+    prompts = [[(i * 37 + n * 101) % 500 + 1 for i in range(121)] for n in range(8)]  # 30 pages each
+    capped = engine(tmp_path)
+    page_file = capped.tiers.files.file_bytes
+    capped = engine(tmp_path, cap=40 * charge_of(page_file))  # 40 pages: the 8 prompts' 240 are 6 times that
+    plain = engine(None)
+    for prompt in prompts:
+        assert answer(capped, prompt) == answer(plain, prompt)
+        assert on_disk(tmp_path) <= 40 * charge_of(page_file) * 1.1
+    stats = capped.tiers.stats()
+    assert stats["evicted_pages"] >= 240 - 40 and stats["pages_written"] >= 240
+    assert answer(capped, prompts[-1]) == answer(plain, prompts[-1])  # the latest prompt's pages are kept
+
+
+def charge_of(size: int) -> int:
+    return kv_file_capacity.charge(size)
