@@ -140,6 +140,20 @@ class Access:
                 os.mkdir(directory, self.dir_mode)
                 os.chmod(directory, self.dir_mode)
 
+    def tighten(self, directory: Path) -> None:
+        """Give the root, the records and `directory` (an identity's) with its subdirectories the tier's mode
+        where this user owns them: a directory an earlier version created whatever the umask gave (0755: its
+        listing, the pages' keys, for anyone to read) is private from the next start on."""
+        subdirs = []
+        with contextlib.suppress(OSError):
+            subdirs = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink()]
+        for path in (self.root, self.root / "identities", directory, *subdirs):
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and \
+                        stat.S_IMODE(st.st_mode) != self.dir_mode:
+                    os.chmod(path, self.dir_mode)
+
     def create(self, path: Path) -> int:
         """A new file at `path` (never an existing one, never through a link) with the tier's file mode."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)

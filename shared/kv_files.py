@@ -121,6 +121,7 @@ class KVFiles:
         from (`about`, kv_keys.py) and `model_path` go into its record."""
         with self._lock:
             self._identity = identity
+        self.access.tighten(self.root / identity)
         self.capacity.use(identity)
         self.records.use(identity, about or {}, model_path)
 

@@ -117,3 +117,12 @@ def test_a_page_file_of_another_user_is_refused(tmp_path):
     os.chmod(files._path(keys[1]), 0o602)  # ours, but anyone may write it
     assert files.read(keys[1]) is None and files.counts.refused == 2
     assert files.read(keys[2]) == payloads[2]
+
+
+def test_directories_an_earlier_version_left_open_are_made_private_at_start(tmp_path):
+    files, keys, _ = stored(tmp_path)
+    opened = [tmp_path, tmp_path / "identities", tmp_path / files.identity, files._path(keys[0]).parent]
+    for path in opened:
+        path.chmod(0o755)  # what the umask gave before
+    stored(tmp_path)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in opened} == {0o700}
