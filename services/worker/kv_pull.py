@@ -4,7 +4,9 @@ Lifecycle of one request: the front expects it (`expect`, before the engine has 
 reserved the prompt's pages and opened the transfer window on them under a fresh fence (the "reserved" event,
 `reserved`) -> a Prefill call to the named prefill worker, carrying the fence and its lease -> on its answer the
 engine closes the window and takes the first tokens (`kv_answered`: `DecodeRole.kv_ready`) -> the fence is
-settled and `kv_settle` frees the pages of a request aborted meanwhile. Until then they stay quarantined.
+settled and `kv_settle` frees the pages of a request aborted meanwhile. Until then they stay quarantined. A
+request whose KV is no longer asked for is dropped by the engine before its fence is settled (`abort`), so that
+the settle finds its pages in quarantine rather than held by a request still waiting for them.
 
 The fence is settled (shared/transfer/fence.py) by the Prefill call's answer (the prefill worker answers after
 its last write), or else by a Fence call the prefill worker answers once no write of it can start or is under
@@ -51,9 +53,6 @@ class KVPull:
     def expect(self, rid: str, request: pb.GenerateRequest) -> None:
         self.requests[rid] = request
 
-    def forget(self, rid: str) -> None:
-        self.requests.pop(rid, None)
-
     def reserved(self, rid: str, pages: list[int], lora_version: str, fence: int = 0, checked: bool = False) -> None:
         """The engine reserved `pages` for `rid` and opened their window under `fence`; `checked`: every write into
         them passes the receiver's check (TCP's socket), so closing the window settles the fence."""
@@ -75,10 +74,16 @@ class KVPull:
         return self.replies.pop(rid, None)
 
     def abort(self, rid: str) -> None:
-        """Stop asking for `rid`'s KV: its Prefill call is cancelled, and the fence settled before the pages go."""
+        """Stop asking for `rid`'s KV: its Prefill call is cancelled, and the fence settled before the pages go.
+
+        The engine is told to drop the request here, before the settle: the caller's own abort may have reached
+        the engine before the request did (an Abort sent beside its Generate finds nothing there), and a request
+        left waiting for the KV of a cancelled call would hold its pages for good. Its pages were reserved, so the
+        engine has it by now; the drop puts them in quarantine, and the settle that follows frees them."""
         self.requests.pop(rid, None)
         call = self.calls.get(rid)
         if call is not None:
+            self.link.cast("abort", rids=[rid])
             call.cancel()
 
     async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str,

@@ -250,7 +250,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast("abort", rids=[request.rid])
             self.link.unwatch(request.rid)
-            self.prompts.forget(request.rid)
+            self.prompts.abort(request.rid)  # a Prefill call already started for it is cancelled
             traced = self.traced.pop(request.rid, None)
             if traced is not None:
                 spans.end_failed(traced.span, "refused")

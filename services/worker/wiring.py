@@ -17,9 +17,6 @@ class Prompts:
     def expect(self, rid: str, request) -> None:
         pass
 
-    def forget(self, rid: str) -> None:
-        pass
-
     def abort(self, rid: str) -> None:
         pass
 

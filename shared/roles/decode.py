@@ -113,7 +113,12 @@ class DecodeRole(ColocatedRole):
 
     def kv_settled(self, rid: str) -> None:
         """No KV write into `rid`'s reserved pages can land any more (their fence is settled): the pages of an
-        `rid` aborted while it waited for them go back to the pool now."""
+        `rid` aborted while it waited for them go back to the pool now. The settle is the reservation's last
+        word (its call ended unanswered, or `kv_ready` came first): a request still waiting for that KV would wait
+        for good, holding its pages, so it is dropped and its pages go too (a quarantine filled after the settle
+        would never be freed)."""
+        if rid in self.awaiting_kv:
+            self.engine.abort(rid, error="its prompt's KV will not come: the prefill call ended unanswered")
         self.scheduler.allocator.free(self.quarantine.pop(rid, []))
 
     # ------------------------------------------------------------ PageHolder

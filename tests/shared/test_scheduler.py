@@ -351,6 +351,23 @@ def test_decode_role_abort_while_waiting_for_kv_frees_the_reservation_once_the_w
     assert_integrity(engine)
 
 
+def test_decode_role_a_settle_ends_a_request_still_waiting_for_its_kv_and_frees_its_pages():
+    """An abort that overtook its request found nothing; once the reservation is settled (the prefill call ended
+    unanswered) no KV comes for it: it ends with an error instead of holding its pages for good."""
+    engine, outputs = make_engine(page_size=4, num_pages=4, role=Role.DECODE), {}
+    req = make_req("d", list(range(1, 11)), outputs)
+    req.on_pages_reserved = lambda r: None
+    assert not engine.abort("d")  # before the request came
+    engine.add_request(req)
+    assert engine.scheduler.check_integrity().held == 3
+    engine.role.kv_settled("d")
+    assert "will not come" in finish_of(outputs, "d").error
+    assert engine.scheduler.check_integrity().held == 0
+    engine.abort("d")  # a later abort finds nothing left to quarantine
+    assert engine.scheduler.check_integrity().held == 0
+    assert_integrity(engine)
+
+
 def test_prefill_role_refuses_a_request_whose_abort_came_first():
     engine = make_engine(page_size=4, role=Role.PREFILL)
     engine.role.transfer_fn = lambda req: 0.001
