@@ -188,15 +188,20 @@ def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
 
 
-def directory_id(root: Path) -> str:
+def directory_id(root: Path, access=None) -> str:
     """The storage directory's id, from the file the first worker there wrote (linked into place, so two workers
-    starting at once agree); its path where the file cannot be had."""
+    starting at once agree; with `access`, kv_file_access.Access, in the tier's file mode); its path where the
+    file cannot be had."""
     marker = root / ".pdserve-directory"
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not marker.exists():
             tmp = root / f".pdserve-directory.{uuid.uuid4().hex}"
-            tmp.write_text(uuid.uuid4().hex)
+            if access is None:
+                tmp.write_text(uuid.uuid4().hex)
+            else:
+                with open(access.create(tmp), "w") as f:
+                    f.write(uuid.uuid4().hex)
             try:
                 os.link(tmp, marker)
             except FileExistsError:

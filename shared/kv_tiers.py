@@ -96,7 +96,7 @@ class KVTiers:
         self.domain = ""  # where stored pages can be read ("" without a storage tier)
         if self.files is not None:
             self.files.use(self.root_key, self._identity, model_path)  # the path: for the identity's record only
-            self._directory_id = directory_id(self.files.root)
+            self._directory_id = directory_id(self.files.root, self.files.access)
             self.domain = self._domain()
         self.events: CacheEvents | None = None  # told which pages are stored (set by the worker's engine host)
         self._wake = wake  # makes the engine loop look at `poll` soon (it may be waiting for work)
