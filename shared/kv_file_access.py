@@ -32,7 +32,7 @@ from pathlib import Path
 
 import blake3
 
-from pdserve.shared.cluster_auth import cluster_token
+from pdserve.shared.cluster_auth import TokenError, cluster_token
 
 KEY_FILE = ".pdserve-storage-key"
 MAC_BYTES = 32
@@ -57,7 +57,10 @@ class Access:
     def key(self) -> bytes:
         """The MAC key: from the cluster token, else the directory's key file (created at first use)."""
         if self._key is None:
-            token = cluster_token()
+            try:
+                token = cluster_token()
+            except TokenError as exc:  # an I/O error like the others: the write skipped, the read a miss
+                raise OSError(str(exc)) from None
             self._key = blake3.blake3(token.encode(), derive_key_context=_DERIVE).digest() if token \
                 else self._key_file()
         return self._key

@@ -126,3 +126,13 @@ def test_directories_an_earlier_version_left_open_are_made_private_at_start(tmp_
         path.chmod(0o755)  # what the umask gave before
     stored(tmp_path)
     assert {stat.S_IMODE(p.stat().st_mode) for p in opened} == {0o700}
+
+
+def test_a_token_file_that_cannot_be_read_skips_writes_and_misses_reads(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN_FILE", str(tmp_path / "no-such-token"))
+    files = KVFiles(str(tmp_path / "kv"), page_bytes=PAGE, io="file")
+    files.use(identity_key({"model": "m"}))
+    [key] = chain_keys(files.identity, [(1,)])
+    assert files.write(key, bytes(PAGE)) is False and files.read(key) is None
+    assert files.counts.errors == 1 and not files.contains(key)
