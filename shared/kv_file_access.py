@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 import uuid
@@ -34,6 +35,7 @@ import blake3
 
 from pdserve.shared.cluster_auth import TokenError, cluster_token
 
+log = logging.getLogger(__name__)
 KEY_FILE = ".pdserve-storage-key"
 MAC_BYTES = 32
 _DERIVE = "pdserve 2026 KV storage tier page MAC"  # BLAKE3 key-derivation context: this use of the token only
@@ -147,6 +149,7 @@ class Access:
         """Give the root, the records and `directory` (an identity's) with its subdirectories the tier's mode
         where this user owns them: a directory an earlier version created whatever the umask gave (0755: its
         listing, the pages' keys, for anyone to read) is private from the next start on."""
+        self._claim(directory)
         subdirs = []
         with contextlib.suppress(OSError):
             subdirs = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink()]
@@ -156,6 +159,27 @@ class Access:
                 if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and \
                         stat.S_IMODE(st.st_mode) != self.dir_mode:
                     os.chmod(path, self.dir_mode)
+
+    def _claim(self, directory: Path) -> None:
+        """Move aside a `directory` that is a link or another user's (planted before this worker first wrote
+        there: the pages it would write inside would be listed, renamed or deleted by that user); the next write
+        creates it afresh."""
+        try:
+            st = directory.lstat()
+        except OSError:
+            return
+        ours = st.st_uid == os.geteuid() or (self.group and st.st_gid in {os.getegid(), *os.getgroups()})
+        if stat.S_ISDIR(st.st_mode) and ours:
+            return
+        aside = self.root / f".flushed-{uuid.uuid4().hex}"
+        try:
+            os.replace(directory, aside)
+        except OSError as exc:
+            log.error("KV storage tier: %s is not this user's directory and cannot be moved aside (%s)", directory,
+                      exc)
+            return
+        log.warning("KV storage tier: %s was not this user's directory (uid %d%s): moved aside to %s", directory,
+                    st.st_uid, ", a link" if stat.S_ISLNK(st.st_mode) else "", aside.name)
 
     def create(self, path: Path) -> int:
         """A new file at `path` (never an existing one, never through a link) with the tier's file mode."""

@@ -136,3 +136,23 @@ def test_a_token_file_that_cannot_be_read_skips_writes_and_misses_reads(tmp_path
     [key] = chain_keys(files.identity, [(1,)])
     assert files.write(key, bytes(PAGE)) is False and files.read(key) is None
     assert files.counts.errors == 1 and not files.contains(key)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "foreign"])
+def test_an_identity_directory_planted_by_someone_else_is_moved_aside(tmp_path, plant):
+    if plant == "foreign" and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    identity = identity_key({"model": "m"})
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir()
+    (tmp_path / "kv").mkdir()
+    if plant == "symlink":
+        os.symlink(elsewhere, tmp_path / "kv" / identity)
+    else:
+        (tmp_path / "kv" / identity).mkdir(mode=0o777)
+        os.chown(tmp_path / "kv" / identity, 4321, 4321)
+    files, keys, payloads = stored(tmp_path / "kv")
+    assert files.identity == identity and not list(elsewhere.iterdir())  # nothing written through the link
+    target = tmp_path / "kv" / identity
+    assert not target.is_symlink() and target.stat().st_uid == os.geteuid()
+    assert files.read_run(keys) == payloads
