@@ -173,11 +173,18 @@ async def test_pd_constrained_output_equals_colocated_from_the_first_token(pair,
             assert re.fullmatch(constraint["regex"], text), text
         else:
             assert set(json.loads(text)) >= {"name", "population"}, text
-    # Sampled, with n forks sharing the compiled grammar: every choice obeys it.
+    # Sampled, with n forks sharing the compiled grammar: every choice obeys it (a choice cut by max_new_tokens
+    # is a prefix of a sentence of the grammar, ending in a comma or part of a word).
     out = await generate(daddr, prompts[1], prefill=paddr, n=3, temperature=1.0, seed=11, max_new_tokens=24,
                          regex=r"(red|green|blue)(, (red|green|blue))*")
-    for tokens in out["tokens"].values():
-        assert re.fullmatch(r"(red|green|blue)(, (red|green|blue))*", tokenizer.decode(tokens, skip_special_tokens=True))
+    for choice, tokens in out["tokens"].items():
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        pattern = r"(red|green|blue)(, (red|green|blue))*"
+        if out["finish"][choice] == "length":
+            pattern += r"(, ?(r|re|g|gr|gre|gree|b|bl|blu)?)?"
+        else:
+            assert out["finish"][choice] == "stop", out["finish"]
+        assert re.fullmatch(pattern, text), (out["finish"][choice], text)
     await assert_clean(paddr, daddr)
 
 
