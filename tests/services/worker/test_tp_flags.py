@@ -7,10 +7,7 @@ import pytest
 
 from pdserve.services.worker.cli import add_arguments, runtime_config
 from pdserve.services.worker.settings import tp_ranks
-from pdserve.shared.config import ModelConfig, Role
-from pdserve.shared.model_runner import ModelRunner
-from pdserve.shared.tp_step import TPRank
-from pdserve.shared.tp_shards import Shards
+from pdserve.shared.config import Role
 
 
 def parse(command: str, *argv: str) -> argparse.Namespace:
@@ -29,16 +26,18 @@ def test_tp_size_one_starts_no_ranks(tiny_models):
     assert tp_ranks(args, runtime_config(args, args.model_path), Role.COLOCATED) is None
 
 
-@pytest.mark.parametrize("flags,reason", [
-    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"], "--enable-hierarchical-cache"),
-])
-def test_features_not_split_yet_are_refused_with_the_reason(tiny_models, tmp_path, flags, reason):
-    extra = ["--hicache-storage-dir", str(tmp_path)] if "--enable-hierarchical-cache" in flags else []
-    args = parse("colocated", "--model-path", str(tiny_models["llama"]), *flags, *extra)
+def test_the_storage_tier_is_split_across_ranks_and_the_host_tier_refused_with_the_reason(tiny_models, tmp_path):
+    from dataclasses import replace
+
+    from pdserve.shared.model_runner import _check_tp_features
+
+    args = parse("colocated", "--model-path", str(tiny_models["llama"]), "--enable-hierarchical-cache",
+                 "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path))
     config = runtime_config(args, args.model_path)
-    shards = Shards.plan(ModelConfig.from_dir(args.model_path), 0, 2)
-    with pytest.raises(ValueError, match=f"--tp-size > 1 does not work with {reason}"):
-        ModelRunner(config, tp=TPRank(shards, box=None, group=None))
+    _check_tp_features(config)  # each rank stores its own KV heads (kv_tier_ranks.py)
+    host = replace(config, tiers=replace(config.tiers, host_ratio=2.0))
+    with pytest.raises(ValueError, match="--tp-size > 1 does not work with --hicache-ratio / --hicache-size"):
+        _check_tp_features(host)
 
 
 # ------------------------------------------------------------------------------------------------ across nodes
