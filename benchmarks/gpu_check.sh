@@ -162,7 +162,7 @@ GPUS=0
 [ "$DEVICE" = cuda ] && GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$SERVING_ONLY" = 0 ] && { [ "$GPUS" -ge 2 ] || [ "$DEVICE" = cpu ]; }; then
   log "gpu_tp.py (tensor parallelism over 2 ranks)"
-  timeout 240 "$PY" "$REPO/benchmarks/gpu_tp.py" --model-path "$MODEL" --device "$DEVICE" --tp-size 2 \
+  timeout 240 "$PY" "$REPO/benchmarks/gpu_tp.py" --model-path "$MODEL" --device "$DEVICE" --tp-size 2 --rounds 2 \
     --json "$RESULTS/tp.json" ${RUNTIME_ARGS[@]:+--dry-run} 2>&1 | tee "$LOGS/tp.log" | grep -v " INFO " >&2
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed tensor_parallel
 elif [ "$SERVING_ONLY" = 0 ]; then
