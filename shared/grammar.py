@@ -205,6 +205,14 @@ def apply_masks(logits: torch.Tensor, constraints: list[Constraint | None]) -> t
         if extra is not None:  # set one bit of an int32 word, read and written as signed
             word = (int(bitmask[r, extra // 32]) & 0xFFFFFFFF) | (1 << (extra % 32))
             bitmask[r, extra // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    # A grammar at a dead end (it allows no token, e.g. a pattern of characters no token spells) bans nothing:
+    # a row of only banned tokens has nothing to draw from. The token drawn is then refused (Constraint.accept)
+    # and the engine ends the request (Engine.append_token).
+    live = [r for r in range(len(rows)) if bool(bitmask[r].any())]
+    if len(live) < len(rows):
+        rows, bitmask = [rows[r] for r in live], bitmask[live]
+        if not rows:
+            return logits
     with torch.inference_mode():  # the model's logits are inference tensors
         if len(rows) == logits.shape[0]:
             apply_token_mask(logits, bitmask)

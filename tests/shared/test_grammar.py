@@ -87,6 +87,17 @@ def test_a_grammar_longer_than_max_tokens_ends_with_length(engine, chat):
     assert len(ids) == 3 and finish == "length"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_no_token_can_start_ends_the_request_beside_others(engine, chat, temperature):
+    # Characters the tokenizer spells with no token (found by the API fuzzer): the mask bans every token. The
+    # step once failed on it (a sampled row with nothing to draw), and the request hung holding its pages.
+    dead = SamplingParams(temperature=temperature, max_new_tokens=4, regex="\U0006ecccã\x0bÇ\x7f")
+    other = SamplingParams(temperature=0, max_new_tokens=3, regex=r"[a-z]{30}")
+    out = generate(engine, {"dead": (chat("Go."), dead), "other": (chat("Letters please."), other)})
+    assert out[("dead", 0)] == ([], "stop")
+    assert len(out[("other", 0)][0]) == 3 and out[("other", 0)][1] == "length"
+
+
 def test_logit_bias_steers_the_model(engine, chat):
     ids = chat("What is the capital of France?")
     [(plain, _)] = generate(engine, {"a": (ids, SamplingParams(temperature=0, max_new_tokens=1))}).values()
