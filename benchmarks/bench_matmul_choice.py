@@ -48,31 +48,16 @@ def layers_child(threads: int, reps: int, rows: list[int]) -> list[dict]:
 def decode_child(threads: int, batches: list[int], steps: int = 30) -> dict[str, float]:
     import torch
 
+    from bench_int8 import decode_step_ms  # the same decode-step timing as the int8 benchmark
     from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig
     from pdserve.shared.engine import Engine
     from pdserve.shared.model_files import resolve_model_path
-    from pdserve.shared.req import Req
-    from pdserve.shared.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     engine = Engine(RuntimeConfig(model_path=str(resolve_model_path(None)), dtype="bfloat16",
                                   cache=CacheConfig(page_size=16, max_total_tokens=16384),
                                   scheduler=SchedulerConfig(max_running_requests=max(batches))))
-    out = {}
-    for batch in batches:
-        for i in range(batch):
-            ids = [1, 504, 3300 + i, 42, 9, 17, 88, 11] + [(31 * k + 7 * i) % 40000 + 100 for k in range(8)]
-            engine.add_request(Req(rid=f"b{batch}-{i}", input_ids=ids,
-                                   params=SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)))
-        times = []
-        while engine.has_work():
-            decoding = not engine.scheduler.waiting and engine.scheduler.chunked is None
-            engine.step()
-            if decoding and len(engine.scheduler.running) == batch:
-                times.append(engine.stats.last_step_s)
-        engine.flush_cache()
-        out[str(batch)] = statistics.median(times[2:]) * 1e3
-    return out
+    return {str(batch): decode_step_ms(engine, batch, steps + 2) for batch in batches}
 
 
 def child(*args: str, env: dict | None = None):
