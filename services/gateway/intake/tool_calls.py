@@ -86,12 +86,16 @@ class ToolPlan:
             return json.dumps(fn.parameters or NO_PARAMETERS)
         if self.choice != "required":
             return None
-        options = [{"type": "object",
-                    "properties": {"name": {"type": "string", "enum": [f.name]},
-                                   "parameters": f.parameters or NO_PARAMETERS},
-                    "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
-        schema: dict[str, Any] = {"type": "array", "items": options[0] if len(options) == 1 else {"anyOf": options},
-                                  "minItems": 1}
+        one = len(self.functions) == 1
+        options, defs = [], _Definitions()
+        for i, f in enumerate(self.functions):
+            at = "#/items/properties/parameters" if one else f"#/items/anyOf/{i}/properties/parameters"
+            options.append({"type": "object",
+                            "properties": {"name": {"type": "string", "enum": [f.name]},
+                                           "parameters": defs.hoist(f.name, f.parameters or NO_PARAMETERS, at)},
+                            "required": ["name", "parameters"], "additionalProperties": False})
+        schema: dict[str, Any] = {"type": "array", "items": options[0] if one else {"anyOf": options},
+                                  "minItems": 1, **defs.root()}
         if not self.parallel:
             schema["maxItems"] = 1
         return json.dumps(schema)
@@ -114,6 +118,52 @@ class ToolPlan:
         if reader is None:
             return None
         return CallStream(reader, None if self.parallel else 1)
+
+
+DEFS_KEYS = ("$defs", "definitions")  # where a JSON schema keeps named subschemas (draft 2019-09 on; before)
+
+
+class _Definitions:
+    """The named subschemas of the tools' parameters, moved to the root of tool_choice required's schema.
+
+    Each tool's parameters sit inside that schema, where their `#/$defs/...` would point at the root: so their
+    definitions go to the root's, and their other local references (`#`, `#/properties/...`) are made to point
+    where the parameters now are. One name given two different schemas by two tools cannot be both: a 400.
+    """
+
+    def __init__(self) -> None:
+        self.named: dict[str, dict[str, tuple[str, Any]]] = {key: {} for key in DEFS_KEYS}  # -> (tool, schema)
+
+    def hoist(self, tool: str, parameters: dict, at: str) -> dict:
+        """`parameters` as they read at `at` (a JSON pointer), without their definitions."""
+        moved = _relocated(parameters, at)
+        for key in DEFS_KEYS:
+            if not isinstance(moved.get(key), dict):
+                continue
+            for name, sub in moved.pop(key).items():
+                owner, known = self.named[key].setdefault(name, (tool, sub))
+                if known != sub:
+                    raise ApiError(400, f"Invalid value for 'tools': tool_choice 'required' joins the tools' "
+                                        f"parameters into one schema, and tools {owner!r} and {tool!r} both define "
+                                        f"'{key}/{name}' differently; rename one of them.", "tools")
+        return moved
+
+    def root(self) -> dict:
+        return {key: {name: sub for name, (_, sub) in named.items()} for key, named in self.named.items() if named}
+
+
+def _relocated(node: Any, at: str) -> Any:
+    """A copy of `node` whose local references, other than to definitions, point below `at`."""
+    if isinstance(node, list):
+        return [_relocated(item, at) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _relocated(value, at) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) \
+            and not ref.startswith(tuple(f"#/{key}/" for key in DEFS_KEYS)):
+        out["$ref"] = at + ref[1:]
+    return out
 
 
 # ---------------------------------------------------------------- request checks

@@ -121,6 +121,43 @@ def test_required_grammar_is_a_valid_schema_allowing_exactly_the_tools_calls():
         jsonschema.validate([{"name": "ping", "parameters": {"x": 1}}], bare)
 
 
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+
+
+def function_with_defs(name: str, address: dict = ADDRESS, defs_key: str = "$defs") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"to": {"$ref": f"#/{defs_key}/Address"}, "copy": {"$ref": "#/properties/to"},
+                                         "then": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+        "required": ["to", "copy", "then"], "additionalProperties": False, defs_key: {"Address": address}}}}
+
+
+@pytest.mark.parametrize("tools", [[function_with_defs("ship")], [function_with_defs("ship"), function_with_defs("bill")],
+                                   [function_with_defs("ship", defs_key="definitions"), TOOLS[1]]])
+def test_required_grammar_hoists_each_tools_definitions_to_its_root(tools):
+    import xgrammar as xgr
+
+    schema = json.loads(plan({"tools": tools, "tool_choice": "required"}).json_schema())
+    xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)  # was: "Cannot find field '$defs'"
+    paris = {"city": "Paris"}
+    jsonschema.validate([{"name": "ship", "parameters": {"to": paris, "copy": paris,
+                                                         "then": {"to": paris, "copy": paris, "then": None}}}], schema)
+    for wrong in ({"to": {"town": "Paris"}, "copy": paris, "then": None},  # the definition holds,
+                  {"to": paris, "copy": {}, "then": None},  # references inside the tool still point inside it,
+                  {"to": paris, "copy": paris, "then": {"to": paris}}):  # "#" is the tool's parameters
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "ship", "parameters": wrong}], schema)
+
+
+def test_required_refuses_tools_giving_one_definition_two_schemas():
+    tools = plan({"tools": [function_with_defs("ship"), function_with_defs("bill", {"type": "string"})],
+                  "tool_choice": "required"})
+    with pytest.raises(ApiError) as info:
+        tools.json_schema()
+    assert info.value.status == 400 and info.value.param == "tools"
+    assert "'ship' and 'bill'" in info.value.message and "$defs/Address" in info.value.message
+
+
 def test_required_cannot_be_combined_with_another_constraint():
     tools = plan({"tools": TOOLS, "tool_choice": "required"})
     with pytest.raises(ApiError) as info:
