@@ -5,9 +5,9 @@ Lifecycle of a request whose prefix went past the pool: the scheduler hands each
 of the prompt's pages beyond what the pool holds are looked up. What the host tier holds goes back into free pages
 of the pool at once (a copy the stream runs before the request's step; the engine thread does not wait for it).
 What continues the prefix in storage is read on a reader thread, while the request waits here (it counts as live:
-an abort finds it) and the engine steps every other request -> `poll`, on the engine thread, copies what was read
-into free pages of the pool in one copy, adds them to the radix cache and queues the request, whose prefix match
-then finds them as if they had never left. A read that is not done by its deadline
+an abort finds it, stops its read after the run under way and drops what was read) and the engine steps every other
+request -> `poll`, on the engine thread, copies what was read into free pages of the pool in one copy, adds them to
+the radix cache and queues the request, whose prefix match then finds them as if they had never left. A read that is not done by its deadline
 (--hicache-storage-prefetch-timeout) is given up according to the prefetch policy: the request computes what did
 not arrive. A file that fails its check is a miss: the page is computed again, never read wrong.
 
@@ -103,6 +103,7 @@ class KVTiers:
         self._loading: dict[int, _Load] = {}  # by id(req)
         self._done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # run by `poll`, engine thread
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="kv-tier-read")
+        self.read_delay_s = 0.0  # tests only: each run of a read waits this long first
         # at most a quarter of the pool waits to be written
         self.writer = TierWriter(self.files, pool.num_pages // 4, self._report) if self.files is not None else None
         self.paths = PathWrites(self.cache, self.writer, pool.buffer, self._key, self._full,
@@ -152,7 +153,11 @@ class KVTiers:
         return {}  # a loading request holds no page: what it reads goes to the pool when it is queued
 
     def discard(self, req: Req) -> None:
-        self._loading.pop(id(req), None)  # its read may still finish: then nothing waits for it
+        """An aborted request: its read stops after the run under way and what it read is dropped."""
+        load = self._loading.pop(id(req), None)
+        if load is not None:
+            load.done = True
+            load.read.clear()
 
     # ------------------------------------------------------------ reads
     def hold(self, req: Req) -> bool:
@@ -189,7 +194,9 @@ class KVTiers:
         of READ_RUN pages at a time."""
         keys = load.keys[load.first:]
         for start in range(0, len(keys), READ_RUN):
-            if load.done:  # given up: stop reading
+            if self.read_delay_s:
+                time.sleep(self.read_delay_s)
+            if load.done:  # given up at its deadline, or its request aborted: stop reading
                 break
             run = keys[start:start + READ_RUN]
             pages = self.files.read_run(run)

@@ -43,14 +43,16 @@ PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
 ABORT_WAIT_S = 1.0  # a fence's revocation waits this long for the engine to drop the request, then reports it
 # Tests only: every KV write of a prefill worker waits this long first (a write late past its request's abort).
 WRITE_DELAY_ENV = "PDSERVE_TEST_KV_WRITE_DELAY_S"
+# Tests only: every run of pages read from the storage tier waits this long first (a read under way at an abort).
+READ_DELAY_ENV = "PDSERVE_TEST_KV_READ_DELAY_S"
 
 
 def lps(items) -> TokenLogprobs | None:
-    return None if items is None else TokenLogprobs(items[0], list(items[1]), list(items[2]))
+    return None if items is None else TokenLogprobs.from_wire(items)
 
 
 def wire_lps(lp: TokenLogprobs | None):
-    return None if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
+    return None if lp is None else lp.to_wire()
 
 
 class EngineCalls(AdminCalls):
@@ -97,6 +99,7 @@ class EngineCalls(AdminCalls):
         if self.engine.tiers is not None:
             self.metrics.watch_tiers(host=self.engine.tiers.host is not None,
                                      storage=self.engine.tiers.files is not None)
+            self.engine.tiers.read_delay_s = float(os.environ.get(READ_DELAY_ENV) or 0)
         self.runner = runner
         self.starting: dict[str, bool] = {}  # rid -> aborted, while its grammar compiles
         self._starting_lock = threading.Lock()
