@@ -14,6 +14,23 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+ROOT = Path(__file__).resolve().parent.parent
+# Tests that scripts/test runs alone, after the rest runs in two processes: each asserts a bound on time (a probe
+# answered within a fraction of a second, a refusal within a deadline) that a second test process beside it on two
+# cores would stretch, or counts a machine-wide resource (/dev/shm files) that another test's processes share.
+SERIAL = ("tests/security/", "tests/benchclient/test_bench.py", "tests/integration/test_tensor_parallel_worker.py",
+          "tests/services/gateway/test_cpu_pool.py", "tests/services/gateway/test_hostile_input.py",
+          "tests/services/gateway/test_overload_drain.py", "tests/services/gateway/test_sse_end.py",
+          "tests/services/gateway/test_generation.py", "tests/services/worker/test_prefill_peers.py",
+          "tests/shared/test_kv_tiers.py", "tests/shared/test_tp_nodes.py",
+          "tests/shared/transfer/test_transfer_backends.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.resolve().relative_to(ROOT).as_posix().startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):

@@ -24,8 +24,11 @@ def _ephemeral_start() -> int:
 
 # Ports for test processes come from below the kernel's ephemeral range: there no outgoing connection can take one
 # as its local port between this check and the process binding it (which failed a run now and then), and none is
-# handed out twice in a session.
-PORTS = range(20000, min(32000, _ephemeral_start()))
+# handed out twice in a session. Test processes running side by side (pytest-xdist's gw0, gw1, ...) each take
+# their own share, so that two never hand out the same port.
+_WORKER, _WORKERS = (int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]),
+                     int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+PORTS = range(20000 + _WORKER, min(32000, _ephemeral_start()), _WORKERS)
 _handed: set[int] = set()
 
 
