@@ -46,7 +46,8 @@ def add_own_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (the OpenAI API)")
     parser.add_argument("--model-path", default=None,
                         help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, converted on first use)")
-    parser.add_argument("--served-model-name", default=None, help="model name for clients (default: the model dir's)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the one model name clients may send, others are refused (default: any name is served)")
     parser.add_argument("--embedding-model", default=None, metavar="PATH",
                         help="also start a dedicated embedding worker on this model (e.g. all-MiniLM-L6-v2); "
                              "requests pick it by their 'model'")

@@ -160,7 +160,9 @@ def build_plan(args: argparse.Namespace, model_dir: Path, cpus: int) -> Plan:
     services.append(Service(
         "gateway", pdserve,
         ["gateway", "--model-path", str(model_dir), "--host", args.host, "--port", str(args.port),
-         *targets, "--jobs-url", jobs_url, "--served-model-name", model_name,
+         *targets, "--jobs-url", jobs_url,
+         # named only when the user named it: then other names are refused (400), as SGLang; else any is served
+         *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
          *([] if redis_secret else ["--redis-url", redis_url]), *given["gateway"]],
         3, f"{gateway_url}/health", [PortUse(args.port, args.host, "gateway port", "--port")],
         {**quiet, **secret, **cluster, **redis_secret, "PDSERVE_ADMIN_API_KEY": admin_key}))

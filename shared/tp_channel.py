@@ -77,7 +77,10 @@ class StoreBox:
                 if idle is not None:
                     idle()
         self.seen += 1
-        ints = np.frombuffer(self._checked(key, raw), dtype=np.int64)
+        body = self._checked(key, raw)
+        ints = np.frombuffer(body, dtype=np.int64, count=len(body) // 8)
+        if len(body) % 8 or len(ints) < 2 or not 0 <= ints[1] <= min(HEADER_INTS, len(ints) - 2):
+            raise RankGone(f"tensor-parallel rank {self.rank}: store key {key!r} holds no post ({len(body)} bytes)")
         kind, n = int(ints[0]), int(ints[1])
         self.payload = torch.from_numpy(ints[2 + n:].copy())
         return kind, ints[2:2 + n].tolist()

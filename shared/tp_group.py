@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdserve.shared.tp_bytes import gather_bytes
+
 SLOT_BYTES = 8 << 20  # one rank's share of one collective round; larger tensors go in several rounds
 PAYLOAD_BYTES = 16 << 20  # the leader's step payload
 _LINE = 8  # int64s per cache line: each rank's counters sit on lines of their own
@@ -385,10 +387,9 @@ class TorchGroup:
         self.failed_ranks(False, timeout_s)
 
     def all_gather_bytes(self, data: bytes, timeout_s: float) -> list[bytes]:
-        out: list = [None] * self.size
+        """Every rank's `data`, as tensors (shared/tp_bytes.py): nothing a peer sends is unpickled."""
         with self._gone_if_failed("exchanging metadata", timeout_s):
-            self.dist.all_gather_object(out, data)
-        return out
+            return gather_bytes(self.dist, data, self.size, self.device)
 
     def failed_ranks(self, failed: bool, timeout_s: float) -> list[int]:
         flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in range(self.size)]

@@ -1,7 +1,10 @@
 """Liveness between the nodes of a tensor-parallel worker: is the other machine's side still there?
 
-Rank 0's engine process listens on a port of its own (published in the rendezvous store); each other node's
-process connects once, says its node number, and from then on both ends send a beat (a newline) every BEAT_S.
+Rank 0's engine process listens on a port of its own on --dist-init-addr's address (published in the rendezvous
+store); each other node's process connects once, claims its node number, and from then on both ends send a beat
+(a newline) every BEAT_S. Rank 0 grants each number of its worker's other nodes once: a claim of a number outside
+them, or of one already linked, is refused (the node's `NodeClaimError` names the address that holds it). An
+accept that fails for want of descriptors (EMFILE) pauses the listening only (shared/tp_gate.py `Door`).
 
 The hello: rank 0's end sends a random challenge (hex, a line); the node answers its number and HMAC-SHA256(cluster
 token, challenge + number) (hex, a line); rank 0's end answers "linked", or why not and closes. Without a cluster
@@ -26,13 +29,16 @@ import threading
 import time
 
 from pdserve.shared.cluster_auth import TOKEN_ENV, challenge, cluster_token, proof, proves
+from pdserve.shared.tp_gate import Door, bind
 from pdserve.shared.tp_group import RankGone
+from pdserve.shared.tp_nodes import NodeClaimError
 
 log = logging.getLogger(__name__)
 BEAT_S = 0.5
 HELLO_TIMEOUT_S = 2.0
 CLOSE_WAIT_S = 1.0  # for the peer to read what this end said before it leaves
 LINKED = "linked"
+CLAIM_REFUSED = "claim refused: "
 _HELLO_BYTES = 256  # the longest line of a hello
 
 
@@ -62,11 +68,14 @@ class Link:
     """One end of the liveness links: rank 0's (`listen`, every other node a peer) or a node's (`connect`, rank
     0's node its one peer). `poll` beats and listens; `lost` says which peer is gone and why, for good."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, nodes: range = range(0)) -> None:
         self.timeout_s = timeout_s
+        self.nodes = nodes  # rank 0's end: the node numbers it grants
         self.peers: dict[int, _Peer] = {}
         self.lost: str | None = None
         self.listener: socket.socket | None = None
+        self.door: Door | None = None
+        self._listening = False
         self.token = cluster_token()
         self.hellos: list[_Hello] = []
         self._selector = selectors.DefaultSelector()
@@ -76,13 +85,23 @@ class Link:
 
     # ------------------------------------------------------------ the two ends
     @classmethod
-    def listen(cls, timeout_s: float) -> Link:
-        """Rank 0's end, on a free port of every interface; `start()` runs it on a thread of its own."""
-        link = cls(timeout_s)
-        link.listener = socket.create_server(("", 0))
+    def listen(cls, timeout_s: float, host: str, nodes: range) -> Link:
+        """Rank 0's end, on a free port of `host` (only), for the nodes numbered `nodes`; `start()` runs it on a
+        thread of its own."""
+        link = cls(timeout_s, nodes)
+        link.listener = bind(host, 0, "the tensor-parallel liveness link")
         link.listener.setblocking(False)
-        link._selector.register(link.listener, selectors.EVENT_READ)
+        link.door = Door(link.listener, "tensor-parallel link")
+        link._listen(True)
         return link
+
+    def _listen(self, on: bool) -> None:
+        if on != self._listening:
+            self._listening = on
+            if on:
+                self._selector.register(self.listener, selectors.EVENT_READ)
+            else:
+                self._selector.unregister(self.listener)
 
     @property
     def port(self) -> int:
@@ -103,6 +122,10 @@ class Link:
         except (OSError, ValueError) as exc:
             sock.close()
             raise RankGone(f"node {node}: no link with rank 0's node at {host}:{port}: {exc}") from None
+        if said.startswith(CLAIM_REFUSED):
+            sock.close()
+            raise NodeClaimError(f"node {node}: rank 0's node at {host}:{port} refused its claim: "
+                                 f"{said.removeprefix(CLAIM_REFUSED)}")
         if said != LINKED:
             sock.close()
             raise RankGone(f"node {node}: rank 0's node at {host}:{port} refused its link: {said}")
@@ -132,6 +155,8 @@ class Link:
     def poll(self, wait_s: float) -> None:
         """Wait up to `wait_s` for word from the peers (or a node connecting), beat when one is due, and note a
         peer that is gone."""
+        if self.door is not None:
+            self._listen(self.door.paused_s() == 0)  # (out of descriptors: not listening, not spinning)
         for key, _ in self._selector.select(wait_s):
             if key.fileobj is self.listener:
                 self._accept()
@@ -164,10 +189,10 @@ class Link:
         self._selector.close()
 
     def _accept(self) -> None:
-        try:
-            sock, addr = self.listener.accept()
-        except BlockingIOError:
+        conn = self.door.accept()
+        if conn is None:
             return
+        sock, addr = conn
         hello = _Hello(sock, addr[0])
         sock.setblocking(False)
         try:
@@ -203,8 +228,12 @@ class Link:
         if not proved:
             self._refuse(hello, "its answer is not a node's hello" if self.token is None else
                          f"its answer does not prove this worker's cluster token ({TOKEN_ENV})")
-        elif node in self.peers or node < 1:
-            self._refuse(hello, f"node {node} is already part of this worker")
+        elif node not in self.nodes:
+            self._refuse(hello, f"{CLAIM_REFUSED}node {node} is not a node of this worker: the others are numbered "
+                                f"{self.nodes.start} to {self.nodes.stop - 1} (--nnodes {self.nodes.stop})")
+        elif node in self.peers:
+            self._refuse(hello, f"{CLAIM_REFUSED}node {node} is already linked from {self.peers[node].where}: two "
+                                f"machines started with --node-rank {node}?")
         else:
             self._drop(hello, close=False)
             peer = _Peer(node, hello.sock, hello.where)

@@ -3,17 +3,17 @@
 `--nnodes K --node-rank R --dist-init-addr HOST:PORT` (SGLang's flags) with `--tp-size N`: node R holds ranks
 R*N/K .. (R+1)*N/K - 1. Node 0 runs the worker everyone talks to (its engine process is rank 0); every other node
 runs only its ranks (shared/tp_remote.py). They meet at HOST:PORT, where rank 0 serves torch.distributed's
-TCPStore (`master_store`): each rank says it joined, each other node tells its settings, and rank 0 says the
-group is formed once every rank and every node's liveness link (shared/tp_link.py) is there and every node's
-settings are its own; only then do the ranks build their process group (gloo on CPUs, NCCL on GPUs) on the same
-store. A node started again while an earlier group still stands is refused, so a group is never joined half-way
-through its life.
+TCPStore behind a gate that lets in only a holder of the cluster token (`master_store`, shared/tp_gate.py; bound to
+HOST only): each other node links (shared/tp_link.py: rank 0 grants each node number once, within --nnodes) and
+tells its settings, each rank says it joined (once: a rank joined twice is a `NodeClaimError`), and rank 0 says the
+group is formed once every rank and every node is there and every node's settings are its own; only then do the
+ranks build their process group (gloo on CPUs, NCCL on GPUs) on the same store. A node started again while an
+earlier group still stands is refused, so a group is never joined half-way through its life.
 
-With a cluster token (shared/cluster_auth.py; every node of a worker has the same environment) what goes through
-the store is checked: each post (shared/tp_channel.py) and each node's settings carry a tag, HMAC-SHA256(token,
-key NUL value) cut to TAG_BYTES, that its reader verifies before using it; the liveness link proves the token when a
-node connects. A process that reaches the store without the token can still disturb the group (the store itself
-is torch.distributed's, unauthenticated), but not make a rank compute a step rank 0 did not post.
+With a cluster token what goes through the store is checked too: each post (shared/tp_channel.py) and each node's
+settings carry a tag, HMAC-SHA256(token, key NUL value) cut to TAG_BYTES, that its reader verifies before using it
+(a post replayed under another key fails it). Whatever a peer sends is parsed, never unpickled: the settings are
+JSON of strings, the posts int64s, the ranks' exchanges bytes through tensors (shared/tp_group.py).
 
 The torch imports are inside the functions: a worker's front parses these flags without loading torch.
 """
@@ -30,6 +30,12 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 FORMED, LINK = "formed", "link"  # store keys: the group stands; rank 0's liveness port
 TAG_BYTES = 16  # of a post's or settings' HMAC-SHA256
+_TRY_S = 10.0  # one try at reaching rank 0's store (a node's tunnel may be refused meanwhile)
+
+
+class NodeClaimError(ValueError):
+    """A node number or rank that rank 0 did not grant: not a node of this worker, or one already there (two
+    machines started with the same --node-rank?)."""
 
 
 @dataclass(frozen=True)
@@ -108,33 +114,37 @@ def tag(token: str, key: str, value: bytes) -> bytes:
 
 
 def master_store(nodes: Nodes, timeout_s: float):
-    """Rank 0: the TCPStore the ranks meet at, listening on the rendezvous port of every interface."""
-    import torch.distributed as dist
-
+    """Rank 0: the store the ranks meet at (on loopback) and its gate on --dist-init-addr's address and port."""
     from pdserve.shared.cluster_auth import TOKEN_ENV, cluster_token, loopback_only
+    from pdserve.shared.tp_gate import Gate, loopback_store
 
     if cluster_token() is None and not loopback_only(nodes.host):
-        log.warning("no cluster token (%s): any process that reaches %s:%d may post steps to this worker's ranks, and "
-                    "any that reaches its liveness link may claim to be one of its nodes", TOKEN_ENV, nodes.host,
-                    nodes.port)
-    try:
-        return dist.TCPStore(nodes.host, nodes.port, None, True, timeout=_timeout(timeout_s), wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise ValueError(f"cannot serve the ranks' rendezvous on port {nodes.port} (--dist-init-addr "
-                         f"{nodes.host}:{nodes.port}): {exc}") from None
+        log.warning("no cluster token (%s): any process that reaches %s:%d may read and write this worker's "
+                    "rendezvous, and any that reaches its liveness link may claim to be one of its nodes", TOKEN_ENV,
+                    nodes.host, nodes.port)
+    store = loopback_store(timeout_s)
+    return store, Gate(nodes.host, nodes.port, store.port)
 
 
-def client_store(nodes: Nodes, timeout_s: float):
-    """Another rank or node: rank 0's store, once it is up (tried again until `timeout_s`)."""
+def client_store(port: int, timeout_s: float, where: str, refused=lambda: None):
+    """Another rank or node: rank 0's store through loopback `port` (rank 0's own store on node 0, the node's
+    tunnel on the others), once it is up (tried again until `timeout_s`); RankGone at once when rank 0's gate
+    refused this node (`refused()` says why)."""
     import torch.distributed as dist
 
     from pdserve.shared.tp_group import RankGone
 
-    try:
-        return dist.TCPStore(nodes.host, nodes.port, None, False, timeout=_timeout(timeout_s))
-    except (RuntimeError, OSError) as exc:
-        raise RankGone(f"no tensor-parallel rank 0 at {nodes.host}:{nodes.port} within {timeout_s:g} s: {exc}") \
-            from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, None, False, timeout=_timeout(min(_TRY_S, timeout_s)))
+            store.set_timeout(_timeout(timeout_s))
+            return store
+        except (RuntimeError, OSError) as exc:
+            if refused():
+                raise RankGone(refused()) from None
+            if time.monotonic() > deadline:
+                raise RankGone(f"no tensor-parallel rank 0 at {where} within {timeout_s:g} s: {exc}") from None
 
 
 def refuse_late_node(store, nodes: Nodes) -> None:
@@ -150,7 +160,7 @@ def refuse_late_node(store, nodes: Nodes) -> None:
 
 def join(store, rank: int, alive, timeout_s: float) -> None:
     """A rank other than 0: say it joined, and wait until rank 0 says the group is formed."""
-    store.set(f"joined/{rank}", b"1")
+    store.add(f"joined/{rank}", 1)
     _wait(lambda: store.check([FORMED]), alive, timeout_s, lambda: f"rank {rank} waiting for rank 0 to form the group")
 
 
@@ -183,7 +193,13 @@ def told_settings(store, node: int) -> dict[str, str]:
     if token is not None and not hmac.compare_digest(mark, tag(token, key, body).hex().encode()):
         raise ValueError(f"node {node}'s settings failed their check: was it started without this worker's cluster "
                          f"token ({TOKEN_ENV}), or with another? (or they were written by a process without it)")
-    return json.loads(body)
+    try:
+        settings = json.loads(body)
+    except ValueError:
+        settings = None
+    if not isinstance(settings, dict) or not all(isinstance(v, str) for v in settings.values()):
+        raise ValueError(f"node {node}'s settings are not a JSON object of strings: not a pdserve node's")
+    return settings
 
 
 def check_settings(store, nodes: Nodes, mine: dict[str, str]) -> None:
@@ -201,7 +217,7 @@ def form(store, size: int, nodes_linked, alive, timeout_s: float, check=lambda: 
     """Rank 0: wait until every rank joined and `nodes_linked()` (every other node's liveness link is up), then
     `check()` what they told and say the group is formed. `alive()` raises when a rank or node is gone
     meanwhile."""
-    store.set("joined/0", b"1")
+    store.set("joined/0", b"1")  # (rank 0 is this process: it forms once)
     keys = [f"joined/{r}" for r in range(size)]
     told = [False]
 
@@ -218,6 +234,10 @@ def form(store, size: int, nodes_linked, alive, timeout_s: float, check=lambda: 
         return f"rank 0 waiting for rank(s) {gone} to join"
 
     _wait(ready, alive, timeout_s, missing)
+    twice = {r: n for r, key in enumerate(keys) if (n := int(store.get(key))) != 1}
+    if twice:
+        raise NodeClaimError("; ".join(f"rank {r} joined {n} times" for r, n in twice.items()) + ": two machines "
+                             "started with the same --node-rank? (each rank is one process of one node)")
     check()
     store.set(FORMED, b"1")
 

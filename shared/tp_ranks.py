@@ -1,10 +1,11 @@
 """A tensor-parallel worker's rank processes: the cores each one runs on, the processes rank 0 starts, and the
 life of a follower rank (`follow`: the leader's posts, shared/tp_step.py, until it says stop or is gone).
 
-On one machine the ranks talk through shared memory (shared/tp_group.py). Over several (`Launch.nodes`) rank 0
-serves the rendezvous store (shared/tp_nodes.py), posts through it (shared/tp_channel.py), sums through
+On one machine the ranks talk through shared memory (shared/tp_group.py), or meet for torch.distributed's
+collectives at a store rank 0 serves on loopback. Over several (`Launch.nodes`) rank 0 serves the rendezvous store
+behind its gate (shared/tp_nodes.py, shared/tp_gate.py), posts through it (shared/tp_channel.py), sums through
 torch.distributed and watches the other nodes' processes (shared/tp_link.py); each starts its own ranks
-(shared/tp_remote.py).
+(shared/tp_remote.py). A rank's store is always reached on loopback: rank 0's own, or its node's tunnel.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +25,7 @@ import torch
 
 from pdserve.shared.config import ModelConfig, RuntimeConfig
 from pdserve.shared.tp_channel import StoreBox
+from pdserve.shared.tp_gate import loopback_store
 from pdserve.shared.tp_group import Mailbox, RankGone, ShmGroup, TorchGroup, check_platform
 from pdserve.shared.tp_link import Link
 from pdserve.shared.tp_nodes import (LINK, Nodes, check_settings, client_store, form, join, master_store,
@@ -215,6 +216,8 @@ class Ranks:
             raise ValueError(f"tensor-parallel collectives must be shm or torch, got {launch.collectives!r}")
         self.procs: list[subprocess.Popen] = []
         self.link: Link | None = None
+        self.gate = None
+        self.store = None
         if launch.nodes is None:
             self._start_here()
         else:
@@ -224,11 +227,13 @@ class Ranks:
 
     def _start_here(self) -> None:
         launch = self.launch
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if self.cuda or launch.collectives == "torch" else ""
+        if self.cuda or launch.collectives == "torch":
+            self.store = loopback_store(START_TIMEOUT_S)
+        port = self.store.port if self.store is not None else 0
         self.box = Mailbox.create(launch.size)
         try:
             for r in range(1, launch.size):
-                self.procs.append(start_follower(self.config, r, launch, self.box.path, self.init_method))
+                self.procs.append(start_follower(self.config, r, launch, self.box.path, port))
             self.box.wait_attached(START_TIMEOUT_S, self.check_alive)
         except BaseException:
             self.close()
@@ -239,16 +244,15 @@ class Ranks:
     def _start_across(self, nodes: Nodes) -> None:
         """Serve the rendezvous, start this machine's other ranks, and return once every rank of every node has
         joined (each node's process linked)."""
-        self.init_method = ""
-        self.store = master_store(nodes, START_TIMEOUT_S)
-        self.link = Link.listen(self.launch.timeout_s)
+        self.store, self.gate = master_store(nodes, START_TIMEOUT_S)
+        self.link = Link.listen(self.launch.timeout_s, nodes.host, range(1, nodes.count))
         self.store.set(LINK, str(self.link.port).encode())
         self.link.start()
         self.box = StoreBox(self.store, 0, self.launch.size)
         log.info("tensor-parallel rank 0: %s", nodes.describe())
         try:
             for r in nodes.local[1:]:
-                self.procs.append(start_follower(self.config, r, self.launch))
+                self.procs.append(start_follower(self.config, r, self.launch, store_port=self.store.port))
             mine = settings_of(self.config, _backend(self.launch))
             form(self.store, self.launch.size, lambda: self.link.linked(range(1, nodes.count)), self.check_alive,
                  START_TIMEOUT_S, lambda: check_settings(self.store, nodes, mine))
@@ -267,10 +271,10 @@ class Ranks:
 
     def rank0(self, model_config: ModelConfig) -> TPRank:
         """Rank 0's TPRank (call on the thread that will step: the GPU group binds to it)."""
-        store = None if self.launch.nodes is None else _group_store(self.store)
+        store = None if self.store is None else _group_store(self.store)
         box = self.box if isinstance(self.box, Mailbox) else None
         return TPRank(Shards.plan(model_config, 0, self.launch.size), self.box,
-                      _group(0, self.launch, self.cuda, self.init_method, box, store))
+                      _group(0, self.launch, self.cuda, box, store))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """The followers leave (told by a STOP post before this, or by rank 0's exit); any still there after
@@ -285,18 +289,19 @@ class Ranks:
         if self.link is not None:
             self.link.say("the worker stopped")
             self.link.close()
+        if self.gate is not None:
+            self.gate.close()
 
 
-def _group(rank: int, launch: Launch, cuda: bool, init_method: str, box: Mailbox | None,
-           store=None) -> ShmGroup | TorchGroup:
-    """This rank's collectives: shared memory between CPU ranks of one machine, else torch.distributed (meeting
-    at `store` across machines, else at `init_method`)."""
+def _group(rank: int, launch: Launch, cuda: bool, box: Mailbox | None, store=None) -> ShmGroup | TorchGroup:
+    """This rank's collectives: shared memory between CPU ranks of one machine, else torch.distributed, meeting at
+    `store` (rank 0's)."""
     if cuda:
         device = torch.device("cuda", launch.base_gpu_id + launch.local(rank))
         torch.cuda.set_device(device)
-        return TorchGroup(rank, launch.size, init_method, launch.timeout_s, device, store)
+        return TorchGroup(rank, launch.size, "", launch.timeout_s, device, store)
     if launch.collectives == "torch" or box is None:
-        return TorchGroup(rank, launch.size, init_method, launch.timeout_s, torch.device("cpu"), store)
+        return TorchGroup(rank, launch.size, "", launch.timeout_s, torch.device("cpu"), store)
     return ShmGroup(box, launch.timeout_s)
 
 
@@ -318,25 +323,20 @@ def _pin(cpus: set[int], threads: int | None) -> None:
     torch.set_num_threads(min(threads, len(cpus)) if threads else len(cpus))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _FOLLOWER_ENTRY = "from pdserve.shared.tp_ranks import follower_entry; follower_entry()"
 
 
 def start_follower(config: RuntimeConfig, rank: int, launch: Launch, path: str = "",
-                   init_method: str = "") -> subprocess.Popen:
-    """A follower rank's process: a fresh interpreter, its arguments pickled down a pipe (rank 0's own data,
-    nothing a client sent). `path`: the mailbox on this machine; none for a worker over several machines."""
+                   store_port: int = 0) -> subprocess.Popen:
+    """A follower rank's process: a fresh interpreter, its arguments pickled down a pipe (this process's own
+    data, nothing a client or a peer sent). `path`: the mailbox on this machine; none for a worker over several
+    machines. `store_port`: where rank 0's store is on loopback (0: none)."""
     env = None
     if launch.nodes is not None:  # quiet the store's notes on each wait that times out while the worker is idle
         env = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     proc = subprocess.Popen([sys.executable, "-c", _FOLLOWER_ENTRY], stdin=subprocess.PIPE, env=env)
     try:
-        proc.stdin.write(pickle.dumps((config, rank, launch, path, init_method, logging.getLogger().level)))
+        proc.stdin.write(pickle.dumps((config, rank, launch, path, store_port, logging.getLogger().level)))
         proc.stdin.close()
     except BaseException:
         proc.kill()
@@ -350,7 +350,7 @@ def follower_entry() -> None:
     _follower_main(*pickle.load(sys.stdin.buffer))
 
 
-def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, init_method: str,
+def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, store_port: int,
                    log_level: int) -> None:
     """A follower rank's process: attach, load this rank's shards, follow rank 0 until it stops or is gone."""
     from pdserve.shared.logs import setup_logging
@@ -363,7 +363,7 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
     else:
         _pin(launch.cpus[launch.local(rank)], launch.threads)
     try:
-        box, group = _attach(rank, launch, cuda, path, init_method)
+        box, group = _attach(rank, launch, cuda, path, store_port)
         mc = ModelConfig.from_dir(config.model_path)
         tp = TPRank(Shards.plan(mc, rank, launch.size), box, group)
         runner = ModelRunner(config, mc, tp=tp)
@@ -377,14 +377,15 @@ def _follower_main(config: RuntimeConfig, rank: int, launch: Launch, path: str, 
     os._exit(0)
 
 
-def _attach(rank: int, launch: Launch, cuda: bool, path: str, init_method: str):
-    """A follower's mailbox and group: rank 0's shared memory, or across machines its store."""
+def _attach(rank: int, launch: Launch, cuda: bool, path: str, store_port: int):
+    """A follower's mailbox and group: rank 0's shared memory (and its store, for torch.distributed's
+    collectives), or across machines its store."""
+    store = client_store(store_port, START_TIMEOUT_S, f"127.0.0.1:{store_port}") if store_port else None
     if launch.nodes is None:
         box = Mailbox(path, rank, launch.size, create=False)
-        return box, _group(rank, launch, cuda, init_method, box)
-    store = client_store(launch.nodes, START_TIMEOUT_S)
+        return box, _group(rank, launch, cuda, box, None if store is None else _group_store(store))
     join(store, rank, lambda: None, START_TIMEOUT_S)
-    return StoreBox(store, rank, launch.size), _group(rank, launch, cuda, "", None, _group_store(store))
+    return StoreBox(store, rank, launch.size), _group(rank, launch, cuda, None, _group_store(store))
 
 
 def _die_with_parent() -> None:

@@ -1,9 +1,10 @@
 """A node other than 0 of a tensor-parallel worker over several machines: `pdserve <role> --nnodes K --node-rank R
 --dist-init-addr HOST:PORT` with R > 0 runs no endpoint, only its ranks.
 
-Its life: reach rank 0's rendezvous store at HOST:PORT (waiting for it to come up), refuse a group already formed
-without it, link to rank 0's node (shared/tp_link.py), start its ranks as followers (shared/tp_ranks.py), then
-watch both sides. It exits non-zero once the group is gone, so that its supervisor starts it again for the next
+Its life: reach rank 0's rendezvous store through a loopback tunnel to the gate at HOST:PORT (shared/tp_gate.py;
+waiting for it to come up), refuse a group already formed without it, link to rank 0's node (shared/tp_link.py:
+rank 0 grants its node number), tell its settings, start its ranks as followers (shared/tp_ranks.py, reaching the
+store through the same tunnel), then watch both sides. It exits non-zero once the group is gone, so that its supervisor starts it again for the next
 one: when rank 0's node is gone (its link closed or silent), when one of its ranks exits (it tells rank 0's node
 why, which stops the worker), or when rank 0 stopped the worker. SIGTERM stops its ranks and it exits 0.
 """
@@ -14,6 +15,7 @@ import signal
 import subprocess
 
 from pdserve.shared.config import RuntimeConfig
+from pdserve.shared.tp_gate import Tunnel
 from pdserve.shared.tp_group import RankGone
 from pdserve.shared.tp_link import BEAT_S, Link
 from pdserve.shared.tp_nodes import LINK, client_store, refuse_late_node, settings_of, tell_settings
@@ -38,23 +40,30 @@ def serve_node(config: RuntimeConfig, launch: Launch) -> int:
     stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    tunnel = None
     try:
-        store = client_store(nodes, START_TIMEOUT_S)
+        tunnel = Tunnel(nodes.host, nodes.port)
+        if (why := tunnel.reach(START_TIMEOUT_S)) is not None:
+            raise RankGone(why)
+        store = client_store(tunnel.port, START_TIMEOUT_S, f"{nodes.host}:{nodes.port}", lambda: tunnel.refused)
         refuse_late_node(store, nodes)
+        link = Link.connect(nodes.host, int(store.get(LINK)), nodes.rank, launch.timeout_s)
         backend = launch.transfer.backend if launch.transfer is not None else None
         tell_settings(store, nodes.rank, settings_of(config, backend))  # rank 0 checks them against its own
-        link = Link.connect(nodes.host, int(store.get(LINK)), nodes.rank, launch.timeout_s)
     except (RankGone, RuntimeError, ValueError) as exc:  # (torch.distributed's errors are RuntimeErrors)
         log.error("node %d: %s", nodes.rank, exc)
+        if tunnel is not None:
+            tunnel.close()
         return 1
     procs: dict[int, subprocess.Popen] = {}
     try:
         for r in nodes.local:
-            procs[r] = start_follower(config, r, launch)
+            procs[r] = start_follower(config, r, launch, store_port=tunnel.port)
         return _watch(link, procs, stop, nodes.rank)
     finally:
         _end(procs)
         link.close()
+        tunnel.close()
 
 
 def _watch(link: Link, procs: dict[int, subprocess.Popen], stop: _Stop, node: int) -> int:

@@ -32,7 +32,11 @@ class ApiError(Exception):
         return {"object": "error", "message": self.message, "type": self.type, "param": self.param,
                 "code": self.status}
 
-    def response(self) -> web.Response:
+    def response(self, nested: bool = False) -> web.Response:
+        """The error as JSON; `nested`: OpenAI's {"error": {...}} envelope, which SGLang's /v1/responses uses."""
+        if nested:
+            inner = {k: v for k, v in self.body().items() if k != "object"}
+            return web.json_response({"error": inner}, status=self.status)
         return web.json_response(self.body(), status=self.status)
 
 
@@ -43,7 +47,7 @@ class Busy(ApiError):
         super().__init__(status, message)
         self.retry_after_s = retry_after_s
 
-    def response(self):
-        response = super().response()
+    def response(self, nested: bool = False):
+        response = super().response(nested)
         response.headers["Retry-After"] = str(self.retry_after_s)
         return response

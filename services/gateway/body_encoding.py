@@ -34,8 +34,8 @@ class Unsupported(ApiError):
         super().__init__(415, message)
         self.accepted = accepted
 
-    def response(self) -> web.Response:
-        response = super().response()
+    def response(self, nested: bool = False) -> web.Response:
+        response = super().response(nested)
         response.headers["Accept-Encoding"] = self.accepted
         return response
 

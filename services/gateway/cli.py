@@ -251,7 +251,8 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
                       enable_cache_report=args.enable_cache_report,
                       api_key=args.api_key or None, admin_api_key=admin_key or None,
                       open_admin_routes=args.open_admin_routes, jobs_url=args.jobs_url, server_args=public_args,
-                      accepted_model_names=frozenset(names), is_embedding=args.is_embedding, limits=limits,
+                      accepted_model_names=frozenset(names), strict_model_name=bool(args.served_model_name),
+                      is_embedding=args.is_embedding, limits=limits,
                       inflate_bodies=args.inflate_request_bodies,
                       cpu=CpuPool(queue=args.cpu_pool_queue, deadline_s=args.cpu_pool_deadline))
     from pdserve.services.gateway.apis.served_models import build_embedding_gateway

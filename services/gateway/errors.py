@@ -1,7 +1,8 @@
 """Client-facing errors, in the OpenAI shape SGLang uses, mapped from exceptions in one place.
 
 Handlers raise `ApiError` (or let pydantic's `ValidationError` escape); `error_middleware` turns every
-exception into `{"object": "error", "message", "type", "param", "code"}` with its HTTP status. Anything
+exception into `{"object": "error", "message", "type", "param", "code"}` with its HTTP status (on /v1/responses
+in OpenAI's envelope, `{"error": {"message", "type", "param", "code"}}`, as SGLang answers there). Anything
 unexpected becomes a 500 whose body names no internals (the traceback goes to the log only).
 
 `read_json` is the one door for JSON bodies: one over the app's `client_max_size` (--max-body-bytes) is a 413 as
@@ -98,30 +99,40 @@ async def read_json(request: web.Request) -> dict:
     return body
 
 
+# Routes whose errors come in OpenAI's {"error": {...}} envelope, as SGLang sends them there.
+NESTED_ERROR_PREFIX = "/v1/responses"
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except ValidationError as exc:
-        return from_validation_error(exc).response()
-    except web.HTTPException as exc:
+    except Exception as exc:  # noqa: BLE001 - each kind is mapped by `as_api_error`, the rest re-raised
+        error = as_api_error(request, exc)
+    return error.response(nested=request.path.startswith(NESTED_ERROR_PREFIX))
+
+
+def as_api_error(request: web.Request, exc: Exception) -> ApiError:
+    """The client's answer for `exc`; re-raises what has none (a redirect, a client that went away)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         if exc.status == 404:
-            return ApiError(404, f"Route {request.method} {request.path} not found.").response()
+            return ApiError(404, f"Route {request.method} {request.path} not found.")
         if exc.status == 405:
-            return ApiError(405, f"Method {request.method} is not allowed for {request.path}.").response()
+            return ApiError(405, f"Method {request.method} is not allowed for {request.path}.")
         if exc.status == 413:
-            return too_large(request.client_max_size).response()
-        return ApiError(exc.status, exc.reason or "request failed").response()
-    except RecursionError:
+            return too_large(request.client_max_size)
+        return ApiError(exc.status, exc.reason or "request failed")
+    if isinstance(exc, RecursionError):
         # Only input nested deeper than Python's stack gets here (a JSON body parsed before read_json sees it,
         # as the model-kind check does): the client's doing, not the server's.
-        return bad_request("The request body is nested too deeply.").response()
-    except (ConnectionResetError, ConnectionError):
-        raise  # the client went away: nobody to answer
-    except Exception:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return ApiError(500, "Internal server error.").response()
+        return bad_request("The request body is nested too deeply.")
+    if isinstance(exc, ConnectionError):
+        raise exc  # the client went away: nobody to answer
+    log.error("unexpected error in %s %s", request.method, request.path, exc_info=exc)
+    return ApiError(500, "Internal server error.")

@@ -4,7 +4,8 @@ its engine process as rank 0), node 1 runs only rank 1 (`--node-rank 1`: no endp
 batched, from a colocated worker and from a decode worker over two nodes fed by a prefill worker; and when node
 1's process is killed, node 0's worker exits within seconds for its supervisor to start it again, leaving no
 process behind. Every process holds the cluster token, as the platform starts them: the posts, the settings and
-the link between the nodes are the authenticated ones, and a node 1 with another token is refused.
+the link between the nodes are the authenticated ones, and a node 1 with another token is refused at rank 0's
+rendezvous gate.
 
 The default model in fp32 (its 3 KV-head groups split 2 + 1 over the two nodes), as the other TP tests.
 """
@@ -137,12 +138,12 @@ def test_nodes_started_with_other_flags_are_a_start_error_naming_them():
         node1.kill()
 
 
-def test_a_node_with_another_cluster_token_is_refused_its_link():
+def test_a_node_with_another_cluster_token_is_refused_at_the_rendezvous():
     node0, _, node1 = two_nodes("colocated", node1_env={TOKEN_ENV: "another-token"})
     try:
         assert node1.popen.wait(120) != 0
-        assert "refused its link: its answer does not prove this worker's cluster token" in node1.tail(20)
-        assert "tensor-parallel link: refused a connection from 127.0.0.1" in node0.tail(40)
+        assert "refused this node: its answer does not prove this worker's cluster token" in node1.tail(20)
+        assert "tensor-parallel rendezvous: refused a connection from 127.0.0.1" in node0.tail(40)
         assert TOKEN not in node0.tail(200) and node0.popen.poll() is None  # it waits for a node that proves it
     finally:
         node0.kill()

@@ -25,6 +25,8 @@ def refused(r: requests.Response, param: str, *words: str) -> dict:
     """A 400 in the API's error shape naming `param`, whose message holds `words` (the limit, the flag)."""
     assert r.status_code == 400, r.text[:500]
     body = r.json()
+    if set(body) == {"error"}:  # /v1/responses: OpenAI's envelope, as SGLang answers there
+        body = {"object": "error", **body["error"]}
     assert set(body) == ERROR_KEYS and body["code"] == 400 and body["type"] == "invalid_request_error", body
     assert body["param"] == param, body
     for word in words:

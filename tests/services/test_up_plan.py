@@ -40,7 +40,8 @@ def test_plan_pd_pair_wires_every_service_to_the_others(tmp_path):
     assert flag_values(s["gateway"].args, "--decode") == ["127.0.0.1:20052"]
     assert flag_values(s["gateway"].args, "--jobs-url") == ["http://127.0.0.1:30010"]
     assert flag_values(s["gateway"].args, "--port") == ["30000"]
-    assert flag_values(s["gateway"].args, "--served-model-name") == ["SmolLM2"]
+    # Not named by the user: the gateway serves any `model` (SGLang without --served-model-name)
+    assert flag_values(s["gateway"].args, "--served-model-name") == []
     # Redis requires a password of this run, which reaches jobs in its environment only.
     password = urlsplit(s["jobs"].env["PDSERVE_REDIS_URL"]).password
     assert len(password) >= 32 and flag_values(s["jobs"].args, "--redis-url") == []
@@ -210,7 +211,8 @@ def test_flags_reach_the_services_that_take_them_under_sglang_names(tmp_path):
                 w.schedule_policy, w.dtype, w.log_level, w.random_seed, w.transfer_backend, w.log_format,
                 w.served_model_name) == (0.6, 1024, 7, 256, 32, "lpm", "float32", "debug", 11, "tcp", "json", "smol")
     g = parsed_args(s["gateway"].args)
-    assert (g.max_queued_requests, g.log_requests, g.log_level, g.log_format) == (5, True, "debug", "json")
+    assert (g.max_queued_requests, g.log_requests, g.log_level, g.log_format, g.served_model_name) == \
+        (5, True, "debug", "json", "smol")
     j = parsed_args(s["jobs"].args)
     assert (j.retries, j.log_level, j.log_format) == (1, "debug", "json")
     # Each goes only where it is a flag, and a flag not given is not passed: the service keeps its default.

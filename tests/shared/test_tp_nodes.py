@@ -22,7 +22,7 @@ from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from pdserve.shared.tp_channel import StoreBox
 from pdserve.shared.tp_group import RankGone
 from pdserve.shared.tp_link import Link, answer
-from pdserve.shared.tp_nodes import Nodes, check_settings, form, join, tell_settings
+from pdserve.shared.tp_nodes import NodeClaimError, Nodes, check_settings, form, join, tell_settings
 
 TOKEN = "test-cluster-token-3f9a1c"
 
@@ -143,7 +143,7 @@ def until(predicate, timeout_s: float = 5.0) -> float:
 
 @pytest.fixture
 def rank0_end():
-    link = Link.listen(timeout_s=1.5)
+    link = Link.listen(1.5, "127.0.0.1", range(1, 3))
     link.start()
     yield link
     link.close()
@@ -184,8 +184,13 @@ def test_beats_keep_a_link_alive_and_silence_ends_it(rank0_end):
 def test_a_node_hears_that_rank_0_is_gone_and_a_second_node_1_is_refused(rank0_end):
     node = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
     until(lambda: rank0_end.linked([1]))
-    with pytest.raises(RankGone, match="rank 0's node at 127.0.0.1:[0-9]+ refused its link: node 1 is already part"):
+    with pytest.raises(NodeClaimError, match="node 1: rank 0's node at 127.0.0.1:[0-9]+ refused its claim: node 1 is "
+                                             "already linked from 127.0.0.1: two machines started with --node-rank 1"):
         Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
+    for number in (0, 3, -1):  # rank 0's own, past --nnodes 3, not a number
+        with pytest.raises(NodeClaimError, match=f"refused its claim: node {number} is not a node of this worker: "
+                                                 r"the others are numbered 1 to 2 \(--nnodes 3\)"):
+            Link.connect("127.0.0.1", rank0_end.port, number, timeout_s=1.5)
     assert rank0_end.lost is None and rank0_end.linked([1])
     rank0_end.close()
     until(lambda: (node.poll(0.05), node.lost)[1] is not None)
@@ -246,7 +251,7 @@ def hello(port: int, token: str | None, node: int = 1, then=lambda: None) -> str
 
 def test_with_a_token_a_hello_that_does_not_prove_it_is_refused_and_the_node_still_links(token, monkeypatch,
                                                                                         caplog):
-    rank0_end = Link.listen(timeout_s=1.5)
+    rank0_end = Link.listen(1.5, "127.0.0.1", range(1, 3))
     rank0_end.start()
     try:
         assert "does not prove this worker's cluster token" in hello(rank0_end.port, "another-token")

@@ -21,7 +21,7 @@ from pdserve.services.gateway.intake.inputs import GRAMMAR_COMPILE_TIMEOUT_S, In
 from pdserve.services.gateway.json_codec import encode
 from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
-from pdserve.services.gateway.workers.adapters import adapter_of, lora_enabled, refresh_adapters
+from pdserve.services.gateway.workers.adapters import UnknownModel, adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.workers.backend import Backend
 from pdserve.services.gateway.workers.pool import Worker
 
@@ -45,6 +45,9 @@ class Gateway:
     jobs_url: str | None = None
     server_args: dict = field(default_factory=dict)  # for /get_server_info (never a key)
     accepted_model_names: frozenset[str] = frozenset()
+    # --served-model-name given: a request naming another model is refused (400), as SGLang does; without it any
+    # `model` is served by this one
+    strict_model_name: bool = False
     is_embedding: bool = False  # --is-embedding: a decoder served for its embeddings, not to generate
     created: int = field(default_factory=lambda: int(time.time()))
     inflate_bodies: bool = False  # --inflate-request-bodies: gzip and deflate bodies taken (bodies.py)
@@ -58,13 +61,15 @@ class Gateway:
                              self.limits, self.cpu, self.grammar_timeout_s)
 
     async def check_model(self, name: str | None) -> None:
-        """404 for a model this gateway does not serve (no name means the served model; a loaded LoRA adapter,
-        which shares the base model's tokenizer, is served too)."""
+        """Whether a request may name `name` (no name means the served model; a loaded LoRA adapter, which shares
+        the base model's tokenizer, is served too): see `adapter_of`."""
         await self.adapter_of(name)
 
     async def adapter_of(self, model: str | None, lora_path: str | None = None) -> str | None:
         """The LoRA adapter a request names by `model` or `lora_path` (None: the base model); see adapters.py.
-        One this process does not know is looked for again on the workers before it is refused."""
+        One this process does not know is looked for again on the workers before it is refused. A `model` that
+        names nothing served is SGLang's: a 400 when --served-model-name was given, else the base model serves
+        the request whatever its `model` says."""
         if model in self.accepted_model_names and lora_path is None:
             return None
         workers = self.backend.serving_workers()
@@ -72,10 +77,18 @@ class Gateway:
             return self._adapter_of(model, lora_path, workers)
         except ApiError:
             if not lora_enabled(workers):
-                raise
+                return self._unknown_model(model, lora_path, workers)
         # Another process of this gateway, or another replica, may have loaded it since this one last asked.
         await refresh_adapters(workers, self.backend.settings.rpc_timeout_s)
-        return self._adapter_of(model, lora_path, workers)
+        return self._unknown_model(model, lora_path, workers)
+
+    def _unknown_model(self, model: str | None, lora_path: str | None, workers: list[Worker]) -> str | None:
+        try:
+            return self._adapter_of(model, lora_path, workers)
+        except UnknownModel:
+            if self.strict_model_name:
+                raise
+        return self._adapter_of(None, lora_path, workers)
 
     def _adapter_of(self, model: str | None, lora_path: str | None, workers: list[Worker]) -> str | None:
         return adapter_of(model, lora_path, served=self.served_model_name, accepted=self.accepted_model_names,

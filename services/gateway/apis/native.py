@@ -13,12 +13,15 @@ from pdserve.services.gateway.apis.served_models import GENERATE, MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.intake.dialects import NATIVE
 from pdserve.services.gateway.intake.protocol import (UNSUPPORTED_NATIVE_SAMPLING, UNSUPPORTED_OPENAI, AbortRequestBody,
-                                                      DetokenizeRequest, GenerateRequest, NativeSampling,
-                                                      TokenizeRequest, parse, per_prompt, refuse_unsupported)
+                                                      ChatCompletionRequest, DetokenizeRequest, GenerateRequest,
+                                                      NativeSampling, TokenizeRequest, parse, per_prompt,
+                                                      refuse_unsupported)
+from pdserve.services.gateway.intake.tool_calls import plan_tools, template_messages
 from pdserve.services.gateway.siblings import SIBLINGS
+from pdserve.services.gateway.tokenization import ReservedTemplateKwarg
 from pdserve.services.gateway.workers.fan_in import merge_updates
 from pdserve.services.gateway.workers.generation import Generation
-from pdserve.services.gateway.workers.job import ChoiceResult, Job, TokenLogprob
+from pdserve.services.gateway.workers.job import ChoiceResult, Job
 from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.kv_events import cached_by_tier
 from pdserve.shared.sampling_params import SamplingParams
@@ -267,11 +270,19 @@ def flush_tiers(request: web.Request) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- tokenizer
 async def tokenize(request: web.Request) -> web.Response:
+    """SGLang's /tokenize (and /v1/tokenize): the ids of a `prompt`, or of the prompt a chat completion of
+    `messages` would run."""
     gw = request.app[GATEWAY]
-    req = parse(TokenizeRequest, await read_json(request))
+    body = await read_json(request)
+    req = parse(TokenizeRequest, body)
     await gw.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "Exactly one of 'prompt' or 'messages' must be provided.", "prompt")
     encode = gw.tokenizer.encode
     limit = gw.backend.context_length()
+    if req.messages is not None:
+        tokens = await _chat_prompt_ids(gw, body)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": limit})
     if isinstance(req.prompt, str):
         gw.inputs.check_text_size(req.prompt, "prompt")
         tokens = await gw.cpu.run(len(req.prompt), encode, req.prompt, add_special_tokens=req.add_special_tokens)
@@ -283,6 +294,30 @@ async def tokenize(request: web.Request) -> web.Response:
     lists = await gw.cpu.run(sum(map(len, req.prompt)), lambda: [
         encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt])
     return web.json_response({"tokens": lists, "count": [len(t) for t in lists], "max_model_len": limit})
+
+
+async def _chat_prompt_ids(gw: Gateway, body: dict) -> list[int]:
+    """The ids of the prompt /v1/chat/completions renders from `body`: the chat template over its messages, with
+    its tools unless tool_choice is "none" (the rendered template holds its special tokens: none are added)."""
+    gw.limits.chat(body)
+    chat = parse(ChatCompletionRequest, {k: v for k, v in body.items() if k not in ("prompt", "add_special_tokens")})
+    tools = plan_tools(chat, gw.tool_call_parser)
+    messages = template_messages(chat.template_messages())
+    chars = sum(len(m["content"]) for m in messages)
+    gw.inputs.check_chars(chars, "messages")
+
+    def render() -> list[int]:
+        text = gw.tokenizer.render_chat(messages, add_generation_prompt=chat.add_generation_prompt,
+                                        continue_final_message=chat.continue_final_message,
+                                        template_kwargs=chat.chat_template_kwargs, tools=tools.template_tools)
+        return gw.tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        return await gw.cpu.run(chars + 64 * len(messages), render)
+    except ReservedTemplateKwarg as exc:
+        raise ApiError(400, str(exc), f"chat_template_kwargs.{exc.name}") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages") from None
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -336,12 +371,14 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/server_info", get_server_info)  # SGLang's current name; /get_server_info the older
     app.router.add_get("/health", health)
     app.router.add_get("/live", live)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/flush_cache", flush_cache)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    for prefix in ("", "/v1"):  # SGLang serves both
+        app.router.add_post(prefix + "/tokenize", tokenize)
+        app.router.add_post(prefix + "/detokenize", detokenize)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)

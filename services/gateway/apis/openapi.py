@@ -38,6 +38,8 @@ BODIES: dict[str, type[BaseModel]] = {
     "/classify": NativeEncodeRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
     "/abort_request": AbortRequestBody,
     "/load_lora_adapter": LoadLoraRequest,
     "/unload_lora_adapter": UnloadLoraRequest,

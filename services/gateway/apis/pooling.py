@@ -121,6 +121,16 @@ def _usage(tokens: int) -> dict:
 
 # ---------------------------------------------------------------- /v1/score
 async def score(request: web.Request) -> web.Response:
+    """SGLang's /v1/score; its refusals carry SGLang's error type for them, "BadRequestError"."""
+    try:
+        return await _score(request)
+    except ApiError as exc:
+        if exc.status != 400:
+            raise
+        raise ApiError(400, exc.message, exc.param, "BadRequestError") from None
+
+
+async def _score(request: web.Request) -> web.Response:
     body = await read_json(request)
     limits = request.app[GATEWAY].limits
     limits.count(body.get("items"), "max_list_items", "items")
@@ -164,6 +174,16 @@ async def score(request: web.Request) -> web.Response:
                               "usage": _usage(result.prompt_tokens), "object": "scoring"})
 
 
+def _refuse_blank(given: object) -> None:
+    """SGLang's 400 for a text with nothing to embed (empty or whitespace only), in its words."""
+    if isinstance(given, str) and not given.strip():
+        raise ApiError(400, "Input cannot be empty or whitespace only", "input")
+    if isinstance(given, list):
+        blank = next((k for k, x in enumerate(given) if isinstance(x, str) and not x.strip()), None)
+        if blank is not None:
+            raise ApiError(400, f"Input at index {blank} cannot be empty or whitespace only", f"input.{blank}")
+
+
 def _probabilities(logprobs: list[float], renormalise: bool) -> list[float]:
     """The label tokens' probabilities: over the whole vocabulary, or (apply_softmax) over the labels alone."""
     if not renormalise:
@@ -188,6 +208,7 @@ async def embeddings(request: web.Request) -> web.Response:
     inputs = as_list(req.input)
     if not inputs:
         raise ApiError(400, "'input' must hold at least one item.", "input")
+    _refuse_blank(req.input)
     limit = gw.backend.context_length()
     keep = truncation(req.truncate_prompt_tokens, limit)
     many = not isinstance(req.input, str) and not (req.input and isinstance(req.input[0], int))

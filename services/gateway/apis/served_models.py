@@ -89,24 +89,20 @@ class ServedModels:
         self.models = models
         self.primary = models[0]
 
-    async def pick(self, name: str | None) -> ServedModel:
-        """The model a request names; 404 (or the primary's own 400 for an adapter name) for any other."""
+    async def pick(self, name: str | None, kind: str | None = None) -> ServedModel:
+        """The model a request names. A name nothing serves is SGLang's: a 400 when --served-model-name was
+        given, else the first model of `kind` (the primary when none is) serves the request."""
         if name is None:
             return self.primary
         for model in self.models:
             if name in model.gateway.accepted_model_names:
                 return model
-        try:
-            await self.primary.gateway.check_model(name)
+        if await self.primary.gateway.adapter_of(name) is not None:  # raises where names are strict
             return self.primary  # one of its LoRA adapters
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
-        served = ", ".join(repr(m.name) for m in self.models)
-        raise ApiError(404, f"The model {name!r} does not exist; this server serves {served}.", "model")
+        return next((m for m in self.models if m.kind == kind), self.primary)
 
     async def require(self, name: str | None, kind: str, endpoint: str) -> ServedModel:
-        model = await self.pick(name)
+        model = await self.pick(name, kind)
         if model.kind != kind:
             raise model.refuse(endpoint)
         return model

@@ -4,7 +4,8 @@ to shape the text), whatever the API's dialect.
 Every dialect's handler parses its body (its schema's sampling fields are generated from the dialect's table,
 dialects.py), renders and tokenizes its prompt through `Inputs` (inputs.py), then makes one call: `job`, which
 reads the sampling fields back through the same table into SamplingParams values (each with the API's name for
-it), caps the length at what the context leaves, adds a tool choice's grammar and the reasoning span, builds and
+it), refuses a length the context cannot hold (SGLang's 400; /v1/responses caps it) and caps an absent one at
+what the context leaves, adds a tool choice's grammar and the reasoning span, builds and
 validates the SamplingParams (a bad value is a 400 naming the field as the API spells it) and compiles its
 grammar, once each. The worker validates again at its own edge; nothing in between does.
 """
@@ -18,7 +19,7 @@ from pydantic import BaseModel
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.intake.constraints import (SGLANG_CONSTRAINTS, after_reasoning, constraint_values,
                                                          logit_bias_values)
-from pdserve.services.gateway.intake.dialects import Dialect
+from pdserve.services.gateway.intake.dialects import OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from pdserve.services.gateway.intake.inputs import Inputs
 from pdserve.services.gateway.intake.protocol import ResponseFormat
 from pdserve.services.gateway.intake.tool_calls import ToolPlan
@@ -69,6 +70,23 @@ def build_params(draft: Draft, vocab_size: int | None, params: type = SamplingPa
     return built
 
 
+def check_room(dialect: Dialect, draft: Draft, asked: object, prompt_tokens: int, context: int) -> None:
+    """SGLang's 400 for a length the context cannot hold, in its words (a client may match on them): more than
+    the whole context, or more than the prompt leaves of it. /v1/responses caps it instead, as SGLang does."""
+    if dialect.name == OPENAI_RESPONSES.name or not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+        return
+    param = draft.api_name("max_new_tokens")
+    name = "max_completion_tokens" if dialect.name == OPENAI_CHAT.name else param.rpartition(".")[2]
+    if asked > context:
+        raise ApiError(400, f"{name} is too large: {asked}. This model supports at most {context} completion "
+                            "tokens.", param)
+    if prompt_tokens + asked > context:
+        raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                            f"You requested a total of {prompt_tokens + asked} tokens: {prompt_tokens} tokens from "
+                            f"the input messages and {asked} tokens for the completion. Please reduce the number of "
+                            "tokens in the input messages or the completion to fit within the limit.", param)
+
+
 async def job(inputs: Inputs, dialect: Dialect, fields: BaseModel, ids: list[int], *, rid: str,
               lora: str | None, max_tokens: int | None, public_id: str = "", prefix: str = "",
               response_format: ResponseFormat | None = None, tools: ToolPlan | None = None,
@@ -76,13 +94,14 @@ async def job(inputs: Inputs, dialect: Dialect, fields: BaseModel, ids: list[int
     """The runtime's request for one prompt of `ids`. `fields`: the model that holds the dialect's sampling
     fields and the text options (stop strings, special tokens, trimming): the request, or native's
     `sampling_params` (at `prefix` in the body). `max_tokens`: what the client asked (None: as many as the
-    context leaves; more than it leaves is capped there). `tools`: the request's tool plan (its grammar, and
+    context leaves; more than it leaves is a 400, see `check_room`). `tools`: the request's tool plan (its grammar, and
     whether its output needs special tokens); `reasoning_parser`: the parser whose reasoning span the grammar
     starts after; `renamed`: runtime field -> the API's name, where this request spelt it otherwise;
     `elsewhere`: the fields the dialect carries outside its sampling fields (logprobs)."""
     draft = read(dialect, fields, prefix=prefix, response_format=response_format, **elsewhere)
-    draft.values["max_new_tokens"] = inputs.limits.new_tokens(max_tokens, len(ids), inputs.context_length())
     draft.names.update(renamed or {})
+    check_room(dialect, draft, max_tokens, len(ids), inputs.context_length())
+    draft.values["max_new_tokens"] = inputs.limits.new_tokens(max_tokens, len(ids), inputs.context_length())
     if tools is not None:
         draft.values, draft.names = tools.constrain(draft.values, draft.names)
     draft.values = after_reasoning(draft.values, reasoning_parser, inputs.tokenizer)

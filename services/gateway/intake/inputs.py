@@ -80,8 +80,9 @@ class Inputs:
         if not ids:
             raise ApiError(400, f"The prompt ({param!r}) is empty.", param)
         if len(ids) >= limit:
-            raise ApiError(400, f"The prompt ({param!r}) has {len(ids)} tokens, which is not shorter than the model's context "
-                                f"length of {limit} tokens.", param)
+            raise ApiError(400, f"The input ({len(ids)} tokens) is longer than the model's context length ({limit} "
+                                f"tokens); the prompt ({param!r}) must be shorter, to leave room for the answer.",
+                           param)
 
     async def check_constraint(self, params: SamplingParams, names: dict[str, str], prefix: str = "") -> None:
         """Compile params' grammar, in a child process (grammar_check.py): one that does not compile, or not

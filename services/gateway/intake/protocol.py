@@ -287,7 +287,10 @@ class GenerateRequest(_Schema):
 
 
 class TokenizeRequest(_Schema):
-    prompt: str | list[str]
+    """SGLang's /tokenize: a `prompt` (text or texts), or chat `messages` (with the chat request's `tools`,
+    `tool_choice` and template options, read by ChatCompletionRequest) rendered by the chat template."""
+    prompt: str | list[str] | None = None
+    messages: list[Any] | None = None
     add_special_tokens: bool = True
     model: str | None = None
 

@@ -171,12 +171,12 @@ def plan_tools(req: Any, parser_name: str | None) -> ToolPlan:
     """The plan for a ChatCompletionRequest; a 400 naming the field for anything malformed."""
     functions, tools_field = _functions(req)
     choice, function, choice_field = _choice(req, functions)
+    # SGLang's words for these three, which its clients match on
     if choice in ("required", "function") and not functions:
-        raise ApiError(400, f"Invalid value for '{choice_field}': '{choice_field}' is only allowed when "
-                            f"'{tools_field}' are specified.", choice_field)
+        which = "required" if choice == "required" else "a specific tool"
+        raise ApiError(400, f"Tools cannot be empty if tool choice is set to {which}.", choice_field)
     if function is not None and function not in {f.name for f in functions}:
-        raise ApiError(400, f"Invalid value for '{choice_field}': function {function!r} is not among the "
-                            f"given {tools_field} ({', '.join(f.name for f in functions)}).", choice_field)
+        raise ApiError(400, f"Tool '{function}' not found in tools list.", choice_field)
     return ToolPlan(tuple(functions), choice, function, req.parallel_tool_calls is not False,
                     get_parser(parser_name) if parser_name and choice == "auto" else None)
 

@@ -52,11 +52,21 @@ def lora_enabled(workers: list[Worker]) -> bool:
     return bool(infos) and all(info.lora_enabled for info in infos)
 
 
+class UnknownModel(ApiError):
+    """A `model` that names neither the served model nor a loaded adapter: SGLang's 400 where the server was
+    given --served-model-name; without one, the caller serves the request with the base model."""
+
+    def __init__(self, model: str, served: str, adapters: list[str]) -> None:
+        listed = f" (or one of its LoRA adapters: {', '.join(f'`{a}`' for a in adapters)})" if adapters else ""
+        super().__init__(400, f"The model `{model}` does not exist. The served model name is `{served}`{listed}.",
+                         "model")
+
+
 def adapter_of(model: str | None, lora_path: str | None, *, served: str, accepted: frozenset[str],
                workers: list[Worker]) -> str | None:
     """The adapter a request runs with (None: the base model). `served` is the gateway's model name, `accepted`
-    every name of its base model, `workers` the serving workers. 404 for a model that is neither the served one
-    nor a loaded adapter; 400 for an adapter that is not loaded or two that disagree."""
+    every name of its base model, `workers` the serving workers. UnknownModel for a model that is neither the
+    served one nor a loaded adapter; 400 for an adapter that is not loaded or two that disagree."""
     adapters = loaded_adapters(workers)
     from_model = None
     if model is not None and model not in accepted:
@@ -66,9 +76,7 @@ def adapter_of(model: str | None, lora_path: str | None, *, served: str, accepte
         elif model in adapters:
             from_model = model
         else:
-            listed = f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}" if adapters else ""
-            raise ApiError(404, f"The model {model!r} does not exist; this server serves {served!r}"
-                                f"{listed}.", "model")
+            raise UnknownModel(model, served, sorted(adapters))
     from_path = _by_path(workers, adapters, lora_path) if lora_path is not None else None
     if from_model is not None and from_path is not None and from_model != from_path:
         raise ApiError(400, f"'model' names LoRA adapter {from_model!r} but 'lora_path' names {from_path!r}.",

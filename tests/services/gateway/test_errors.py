@@ -94,14 +94,11 @@ def test_bad_json_body_is_400(colocated):
     check_error(r, 400)
 
 
-def test_unknown_model_and_route_are_404(colocated):
-    r = requests.post(colocated.open.url + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}, timeout=30)
-    assert "gpt-9" in check_error(r, 404, "model")["message"]
+def test_unknown_route_is_404_and_method_405(colocated):
+    # (A model name nothing serves is SGLang's: served here, 400 where --served-model-name was given:
+    # test_sglang_conformance.py.)
     check_error(requests.get(colocated.open.url + "/v1/nothing/here", timeout=30), 404)
     check_error(requests.delete(colocated.open.url + "/v1/chat/completions", timeout=30), 405)
-    c = openai.OpenAI(base_url=colocated.open.base, api_key="x", max_retries=0)
-    with pytest.raises(openai.NotFoundError):
-        c.chat.completions.create(model="gpt-9", messages=CHAT["messages"])
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),

@@ -212,7 +212,7 @@ def test_keys_by_x_api_key_or_bearer_and_anthropic_errors(colocated):
      "invalid_request_error", "tool_choice"),
     ({"model": "default", "max_tokens": 4, "messages": FRANCE, "tools": [WEATHER],
       "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error", "tool_choice.name"),
-    ({"model": "nope", "max_tokens": 4, "messages": FRANCE}, 404, "not_found_error", "nope"),
+    ({"model": "default", "max_tokens": 10**6, "messages": FRANCE}, 400, "invalid_request_error", "max_tokens"),
 ])
 def test_bad_requests_are_anthropic_errors_naming_the_field(colocated, body, status, kind, field):
     r = requests.post(colocated.open.url + "/v1/messages", json=body, timeout=30)

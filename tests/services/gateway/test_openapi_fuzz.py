@@ -115,6 +115,8 @@ def check(case) -> None:
         error = response.json()
         if case.formatted_path.startswith("/v1/messages"):  # Anthropic's shape on its routes
             assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"]
+        elif case.formatted_path.startswith("/v1/responses"):  # OpenAI's envelope, as SGLang's there
+            assert error["error"]["code"] == response.status_code and error["error"]["message"]
         else:
             assert error["object"] == "error" and error["code"] == response.status_code and error["message"]
         assert "Traceback" not in response.text

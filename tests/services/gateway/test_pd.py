@@ -140,6 +140,30 @@ def test_pd_a_conversations_next_turn_is_computed_by_the_decode_worker_holding_i
     assert second.output_text
 
 
+def test_pd_serves_any_model_name_over_the_prompt_v1_tokenize_counts(pd):
+    # SGLang's surface through prefill and decode (issue 59): no --served-model-name, so any `model` is served;
+    # the prompt /v1/tokenize counts for the messages is the one the workers are charged for.
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="gpt-9", messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content and r.model == "gpt-9"
+    counted = requests.post(gw.url + "/v1/tokenize", json={"messages": QUESTION}, timeout=30).json()
+    assert counted["count"] == r.usage.prompt_tokens
+    assert counted["max_model_len"] == requests.get(gw.url + "/server_info", timeout=30).json()["context_length"]
+
+
+def test_pd_a_length_the_context_cannot_hold_is_a_400_not_capped(pd):
+    system, gw, paddrs, daddrs = pd
+    limit = requests.get(gw.url + "/server_info", timeout=30).json()["context_length"]
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="default", messages=QUESTION, max_tokens=limit + 1)
+    assert f"max_completion_tokens is too large: {limit + 1}" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="default", prompt="The capital of France is", max_tokens=limit - 2)
+    assert f"exceeds the model's maximum context length of {limit} tokens" in str(err.value)
+
+
 async def test_killing_workers_mid_run(pd):
     system, gw, paddrs, daddrs = pd
     c = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)

@@ -52,12 +52,14 @@ class Responses:
         self.running: dict[str, asyncio.Task] = {}
 
     async def read(self, response_id: str, param: str | None = None) -> Stored:
-        """The stored response; 404 in OpenAI's shape when there is none."""
+        """The stored response; when there is none, a 404 (a 400 where a request names it: `param`)."""
         record = await self.call(self.store.get(response_id)) if is_response_id(response_id) else None
         if record is None:
             where = f" Responses are kept {self.store.where}." if not self.store.shared else ""
-            raise ApiError(404, f"Response with id {response_id!r} not found (never stored, expired or deleted)."
-                                f"{where}", param)
+            # a request that names one is a bad request (400, as OpenAI answers); a path that names one, a 404
+            status = 400 if param == "previous_response_id" else 404
+            raise ApiError(status, f"Response with id {response_id!r} not found (never stored, expired or "
+                                   f"deleted).{where}", param)
         return record
 
     async def call(self, awaitable):
