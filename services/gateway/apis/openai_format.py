@@ -78,10 +78,16 @@ def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: 
             "choices": choices, "usage": usage_}
 
 
+DELTA_FIELDS = ("content", "reasoning_content", "tool_calls")
+
+
 def chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
                  matched_stop: int | str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-            "matched_stop": matched_stop}
+    """`delta`: what the chunk brings; the delta fields it does not bring are null, as SGLang sends them, so a
+    client reading one finds it (the openai SDK's ChoiceDelta does not declare `reasoning_content`: read on a
+    chunk without the key, it raises AttributeError). The role is sent once, on each choice's first chunk."""
+    return {"index": index, "delta": {**delta, **{name: delta.get(name) for name in DELTA_FIELDS}},
+            "logprobs": logprobs, "finish_reason": finish_reason, "matched_stop": matched_stop}
 
 
 # ---------------------------------------------------------------- completions
