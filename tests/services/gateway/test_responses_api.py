@@ -226,7 +226,7 @@ def test_without_redis_responses_chain_in_memory(colocated):
     first = ask(client, "Hello there.")
     second = ask(client, "Again.", previous_response_id=first.id)
     assert second.usage.input_tokens > first.usage.input_tokens
-    with pytest.raises(openai.NotFoundError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         ask(client, previous_response_id="resp_" + "1" * 32)
     assert "memory" in err.value.body["message"]  # says why another replica or a restart would not have it
 
