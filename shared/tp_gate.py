@@ -73,13 +73,24 @@ class Door:
         return conn
 
 
-def bind(host: str, port: int, what: str) -> socket.socket:
-    """A listening socket on `host` only (never every interface); a ValueError says why it cannot be."""
-    try:
-        listener = socket.create_server((host, port))
-    except OSError as exc:
-        raise ValueError(f"cannot listen for {what} on {host}:{port} (it must be an address of this machine, and "
-                         f"the port free): {exc}") from None
+def bind(host: str, port: int, what: str, resolve_s: float = 30.0) -> socket.socket:
+    """A listening socket on `host` only (never every interface); a ValueError says why it cannot be. A name that
+    does not resolve yet is tried again for `resolve_s` (a pod's own DNS name is published shortly after it
+    starts)."""
+    deadline = time.monotonic() + resolve_s
+    while True:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            listener = socket.create_server((host, port))
+            break
+        except socket.gaierror as exc:
+            if time.monotonic() > deadline:
+                raise ValueError(f"cannot listen for {what} on {host}:{port}: the name does not resolve ({exc})") \
+                    from None
+            time.sleep(1.0)
+        except OSError as exc:
+            raise ValueError(f"cannot listen for {what} on {host}:{port} (it must be an address of this machine, "
+                             f"and the port free): {exc}") from None
     listener.settimeout(_WAIT_S)
     return listener
 
@@ -98,7 +109,8 @@ def loopback_store(timeout_s: float):
 
 
 class _Doorway:
-    """A door served on a thread of its own, each connection on a thread of its own."""
+    """A door served on a thread of its own, each connection on a thread of its own (a subclass sets what
+    `carry` needs before it calls this `__init__`, which opens the door)."""
 
     def __init__(self, listener: socket.socket, what: str) -> None:
         self.door = Door(listener, what)
@@ -152,9 +164,9 @@ class Gate(_Doorway):
     """Rank 0's rendezvous port: a connection that proves the token reaches the store on `store_port`."""
 
     def __init__(self, host: str, port: int, store_port: int) -> None:
-        super().__init__(bind(host, port, "the ranks' rendezvous (--dist-init-addr)"), "tensor-parallel rendezvous")
         self.store_port = store_port
         self.token = cluster_token()
+        super().__init__(bind(host, port, "the ranks' rendezvous (--dist-init-addr)"), "tensor-parallel rendezvous")
 
     def carry(self, sock: socket.socket, where: str, hello_done) -> None:
         nonce = challenge()
@@ -185,10 +197,10 @@ class Tunnel(_Doorway):
     `refused`: why the gate refused the last one (another token?), for the node's error."""
 
     def __init__(self, host: str, port: int) -> None:
-        super().__init__(bind("127.0.0.1", 0, "this node's way to rank 0's store"), "tensor-parallel tunnel")
         self.host, self.gate_port = host, port
         self.token = cluster_token()
         self.refused: str | None = None
+        super().__init__(bind("127.0.0.1", 0, "this node's way to rank 0's store"), "tensor-parallel tunnel")
 
     def reach(self, timeout_s: float) -> str | None:
         """Wait until the gate lets this node in (None), or why not: refused, or not up within `timeout_s`. (So

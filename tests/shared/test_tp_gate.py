@@ -87,7 +87,8 @@ def knock(port: int, token: str | None) -> str:
 def test_two_ranks_meet_through_the_gate_while_processes_without_the_token_are_refused(tmp_path):
     port, marker = free_port(), tmp_path / "unpickled"
     rank0 = rank(0, port, marker, TOKEN)
-    procs = [rank0]
+    stranger = rank(1, port, marker, "another-token")  # a rank 1 with another token: told why once rank 0 is up
+    procs = [rank0, stranger]
     try:
         assert rank0.stdout.readline().strip() == "up"
         with pytest.raises(dist.DistNetworkError):  # torch's own client, straight at the port: no key, no count
@@ -95,9 +96,7 @@ def test_two_ranks_meet_through_the_gate_while_processes_without_the_token_are_r
         said = knock(port, "another-token")
         assert said.startswith(REFUSED) and "does not prove this worker's cluster token" in said
         assert knock(port, TOKEN) == OPEN
-        stranger = rank(1, port, marker, "another-token")  # a rank 1 with another token: told why, at once
-        procs.append(stranger)
-        assert stranger.wait(30) == 3
+        assert stranger.wait(60) == 3
         assert "refused this node: its answer does not prove this worker's cluster token" in stranger.stdout.read()
         rank1 = rank(1, port, marker, TOKEN)
         procs.append(rank1)
