@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "gateway's memory); give a URL with a password in the variable: a flag shows in `ps`")
     parser.add_argument("--responses-ttl", type=float, default=7 * 24 * 3600, metavar="SECONDS",
                         help="stored responses expire this long after their last change (default: 7 days)")
+    parser.add_argument("--responses-incomplete-status", action="store_true",
+                        help="a /v1/responses response cut by max_output_tokens ends with status 'incomplete' and "
+                             "a response.incomplete event, as OpenAI's API does (default: 'completed' and "
+                             "response.completed, as SGLang does, which the openai SDK's responses.stream() needs)")
     parser.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker checks")
     parser.add_argument("--embedding-model", default=os.environ.get("PDSERVE_EMBEDDING_MODEL") or None,
                         metavar="PATH",
@@ -254,6 +258,7 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
                       accepted_model_names=frozenset(names), strict_model_name=bool(args.served_model_name),
                       is_embedding=args.is_embedding, limits=limits,
                       inflate_bodies=args.inflate_request_bodies,
+                      responses_incomplete_status=args.responses_incomplete_status,
                       cpu=CpuPool(queue=args.cpu_pool_queue, deadline_s=args.cpu_pool_deadline))
     from pdserve.services.gateway.apis.served_models import build_embedding_gateway
 

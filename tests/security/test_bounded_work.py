@@ -328,6 +328,7 @@ def test_the_operators_cap_on_new_tokens_holds_on_every_api(hostile, default_mod
                                                "ignore_eos": True}).json()
         assert chat["usage"]["completion_tokens"] == 3, chat
         assert messages["usage"]["output_tokens"] == 3 and messages["stop_reason"] == "max_tokens", messages
-        assert responses["usage"]["output_tokens"] == 3 and responses["status"] == "incomplete", responses
+        assert responses["usage"]["output_tokens"] == 3, responses
+        assert responses["incomplete_details"] == {"reason": "max_output_tokens"}, responses
     finally:
         gw.proc.stop()

@@ -54,6 +54,9 @@ class Gateway:
     limits: Limits = field(default_factory=Limits)  # what one request may ask (limits.py)
     cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing and rendering of large inputs, off the event loop
     grammar_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # budget of one grammar's compile (400 past it)
+    # --responses-incomplete-status: a response cut by max_output_tokens is OpenAI's `incomplete`, not SGLang's
+    # `completed` (responses/output.py `outcome`)
+    responses_incomplete_status: bool = False
     inputs: Inputs = field(init=False)
 
     def __post_init__(self) -> None:

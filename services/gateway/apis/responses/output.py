@@ -178,17 +178,24 @@ def shell(rid: str, req: Any, model: str, tools: list[dict], tool_choice: Any, s
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
+    """OpenAI's names, and SGLang's (`prompt_tokens`, `completion_tokens`) for clients written against it."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": input_tokens + output_tokens}
+            "total_tokens": input_tokens + output_tokens,
+            "prompt_tokens": input_tokens, "completion_tokens": output_tokens}
 
 
-def outcome(finish_reason: str | None) -> tuple[str, dict | None]:
-    """(status, incomplete_details) for how the generation ended."""
+def outcome(finish_reason: str | None, incomplete_status: bool) -> tuple[str, dict | None]:
+    """(status, incomplete_details) for how the generation ended.
+
+    An output cut by max_output_tokens has `incomplete_details` either way; its status is SGLang's `completed`
+    unless `incomplete_status` (the gateway's --responses-incomplete-status) asks for OpenAI's `incomplete`:
+    the openai SDK's `responses.stream()` helper raises on a stream that ends without `response.completed`.
+    """
     if finish_reason == "abort":
         return "cancelled", None
     if finish_reason in INCOMPLETE:
-        return "incomplete", {"reason": INCOMPLETE[finish_reason]}
+        return "incomplete" if incomplete_status else "completed", {"reason": INCOMPLETE[finish_reason]}
     return "completed", None
 
 

@@ -191,8 +191,8 @@ def finish(gw: Gateway, gen, builder: out.OutputBuilder, response: dict, text: s
            finish_reason: str | None) -> tuple[dict, list[dict]]:
     """(the response object once the generation ended, the events that end its items); `text`: the output not
     pushed to `builder` yet."""
-    status, incomplete = out.outcome(finish_reason)
-    events = builder.push(text, final=True, status="incomplete" if status == "incomplete" else "completed")
+    status, incomplete = out.outcome(finish_reason, gw.responses_incomplete_status)
+    events = builder.push(text, final=True, status="incomplete" if incomplete else "completed")
     reasoning = builder.reasoning_text
     reasoning_tokens = len(gw.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
     usage = out.usage(gen.prompt_tokens, gen.completion_tokens, gw.reported_cached(gen.cached_tokens),
