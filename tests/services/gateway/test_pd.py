@@ -86,6 +86,30 @@ def test_pd_tool_choice_is_enforced_from_the_first_token(pd):
         assert streamed == call.function.arguments
 
 
+def test_pd_tool_choice_required_with_defs_and_every_delta_field(pd):
+    # The hoisted $defs compile on both workers; the streamed deltas carry content, reasoning_content, tool_calls.
+    import json
+
+    import jsonschema
+
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    address = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+               "required": ["city"], "additionalProperties": False}
+    params = {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+              "additionalProperties": False, "$defs": {"Address": address}}
+    kwargs = dict(model="default", messages=[{"role": "user", "content": "Ship it to Paris."}], temperature=0,
+                  max_tokens=40, tools=[{"type": "function", "function": {"name": "ship", "parameters": params}}],
+                  tool_choice="required", parallel_tool_calls=False)
+    call = c.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    chunks = list(c.chat.completions.create(**kwargs, stream=True))
+    assert all({"content", "reasoning_content", "tool_calls"} <= set(ch.choices[0].delta.model_dump())
+               and ch.choices[0].delta.reasoning_content is None for ch in chunks)
+    assert "".join(tc.function.arguments or "" for ch in chunks for tc in ch.choices[0].delta.tool_calls or []) \
+        == call.function.arguments
+
+
 def test_pd_a_responses_chain_is_prefilled_from_the_cache_of_the_worker_holding_it(pd):
     # Two prefill workers: the chained turn goes to the one whose radix cache holds the first exchange.
     system, gw, paddrs, daddrs = pd
