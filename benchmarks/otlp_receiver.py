@@ -24,6 +24,7 @@ class Span:
     start: int
     end: int
     links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id) of each linked span
+    trace_state: str = ""  # W3C tracestate
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                         self.spans.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(),
                                                s.parent_span_id.hex(), attrs, [e.name for e in s.events],
                                                s.status.code, s.start_time_unix_nano, s.end_time_unix_nano,
-                                               [(k.trace_id.hex(), k.span_id.hex()) for k in s.links]))
+                                               [(k.trace_id.hex(), k.span_id.hex()) for k in s.links],
+                                               s.trace_state))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def trace(self, trace_id: str, services: set[str], timeout: float = 15.0,
@@ -76,12 +78,16 @@ def _value(v):
     return getattr(v, kind) if kind else None
 
 
-def serve() -> tuple[grpc.Server, Receiver, str]:
-    """A started receiver: (its server, to stop; its spans; its host:port)."""
+def serve(tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, Receiver, str]:
+    """A started receiver: (its server, to stop; its spans; its host:port). `tls`: (private key, certificate) in
+    PEM, to take spans over TLS only."""
     server = grpc.server(futures.ThreadPoolExecutor(4))
     sink = Receiver()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([tls]))
     server.start()
     return server, sink, f"127.0.0.1:{port}"
 

@@ -118,8 +118,9 @@ SPAN_KEY = "pdserve.span"
 
 def request_span(request: web.Request, rid: str):
     """The server span of one HTTP request: a child of the client's `traceparent` when it sent a valid one,
-    else the root of a new trace (a malformed header is ignored, never an error)."""
-    parent = tracing.context_from(request.headers.get("traceparent"), request.headers.get("tracestate"))
+    else the root of a new trace (a malformed header is ignored, never an error); sampled as tracing.client_context
+    decides."""
+    parent = tracing.client_context(request.headers.get("traceparent"), request.headers.get("tracestate"))
     gateway = request.app[GATEWAY]
     span = tracing.tracer().start_span(
         f"{request.method} {_route_name(request)}", context=parent, kind=SpanKind.SERVER,

@@ -15,7 +15,8 @@ from pdserve.services.gateway.cpu_pool import DEFAULT_DEADLINE_S, DEFAULT_QUEUE,
 from pdserve.services.gateway.intake.reasoning import PARSERS
 from pdserve.services.gateway.intake.tool_parsers import PARSERS as TOOL_PARSERS
 from pdserve.services.gateway.workers.router import POLICIES
-from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
+from pdserve.services.tracing import (add_trace_flags, on_content_dropped, on_dropped, setup_tracing,
+                                      shutdown_tracing)
 from pdserve.shared.logs import add_log_arguments, setup_logging
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace, name: str = "gateway", siblings: Siblings | No
         from pdserve.services.gateway.apis.context import GATEWAY
 
         on_dropped(app[GATEWAY].backend.metrics.trace_spans_dropped.inc)
+        on_content_dropped(app[GATEWAY].backend.metrics.trace_content_dropped.inc)
     try:
         return asyncio.run(_serve(app, args, name))
     finally:

@@ -58,6 +58,9 @@ class GatewayMetrics:
         self.trace_spans_dropped = Counter("pdserve_gateway_trace_spans_dropped", "spans the trace collector did "
                                            "not take (unreachable, slow or refusing): dropped, never retried",
                                            registry=r)
+        self.trace_content_dropped = Counter("pdserve_gateway_trace_content_dropped", "spans exported without "
+                                             "their prompt and completions: the content awaiting export was at "
+                                             "--otlp-traces-content-max-size", registry=r)
         self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
                                   "mid-stream, continuing from the tokens already out", registry=r)
 

@@ -16,7 +16,7 @@ import time
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -125,6 +125,9 @@ class WorkerApp:
                                on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval,
                                generates=info["generates"])
         worker.kv_feed = self.kv_feed
+        Gauge("pdserve_worker_traced_generations", "traced generations in progress: their spans open",
+              ["model_name"], registry=self.registry).labels(self.args.served_model_name or self.model_path
+                                                             ).set_function(lambda: len(worker.traced))
         pb_grpc.add_WorkerServicer_to_server(worker, server)
         pb_grpc.add_PoolingServicer_to_server(PoolingService(engine_encode(self.link), wiring.refuses_pooling), server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")

@@ -98,8 +98,11 @@ class AdminCalls:
 
     @runs("thread")
     def call_metrics(self) -> bytes:
+        def refresh() -> None:  # on the engine thread, whose state the trace records are
+            self.metrics.refresh(self.engine)
+            self.metrics.trace_records.set(len(self.traced))
         try:
-            self.on_engine(lambda: self.metrics.refresh(self.engine), METRICS_REFRESH_S)
+            self.on_engine(refresh, METRICS_REFRESH_S)
         except TimeoutError:
             pass  # a long step: the gauges stay as the previous scrape left them
         return generate_latest(self.metrics.registry)

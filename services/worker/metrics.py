@@ -67,6 +67,9 @@ class WorkerMetrics(RequestObserver):
         self.free_pages = Gauge("pdserve_worker_free_pages", "KV pages free or evictable", NAME, registry=r).labels(m)
         self.cached_pages = Gauge("pdserve_worker_cached_pages", "KV pages held by the prefix cache", NAME,
                                   registry=r).labels(m)
+        self.trace_records = Gauge("pdserve_worker_engine_trace_records", "requests whose timings the engine keeps "
+                                   "for a span not ended yet (traced generations in progress)", NAME,
+                                   registry=r).labels(m)
         # Configuration, set once.
         Gauge("sglang:max_total_num_tokens", "tokens the KV cache holds", NAME, registry=r).labels(m).set(
             num_pages * page_size)

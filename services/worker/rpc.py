@@ -252,8 +252,8 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             self.link.unwatch(request.rid)
             self.prompts.abort(request.rid)  # a Prefill call already started for it is cancelled
             traced = self.traced.pop(request.rid, None)
-            if traced is not None:
-                spans.end_failed(traced.span, "refused")
+            if traced is not None:  # the engine may have taken it first: its record of the request goes too
+                asyncio.ensure_future(self._end_span(request.rid, traced, False, time.monotonic()))
             raise
         self.public_ids[request.rid] = request.public_id  # until `_end`
         return params

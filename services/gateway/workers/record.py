@@ -91,10 +91,10 @@ class GenerationRecord:
         reasons = [c.finish_reason for c in gen.choices if c.finish_reason]
         if reasons:
             server.set_attribute("gen_ai.response.finish_reasons", reasons)
-        if tracing.include_content():  # --otlp-traces-include-content: the operator asked for the text
-            server.set_attribute("pdserve.prompt", gen.tokenizer.decode(gen.job.input_ids)[:CONTENT_CHARS])
-            server.set_attribute("pdserve.completions", [gen.tokenizer.decode(c.output_ids)[:CONTENT_CHARS]
-                                                         for c in gen.choices])
+        if tracing.include_content() and server.is_recording():  # the operator asked for the text
+            tracing.set_content(server, {
+                "pdserve.prompt": gen.tokenizer.decode(gen.job.input_ids)[:CONTENT_CHARS],
+                "pdserve.completions": [gen.tokenizer.decode(c.output_ids)[:CONTENT_CHARS] for c in gen.choices]})
 
     def finish(self, gen: Generation) -> Timeline:
         """The generation's timeline, complete now that it has ended (Backend records it)."""
