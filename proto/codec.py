@@ -79,6 +79,7 @@ def output_to_proto(out: ReqOutput) -> pb.ChoiceDelta:
         token_ids=out.token_ids,
         logprobs=[lp.logprob for lp in out.logprobs],
         top_logprobs=[pb.TopLogprob(token_ids=lp.top_ids, logprobs=lp.top_logprobs) for lp in out.logprobs],
+        token_ids_logprobs=[pb.TopLogprob(logprobs=lp.id_logprobs) for lp in out.logprobs if lp.id_logprobs],
         finish_reason=out.finish_reason or "",
         matched_stop_token=-1 if out.matched_stop_token is None else out.matched_stop_token,
     )
@@ -87,19 +88,22 @@ def output_to_proto(out: ReqOutput) -> pb.ChoiceDelta:
 def first_token_to_proto(first: FirstToken) -> pb.FirstToken:
     if first.logprob is None:
         return pb.FirstToken(token_id=first.token_id)
-    return pb.FirstToken(token_id=first.token_id, has_logprob=True, logprob=first.logprob.logprob,
-                         top=pb.TopLogprob(token_ids=first.logprob.top_ids, logprobs=first.logprob.top_logprobs))
+    lp = first.logprob
+    return pb.FirstToken(token_id=first.token_id, has_logprob=True, logprob=lp.logprob,
+                         top=pb.TopLogprob(token_ids=lp.top_ids, logprobs=lp.top_logprobs),
+                         ids=pb.TopLogprob(logprobs=lp.id_logprobs))
 
 
 def prompt_logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.PromptLogprob]:
-    return [pb.PromptLogprob(logprob=lp.logprob, top=pb.TopLogprob(token_ids=lp.top_ids, logprobs=lp.top_logprobs))
-            for lp in logprobs]
+    return [pb.PromptLogprob(logprob=lp.logprob, top=pb.TopLogprob(token_ids=lp.top_ids, logprobs=lp.top_logprobs),
+                             ids=pb.TopLogprob(logprobs=lp.id_logprobs)) for lp in logprobs]
 
 
 def first_token_from_proto(msg: pb.FirstToken) -> FirstToken:
     if not msg.has_logprob:
         return FirstToken(msg.token_id, None)
-    return FirstToken(msg.token_id, TokenLogprobs(msg.logprob, list(msg.top.token_ids), list(msg.top.logprobs)))
+    return FirstToken(msg.token_id, TokenLogprobs(msg.logprob, list(msg.top.token_ids), list(msg.top.logprobs),
+                                                  list(msg.ids.logprobs)))
 
 
 # ------------------------------------------------------------------ peer compatibility

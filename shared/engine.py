@@ -36,7 +36,8 @@ from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles import TransferFn, make_role
-from pdserve.shared.sampler import HostCopy, Sampler, make_generator
+from pdserve.shared.logprobs import HostCopy, prompt_logprobs
+from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
 from pdserve.shared.seeded_draws import position_generator
@@ -234,7 +235,8 @@ class Engine:
 
     def postprocess(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> None:
         if batch.prompt_rows:
-            self._prompt_logprobs(batch)
+            prompt_logprobs(batch.prompt_logits, batch.prompt_rows)
+            batch.prompt_logits = None
         rows, reqs = self.account(batch, compute_s)
         if reqs:
             tokens, logprobs = self.sample(logits, rows, reqs)
@@ -309,25 +311,13 @@ class Engine:
                                             [r.output_ids for r in reqs], generators,
                                             self.model_config.eos_token_ids))
 
-    def _prompt_logprobs(self, batch: Batch) -> None:
-        """Append to each request the logprobs of the prompt tokens this chunk's logits predict."""
-        logprobs = torch.log_softmax(batch.prompt_logits.float(), dim=-1)
-        offset = 0
-        for req, first, count in batch.prompt_rows:
-            rows = logprobs[offset:offset + count]
-            offset += count
-            targets = torch.tensor(req.input_ids[first + 1:first + 1 + count], device=rows.device)
-            chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
-            k = req.params.top_logprobs_num
-            top_lps, top_ids = rows.topk(k, dim=-1) if k else (None, None)
-            for i, lp in enumerate(chosen):
-                req.input_logprobs.append(TokenLogprobs(lp, top_ids[i].tolist() if k else [],
-                                                        top_lps[i].tolist() if k else []))
-        batch.prompt_logits = None
-
     def append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if req.params.max_new_tokens == 0:  # computed for its prompt's logprobs only: the token is not output
+            req.finish_reason = "length"
+            self.scheduler.remove(req, cache=True)
+            return
         if req.grammar is not None and not req.grammar.accept(token):
             # Only when the grammar left nothing to sample (e.g. it must end but min_new_tokens bans eos).
             req.finish_reason = "stop"

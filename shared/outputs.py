@@ -12,6 +12,15 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    id_logprobs: list[float] = field(default_factory=list)  # at the request's token_ids_logprob, in its order
+
+    def to_wire(self) -> tuple:
+        """Plain values for a pipe between processes."""
+        return self.logprob, self.top_ids, self.top_logprobs, self.id_logprobs
+
+    @classmethod
+    def from_wire(cls, items) -> TokenLogprobs:
+        return cls(items[0], list(items[1]), list(items[2]), list(items[3]))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.shared.config import Role
 from pdserve.shared.req import Req, ReqStatus
-from pdserve.shared.sampler import HostCopy
+from pdserve.shared.logprobs import HostCopy
 from pdserve.shared.scheduler import Batch
 
 if TYPE_CHECKING:

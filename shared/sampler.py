@@ -22,68 +22,12 @@ row's draws thus depend only on its seed, position and logits, never on its neig
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pdserve.kernels import native
 from pdserve.shared.host_memory import upload
-from pdserve.shared.outputs import TokenLogprobs
+from pdserve.shared.logprobs import HostCopy, SampleOutput, id_logprobs
 from pdserve.shared.sampling_params import SamplingParams
-
-
-@dataclass
-class SampleOutput:
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] fp32: log_softmax(raw logits) at token_ids; None when no row asked
-    top_ids: torch.Tensor | None  # [B, K] int64, most likely first; K = max top_logprobs_num, None when 0
-    top_logprobs: torch.Tensor | None  # [B, K] fp32
-
-
-class HostCopy:
-    """A SampleOutput on its way to the host in one transfer, started at once; `read` waits for it.
-
-    On a GPU the tensors are packed into one float64 buffer (token ids are exact there) and copied without
-    blocking into pinned memory, with an event behind the copy: the host goes on scheduling and launching the
-    next step while the device finishes this one, and the single copy replaces a synchronising `tolist()` per
-    tensor. On the CPU the tensors are already on the host.
-    """
-
-    def __init__(self, out: SampleOutput) -> None:
-        self.out = out
-        self.packed: torch.Tensor | None = None
-        self.event = None
-        if out.token_ids.device.type == "cuda":
-            parts = [t.reshape(-1).double() for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-                     if t is not None]
-            flat = torch.cat(parts)
-            self.packed = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self.packed.copy_(flat, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def read(self, params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Each row's token and, for rows whose params ask for them, its logprobs (top `top_logprobs_num`)."""
-        out = self.out
-        if self.packed is not None:
-            self.event.synchronize()
-            host, at, parts = self.packed, 0, []
-            for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs):
-                parts.append(None if t is None else host[at:at + t.numel()].reshape(t.shape))
-                at += 0 if t is None else t.numel()
-            out = SampleOutput(parts[0].long(), parts[1], None if parts[2] is None else parts[2].long(), parts[3])
-        tokens = out.token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
-        if out.logprobs is not None:
-            lps = out.logprobs.tolist()
-            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for i, p in enumerate(params):
-                if p.return_logprob or p.top_logprobs_num:
-                    k = p.top_logprobs_num
-                    logprobs[i] = TokenLogprobs(lps[i], top_ids[i][:k] if top_ids and k else [],
-                                                top_lps[i][:k] if top_lps and k else [])
-        return tokens, logprobs
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -389,12 +333,16 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Samp
     lse = top + row_sums(torch.exp(raw - top)).log()[:, None]  # [L, 1]
     logprobs = torch.full((batch,), float("nan"), device=logits.device)
     logprobs[idx] = (raw.gather(1, tokens[idx, None]) - lse).squeeze(1)
+    out = SampleOutput(tokens, logprobs, None, None)
+    named = id_logprobs(raw, lse, [params[i] for i in rows])
+    if named is not None:
+        out.id_logprobs = torch.full((batch, named.shape[1]), float("nan"), device=logits.device)
+        out.id_logprobs[idx] = named
     k = min(max(p.top_logprobs_num for p in params), vocab)
-    if k == 0:
-        return SampleOutput(tokens, logprobs, None, None)
-    top_values, top_indices = _topk(raw, k)
-    top_ids = torch.full((batch, k), -1, dtype=torch.int64, device=logits.device)
-    top_logprobs = torch.full((batch, k), float("nan"), device=logits.device)
-    top_ids[idx] = top_indices
-    top_logprobs[idx] = top_values - lse
-    return SampleOutput(tokens, logprobs, top_ids, top_logprobs)
+    if k:
+        top_values, top_indices = _topk(raw, k)
+        out.top_ids = torch.full((batch, k), -1, dtype=torch.int64, device=logits.device)
+        out.top_logprobs = torch.full((batch, k), float("nan"), device=logits.device)
+        out.top_ids[idx] = top_indices
+        out.top_logprobs[idx] = top_values - lse
+    return out

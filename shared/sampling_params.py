@@ -117,6 +117,8 @@ class SamplingParams:
     """How many of the most likely tokens to report with each token's logprob; [0, 20]."""
     logprob_start_len: int = param(-1, lo=-1)
     """With return_logprob: report the logprobs of the prompt's tokens from this position on; -1: none."""
+    token_ids_logprob: tuple[int, ...] = ()
+    """With return_logprob: also report, at every position reported, the logprobs of these token ids."""
     logit_bias: tuple[tuple[int, float], ...] = param((), lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
     """(token id, bias) pairs, sorted: the bias is added to the token's logit before sampling; [-100, 100]."""
     json_schema: str | None = param(None, unmovable=_UNMOVABLE_CONSTRAINT)

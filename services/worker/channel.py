@@ -81,11 +81,11 @@ class EngineGone(RuntimeError):
 # ------------------------------------------------------------ outputs on the wire
 
 def _logprobs(lps: list[TokenLogprobs] | None) -> list | None:
-    return None if lps is None else [(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in lps]
+    return None if lps is None else [lp.to_wire() for lp in lps]
 
 
 def _from_logprobs(items: list | None) -> list[TokenLogprobs] | None:
-    return None if items is None else [TokenLogprobs(lp, list(ids), list(lps)) for lp, ids, lps in items]
+    return None if items is None else [TokenLogprobs.from_wire(lp) for lp in items]
 
 
 def output_to_wire(o: ReqOutput) -> tuple:

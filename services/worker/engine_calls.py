@@ -48,11 +48,11 @@ READ_DELAY_ENV = "PDSERVE_TEST_KV_READ_DELAY_S"
 
 
 def lps(items) -> TokenLogprobs | None:
-    return None if items is None else TokenLogprobs(items[0], list(items[1]), list(items[2]))
+    return None if items is None else TokenLogprobs.from_wire(items)
 
 
 def wire_lps(lp: TokenLogprobs | None):
-    return None if lp is None else (lp.logprob, lp.top_ids, lp.top_logprobs)
+    return None if lp is None else lp.to_wire()
 
 
 class EngineCalls(AdminCalls):

@@ -26,6 +26,7 @@ from typing import Callable
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
+from pdserve.proto.codec import first_token_from_proto
 from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.shared.transfer.fence import WRITE_BOUND_S, Lease
@@ -108,8 +109,8 @@ class KVPull:
             # that request's window on it.
             timing = [sent, time.monotonic(), time.monotonic()]
             self.replies[rid] = reply, timing  # before the first tokens can reach the stream
-            firsts = [(t.token_id, (t.logprob, list(t.top.token_ids), list(t.top.logprobs)) if t.has_logprob
-                       else None) for t in reply.first_tokens]
+            firsts = [(first.token_id, first.logprob and first.logprob.to_wire())
+                      for first in map(first_token_from_proto, reply.first_tokens)]
             timing[2] = await self.link.call("kv_answered", self.deadline_s, rid=rid, pages=pages, firsts=firsts,
                                              cached_tokens=reply.cached_tokens)
             closed = True

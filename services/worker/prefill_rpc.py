@@ -18,12 +18,13 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import compat_from_proto, params_from_proto
+from pdserve.proto.codec import compat_from_proto, first_token_to_proto, params_from_proto, prompt_logprobs_to_proto
 from pdserve.services.worker import spans
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
 from pdserve.services.worker.rpc import CODES, Calls, Timeouts, params_to_wire
 from pdserve.shared.compat import Compat
+from pdserve.shared.outputs import FirstToken, TokenLogprobs
 from pdserve.shared.sampling_params import InvalidParam
 from pdserve.shared.transfer.fence import WRITE_BOUND_S
 
@@ -146,13 +147,10 @@ class PrefillService(pb_grpc.PrefillServicer):
                                compute_s=result["compute_s"], transfer_s=result["transfer_s"],
                                host_cached_tokens=result["tier_tokens"].get("host", 0),
                                storage_cached_tokens=result["tier_tokens"].get("storage", 0),
-                               input_logprobs=[pb.PromptLogprob(logprob=lp[0], top=pb.TopLogprob(
-                                   token_ids=lp[1], logprobs=lp[2])) for lp in result["input_logprobs"]],
+                               input_logprobs=prompt_logprobs_to_proto(
+                                   [TokenLogprobs.from_wire(lp) for lp in result["input_logprobs"]]),
                                total_s=time.monotonic() - arrived)
 
 
 def first_token(token_id: int, lp) -> pb.FirstToken:
-    if lp is None:
-        return pb.FirstToken(token_id=token_id)
-    return pb.FirstToken(token_id=token_id, has_logprob=True, logprob=lp[0],
-                         top=pb.TopLogprob(token_ids=lp[1], logprobs=lp[2]))
+    return first_token_to_proto(FirstToken(token_id, None if lp is None else TokenLogprobs.from_wire(lp)))

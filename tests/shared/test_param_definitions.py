@@ -65,10 +65,12 @@ def test_the_runtime_library_does_not_import_the_wire_format():
 
 def test_native_sampling_params_carry_every_runtime_field():
     missing = {NATIVE.api_name(n) for n in PARAMS} - set(NativeSampling.model_fields) \
-        - {"return_logprob", "top_logprobs_num", "logprob_start_len", "cache_salt"} - set(GATEWAY_DERIVED)
+        - {"return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob", "cache_salt"} \
+        - set(GATEWAY_DERIVED)
     assert not missing  # those: request-level fields of /generate
     draft = intake.read(NATIVE, NativeSampling(logit_bias={"1": 2.0}, regex="a", max_new_tokens=8),
-                        return_logprob=True, top_logprobs_num=2, logprob_start_len=0, cache_salt="tenant")
+                        return_logprob=True, top_logprobs_num=2, logprob_start_len=0, token_ids_logprob=(5,),
+                        cache_salt="tenant")
     values = draft.values
     assert set(values) == set(PARAMS) - (set(CONSTRAINT_FIELDS) - {"regex"}) - set(GATEWAY_DERIVED)
     SamplingParams(**values).validate()
@@ -83,7 +85,7 @@ def test_openai_requests_reach_every_runtime_field():
                              return_logprob=True, top_logprobs_num=2).values
         SamplingParams(**{k: v for k, v in values.items() if v is not None}).validate()  # None: the default
         reached |= set(values)
-    assert reached == set(PARAMS) - set(GATEWAY_DERIVED)
+    assert reached == set(PARAMS) - set(GATEWAY_DERIVED) - {"token_ids_logprob"}  # /generate's only, as SGLang
 
 
 # ---------------------------------------------------------------- the API schemas derive from SamplingParams

@@ -9,6 +9,7 @@ from aiohttp import web
 from pdserve.services.gateway import intake
 from pdserve.services.gateway.apis.admin.weights import weight_version
 from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
+from pdserve.services.gateway.apis.native_logprobs import output_logprob_meta, prompt_logprob_meta, token_ids_logprob
 from pdserve.services.gateway.apis.served_models import GENERATE, MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
 from pdserve.services.gateway.intake.dialects import NATIVE
@@ -42,6 +43,7 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
     logprob_flags = [bool(x) for x in per_prompt(req.return_logprob, count, "return_logprob")]
     tops = per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
     starts = per_prompt(req.logprob_start_len, count, "logprob_start_len")
+    named = token_ids_logprob(req.token_ids_logprob, count, batch, gw.tokenizer.vocab_size)
     rids = per_prompt(req.rid, count, "rid") if req.rid is not None else None
     loras = [await gw.adapter_of(req.model, path) for path in per_prompt(req.lora_path, count, "lora_path")]
     if rids is not None and batch and len(set(rids)) != len(rids):
@@ -63,7 +65,8 @@ async def _jobs(gw: Gateway, req: GenerateRequest) -> tuple[list[Job], bool, lis
         jobs.append(await intake.job(gw.inputs, NATIVE, sp, ids, rid=rid, lora=loras[k], max_tokens=sp.max_new_tokens,
                                      public_id=rids[k] if rids is not None else "", prefix=prefix,
                                      return_logprob=logprob_flags[k], top_logprobs_num=tops[k],
-                                     logprob_start_len=start, cache_salt=req.cache_salt))
+                                     logprob_start_len=start, token_ids_logprob=named[k],
+                                     cache_salt=req.cache_salt))
         intervals.append(sp.stream_interval or 1)
     return jobs, batch, logprob_flags, intervals
 
@@ -91,25 +94,15 @@ def _finish(r: ChoiceResult, tokens: int) -> dict | None:
     return {"type": "abort", "message": "The request was aborted."}
 
 
-def _logprob_meta(gw: Gateway, lps: list[TokenLogprob], with_text: bool, top: bool) -> dict:
-    def entry(token_id: int, lp: float) -> list:
-        return [lp, token_id, gw.tokenizer.token_text(token_id) if with_text else None]
-
-    meta = {"output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps]}
-    if top:
-        meta["output_top_logprobs"] = [[entry(t, v) for t, v in lp.top] for lp in lps]
-    return meta
-
-
 def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: ChoiceResult, logprob: bool) -> dict:
     tokens = len(r.token_ids)
     meta = {"id": job.public_id, "finish_reason": _finish(r, tokens), "prompt_tokens": gen.prompt_tokens,
             "completion_tokens": tokens, "cached_tokens": gen.cached_tokens,
             "cached_tokens_details": cached_details(gen), "e2e_latency": round(gen.e2e_latency, 6)}
     if logprob:
-        meta.update(_logprob_meta(gw, r.logprobs, req.return_text_in_logprobs, job.params.top_logprobs_num > 0))
+        meta.update(output_logprob_meta(gw.tokenizer, r.logprobs, req.return_text_in_logprobs, job.params))
         if job.params.wants_prompt_logprobs:
-            meta.update(_prompt_logprob_meta(gw, job, gen.input_logprobs, req.return_text_in_logprobs))
+            meta.update(prompt_logprob_meta(gw.tokenizer, job, gen.input_logprobs, req.return_text_in_logprobs))
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
 
 
@@ -117,22 +110,6 @@ def cached_details(gen: Generation) -> dict:
     """SGLang's meta_info.cached_tokens_details: where the cached tokens came from (the pool, or put back into it
     for this request from the host-memory or the storage tier)."""
     return cached_by_tier(gen.cached_tokens, gen.cached_by_tier)
-
-
-def _prompt_logprob_meta(gw: Gateway, job: Job, lps: list[TokenLogprob], with_text: bool) -> dict:
-    """SGLang's input_token_logprobs (and input_top_logprobs) from logprob_start_len on; the prompt's first
-    token, which nothing predicts, has the logprob None."""
-    def entry(token_id: int, lp: float | None) -> list:
-        return [lp, token_id, gw.tokenizer.token_text(token_id) if with_text else None]
-
-    start, ids = job.params.logprob_start_len, job.input_ids
-    tokens = ([entry(ids[0], None)] if start == 0 else []) + [entry(t, lp.logprob)
-                                                              for t, lp in zip(ids[max(start, 1):], lps)]
-    meta = {"input_token_logprobs": tokens}
-    if job.params.top_logprobs_num:
-        meta["input_top_logprobs"] = ([None] if start == 0 else []) + [[entry(t, v) for t, v in lp.top]
-                                                                        for lp in lps]
-    return meta
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -149,7 +126,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return await _stream_generate(request, gw, req, jobs, gens, logprob_flags, intervals)
         results = await asyncio.gather(*(g.collect() for g in gens))
     single = not batch and sum(map(len, results)) == 1
-    entries = sum((len(r.logprobs) + len(gen.input_logprobs)) * (1 + job.params.top_logprobs_num)
+    entries = sum((len(r.logprobs) + len(gen.input_logprobs))
+                  * (1 + job.params.top_logprobs_num + len(job.params.token_ids_logprob))
                   for job, gen, rs, flag in zip(jobs, gens, results, logprob_flags) if flag for r in rs)
 
     def answer() -> dict | list[dict]:  # on the gateway's pool when it holds many logprobs (`json_answer`)

@@ -52,7 +52,7 @@ def read(dialect: Dialect, sampling: BaseModel, *, prefix: str = "", response_fo
     values.update(constraint, **bias, logprob_start_len=-1)  # no prompt logprobs unless the API asks for them
     values.update(elsewhere)
     if not values.get("return_logprob"):  # logprob details mean nothing without logprobs
-        values.update(top_logprobs_num=0, logprob_start_len=-1)
+        values.update(top_logprobs_num=0, logprob_start_len=-1, token_ids_logprob=())
     return Draft(values, {**dialect.renamed, **names}, prefix)
 
 

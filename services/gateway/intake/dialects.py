@@ -18,7 +18,7 @@ from pdserve.shared.sampling_params import SamplingParams
 # Fields no API sets: the gateway derives them (from its reasoning parser, constraints.after_reasoning).
 GATEWAY_DERIVED = frozenset({"think_start_ids", "think_end_ids"})
 # Logprob fields that every API asks for beside its sampling fields (OpenAI's logprobs, SGLang's return_logprob).
-LOGPROB_FIELDS = frozenset({"return_logprob", "top_logprobs_num", "logprob_start_len"})
+LOGPROB_FIELDS = frozenset({"return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob"})
 
 
 @dataclass(frozen=True)

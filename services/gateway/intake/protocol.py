@@ -268,6 +268,7 @@ class GenerateRequest(_Schema):
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: Any = None  # a list of token ids (a batch: or one list per prompt); native.py checks it
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     model: str | None = None

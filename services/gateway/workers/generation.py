@@ -309,7 +309,9 @@ class Generation:
         job = self.job
         self.prompt_tokens, self.cached_tokens = msg.prompt_tokens or self.prompt_tokens, msg.cached_tokens
         self.cached_by_tier = {"host": msg.host_cached_tokens, "storage": msg.storage_cached_tokens}
-        self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)))
+        named = job.params.token_ids_logprob
+        self.input_logprobs = [TokenLogprob(t, lp.logprob, list(zip(lp.top.token_ids, lp.top.logprobs)),
+                                            list(zip(named, lp.ids.logprobs)))
                                for t, lp in zip(job.input_ids[max(job.params.logprob_start_len, 1):],
                                                 msg.input_logprobs)]
 
@@ -342,8 +344,10 @@ class Generation:
             update.token_ids.append(token)
             if i < len(delta.logprobs):
                 top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else None
+                named = delta.token_ids_logprobs[i].logprobs if i < len(delta.token_ids_logprobs) else ()
                 update.logprobs.append(TokenLogprob(token, delta.logprobs[i], list(zip(
-                    top.token_ids, top.logprobs)) if top is not None else []))
+                    top.token_ids, top.logprobs)) if top is not None else [],
+                    list(zip(self.job.params.token_ids_logprob, named))))
             if i == len(ids) - 1 and token == stop_token and stop_token >= 0:
                 break  # the stop token itself is never shown
             result = choice.stops.push(choice.detok.push([token]))

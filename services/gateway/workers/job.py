@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    ids: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob) of the job's token_ids_logprob
 
 
 @dataclass
