@@ -51,6 +51,10 @@ class Limits:
     own limit of 1024."""
     max_stop_strings: int = 64
     """Stop strings of one request, matched against every piece of text it generates (OpenAI allows 4)."""
+    max_stop_regex: int = 16
+    """stop_regex patterns of one request, each searched in the end of its text at every piece it generates."""
+    max_stop_regex_chars: int = 256
+    """Characters of one stop_regex pattern (checked before it is compiled)."""
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     """stop_token_ids of one request, checked at every generated token; at most the workers' own limit."""
     max_logit_bias: int = 300
@@ -92,6 +96,14 @@ class Limits:
         if isinstance(value, (list, dict)) and len(value) > limit:
             raise over(param, f"has {len(value)} entries", limit, name)
 
+    def stop_regex(self, value: object, param: str) -> None:
+        """How many stop_regex patterns, and how long each (a string or a list of them)."""
+        self.count(value, "max_stop_regex", param)
+        for k, pattern in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+            if isinstance(pattern, str) and len(pattern) > self.max_stop_regex_chars:
+                name = param if isinstance(value, str) else f"{param}.{k}"
+                raise over(name, f"has {len(pattern)} characters", self.max_stop_regex_chars, "max_stop_regex_chars")
+
     def list_of_prompts(self, value: object, param: str) -> None:
         """A prompt field that may be one prompt or a list of them (text, or token ids)."""
         if isinstance(value, list) and value and not isinstance(value[0], int):
@@ -121,6 +133,7 @@ class Limits:
             return
         self.count(body.get("stop"), "max_stop_strings", prefix + "stop")
         self.count(body.get("stop_token_ids"), "max_stop_token_ids", prefix + "stop_token_ids")
+        self.stop_regex(body.get("stop_regex"), prefix + "stop_regex")
         self.count(body.get("logit_bias"), "max_logit_bias", prefix + "logit_bias")
         for name in ("json_schema", "regex", "ebnf", "structural_tag"):
             self.grammar(body.get(name), prefix + name, parse=name == "json_schema")

@@ -24,6 +24,7 @@ from pdserve.services.gateway.intake.inputs import Inputs
 from pdserve.services.gateway.intake.protocol import ResponseFormat
 from pdserve.services.gateway.intake.tool_calls import ToolPlan
 from pdserve.services.gateway.workers.job import Job
+from pdserve.services.gateway.workers.stops import compile_stop_regex
 from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 
@@ -110,4 +111,17 @@ async def job(inputs: Inputs, dialect: Dialect, fields: BaseModel, ids: list[int
     skip = fields.skip_special_tokens and not (tools is not None and tools.needs_special_tokens)
     spaces = getattr(fields, "spaces_between_special_tokens", True)  # native only; OpenAI's text always has them
     return Job(rid, ids, params, fields.stop_list(), skip, fields.no_stop_trim, spaces, lora=lora,
-               public_id=public_id)
+               public_id=public_id, stop_regex=stop_regexes(fields, prefix))
+
+
+def stop_regexes(fields: BaseModel, prefix: str) -> list[str]:
+    """The request's stop_regex patterns (a string or a list), each compiled once here: a bad one is a 400."""
+    value = getattr(fields, "stop_regex", None)
+    patterns = [value] if isinstance(value, str) else list(value or [])
+    for k, pattern in enumerate(patterns):
+        try:
+            compile_stop_regex(pattern)
+        except ValueError as exc:
+            name = prefix + "stop_regex" + ("" if isinstance(value, str) else f".{k}")
+            raise ApiError(400, f"Invalid value for {name!r}: {exc}", name) from None
+    return patterns

@@ -85,6 +85,7 @@ class OpenAISampling(_OpenAISamplingFields):
     model: str | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter by name or loaded path (a list: one per prompt)
     stop: StopField = None
+    stop_regex: StopField = None  # SGLang's: the output ends at the first match of one of these
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -243,6 +244,7 @@ class NativeSampling(_NativeSamplingFields):
     text. Unknown names are refused (they are most likely typos)."""
 
     stop: StopField = None
+    stop_regex: StopField = None  # the output ends at the first match of one of these
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False

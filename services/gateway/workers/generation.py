@@ -90,7 +90,7 @@ class _Choice:
     def __init__(self, gen: Generation) -> None:
         job = gen.job
         self.detok = Detokenizer(gen.tokenizer, job.skip_special_tokens, job.spaces_between_special_tokens)
-        self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim)
+        self.stops = StopMatcher(job.stops, keep_stop=job.no_stop_trim, regexes=job.stop_regex)
         self.finished = False
         self.finish_reason: str | None = None
         # Every token the workers produced, up to the one that ended the choice; a migration resends them.

@@ -35,6 +35,7 @@ class Job:
     spaces_between_special_tokens: bool = True
     lora: str | None = None  # LoRA adapter name (None: the base model)
     public_id: str = ""  # empty: the same as rid
+    stop_regex: list[str] = field(default_factory=list)  # checked, as StopMatcher's regexes (SGLang's stop_regex)
 
     def __post_init__(self) -> None:
         self.public_id = self.public_id or self.rid
