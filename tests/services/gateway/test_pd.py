@@ -7,6 +7,7 @@ error (never a hang), and the dead worker is out of rotation within seconds.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import openai
@@ -186,6 +187,37 @@ def test_pd_a_length_the_context_cannot_hold_is_a_400_not_capped(pd):
     with pytest.raises(openai.BadRequestError) as err:
         c.completions.create(model="default", prompt="The capital of France is", max_tokens=limit - 2)
     assert f"exceeds the model's maximum context length of {limit} tokens" in str(err.value)
+
+
+def test_pd_token_ids_logprob_and_a_prompt_scored_with_max_new_tokens_0(pd):
+    """The first token's logprobs come from the prefill worker, the rest from decode; scoring (max_new_tokens 0)
+    still has the prefill worker compute every prompt logprob."""
+    system, gw, paddrs, daddrs = pd
+    ids = [504, 3575, 282, 4649, 314, 7042, 0]  # "The capital of France is", " Paris", and an unlikely one
+    body = {"text": "The capital of France is", "return_logprob": True, "logprob_start_len": 0,
+            "token_ids_logprob": ids}
+    answers = [requests.post(gw.url + "/generate", timeout=120, json={
+        **body, "sampling_params": {"temperature": 0, "max_new_tokens": n}}).json()["meta_info"] for n in (4, 0)]
+    four, zero = answers
+    assert len(four["output_token_ids_logprobs"]) == four["completion_tokens"] == 4
+    for named, (lp, token, _) in zip(four["input_token_ids_logprobs"][1:] + four["output_token_ids_logprobs"],
+                                     four["input_token_logprobs"][1:] + four["output_token_logprobs"]):
+        assert [entry[1] for entry in named] == ids and (token not in ids or named[ids.index(token)][0] == lp)
+    assert zero["completion_tokens"] == 0 and zero["finish_reason"] == {"type": "length", "length": 0}
+    assert len(zero["input_token_logprobs"]) == zero["prompt_tokens"] == 5
+    assert zero["input_token_ids_logprobs"][0] is None
+    assert zero["input_token_logprobs"] == four["input_token_logprobs"]
+    assert zero["input_token_ids_logprobs"] == four["input_token_ids_logprobs"]
+
+
+def test_pd_stop_regex_ends_the_output_at_its_first_match(pd):
+    system, gw, paddrs, daddrs = pd
+    c = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=120)
+    r = c.completions.create(model=c.models.list().data[0].id, prompt="Count: 1, 2, 3, 4,", temperature=0,
+                             max_tokens=40, extra_body={"stop_regex": r"\d{2}"})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].matched_stop == r"\d{2}"
+    text = r.choices[0].text
+    assert re.search(r"\d{2}", text).end() == len(text) and r.usage.completion_tokens < 40
 
 
 async def test_killing_workers_mid_run(pd):
