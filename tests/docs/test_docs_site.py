@@ -56,7 +56,7 @@ def test_every_flag_of_every_command_is_in_its_reference_page(site, command):
     assert any(found.values()), f"no flags found for pdserve {command}"
     for sub, names in found.items():
         missing = sorted(n for n in names if not re.search(rf"<code>{re.escape(n)}[ <]", text))
-        assert not missing, f"pdserve {command} {sub}: flags missing from its reference page: {missing}"
+        assert not missing, f"pdserve {' '.join(filter(None, (command, sub)))}: flags missing from its page: {missing}"
     index = page(site, "reference/cli")
     assert f'href="{command}/"' in index, f"pdserve {command} is not in the command-line reference's index"
 
