@@ -282,6 +282,23 @@ def test_tracing_values_reach_the_gateway_and_both_worker_roles(render):
         assert parsed.otlp_traces_endpoint == "http://otel:4318/v1/traces" and parsed.otlp_traces_sample_ratio == 0.25
         assert not parsed.otlp_traces_include_content
     assert "--otlp-traces-endpoint" not in render().container("gateway")["args"]  # off unless asked
+    r = render("--set", "tracing.enabled=true", "--set", "tracing.endpoint=https://otel:4317",
+               "--set", "tracing.trustClientContext=true", "--set", "tracing.includeContent=true",
+               "--set", "tracing.contentMaxSize=16MiB", "--set", "tracing.protocol=grpc",
+               "--set", "tracing.caSecret=otel-ca")
+    for role in ("gateway", "prefill", "decode", "jobs"):
+        container = r.container(role)
+        parsed = pdserve_parse(container["args"])
+        assert parsed.otlp_traces_trust_client_context and parsed.otlp_traces_include_content
+        assert parsed.otlp_traces_content_max_size == 16 << 20
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+        ca = env["OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"]
+        mount = next(m for m in container["volumeMounts"] if ca.startswith(m["mountPath"] + "/"))
+        assert mount["readOnly"] and ca.endswith("/ca.crt")
+        pod = r.get("Deployment", f"{FULL}-{role}")["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "otel-ca"
 
 
 def test_disruption_budgets_for_workers(render):

@@ -317,9 +317,47 @@ securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
 - {{ .endpoint | quote }}
 - --otlp-traces-sample-ratio
 - {{ .sampleRatio | quote }}
+{{- if .trustClientContext }}
+- --otlp-traces-trust-client-context
+{{- end }}
 {{- if .includeContent }}
 - --otlp-traces-include-content
+- --otlp-traces-content-max-size
+- {{ .contentMaxSize | quote }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* OpenTelemetry's variables for the exporter's protocol and the collector's CA (tracing.protocol, caSecret),
+and the CA's volume and mount. */}}
+{{- define "pdserve.traceEnv" -}}
+{{- with .Values.tracing }}
+{{- if .enabled }}
+{{- if .protocol }}
+- name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+  value: {{ .protocol | quote }}
+{{- end }}
+{{- if .caSecret }}
+- name: OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE
+  value: /etc/pdserve/otlp-ca/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.traceVolume" -}}
+{{- if and .Values.tracing.enabled .Values.tracing.caSecret }}
+- name: otlp-ca
+  secret:
+    secretName: {{ .Values.tracing.caSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.traceMount" -}}
+{{- if and .Values.tracing.enabled .Values.tracing.caSecret }}
+- name: otlp-ca
+  mountPath: /etc/pdserve/otlp-ca
+  readOnly: true
 {{- end }}
 {{- end }}
