@@ -5,10 +5,10 @@ SPLITS send the paragraphs of a section from a given first words onward to anoth
 
     python scripts/readme_map.py            # every heading of that README and where it went, with how much of its
                                             # text the page holds verbatim; exit 1 when a part is missing
-    python scripts/readme_map.py --move     # append each part of README.md to its page (done once, when the
+    python scripts/readme_map.py --move     # append each part of that README to its page (done once, when the
                                             # README was cut to its summary)
 
-The check reads the README as it was before the cut (`git show BEFORE:README.md`); --readme FILE reads another.
+Both read the README as it was before the cut (`git show BEFORE:README.md`); --readme FILE reads another.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ MAP: dict[str, tuple[str, str | None]] = {
     "Running it / Kubernetes (Helm)": ("deploying/helm.md", None),
     "Running it / SGLang's names, lengths and errors": ("apis/native.md", ""),
     "Running it / Anthropic's Messages API": ("apis/messages.md", None),
+    "Running it / Stop regexes, logprobs of chosen token ids, scoring a prompt": ("apis/native.md", ""),
     "Running it / Structured output and tool calls": ("features/structured-output.md", None),
     "Running it / The Responses API": ("apis/responses.md", None),
     "Running it / Input limits and the API document": ("operating/limits.md", None),
@@ -202,17 +203,17 @@ def move(text: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--move", action="store_true", help="append each part of README.md to its page")
+    parser.add_argument("--move", action="store_true", help="append each part of the README to its page")
     parser.add_argument("--readme", help="read this README instead of the one at BEFORE")
     args = parser.parse_args()
-    if args.move:
-        move((REPO / "README.md").read_text())
-        return 0
     if args.readme:
         text = Path(args.readme).read_text()
     else:
         text = subprocess.run(["git", "show", f"{BEFORE}:README.md"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
+    if args.move:
+        move(text)
+        return 0
     return check(text)
 
 
