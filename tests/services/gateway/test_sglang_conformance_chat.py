@@ -81,6 +81,25 @@ def test_tool_choice_required_takes_a_tool_whose_parameters_use_defs(colocated):
     jsonschema.validate(json.loads(args), tools[0]["function"]["parameters"])
 
 
+def test_defs_hold_through_the_responses_and_messages_dialects(colocated):
+    fn = ship_tool()["function"]
+    ask = "Ship 3 kg to Paris, zip 75001."
+    r = client(colocated.open).responses.create(model="default", input=ask, temperature=0, max_output_tokens=80,
+                                                tools=[{"type": "function", **fn}], tool_choice="required",
+                                                parallel_tool_calls=False)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["ship"], r.output
+    jsonschema.validate(json.loads(calls[0].arguments), fn["parameters"])
+    m = requests.post(colocated.open.url + "/v1/messages", timeout=120, json={
+        "model": "default", "max_tokens": 80, "temperature": 0, "messages": [{"role": "user", "content": ask}],
+        "tools": [{"name": "ship", "input_schema": fn["parameters"]}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert m.status_code == 200, m.text
+    uses = [block for block in m.json()["content"] if block["type"] == "tool_use"]
+    assert [u["name"] for u in uses] == ["ship"] and m.json()["stop_reason"] == "tool_use", m.json()
+    jsonschema.validate(uses[0]["input"], fn["parameters"])
+
+
 def test_two_tools_defining_one_name_differently_are_a_400_naming_both(colocated):
     tools = [ship_tool(), ship_tool("bill", {"type": "string"})]
     with pytest.raises(openai.BadRequestError) as info:
