@@ -71,7 +71,7 @@ MAP: dict[str, tuple[str, str | None]] = {
 SPLITS: dict[str, list[tuple[str, str, str | None]]] = {
     "pdserve": [("Both commands install what they need", "getting-started.md", None),
                 ("pdserve is an LLM server", KEPT, None)],
-    "Architecture": [("| Layout |", "contributing.md", None)],
+    "Architecture": [("| Layout |", "contributing.md", "How the code is laid out")],
     "Running it": [("The gateway's status page", "operating/status-page.md", None)],
     "Running it / Supported models": [
         ("`--quantization w8a8_int8`", "features/quantization.md", None),
@@ -192,7 +192,7 @@ def move(text: str) -> None:
         if part.page == KEPT:
             continue
         body = appended.setdefault(part.page, [])
-        body += ["", f"## {part.heading or part.title}"] if part.heading is not None else [""]
+        body += ["", f"## {part.heading or part.title}", ""] if part.heading is not None else [""]
         body += part.lines
     for page, lines in appended.items():
         path = DOCS / page
