@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -27,7 +28,8 @@ def refused(r: requests.Response, param: str, *words: str) -> dict:
     body = r.json()
     if set(body) == {"error"}:  # /v1/responses: OpenAI's envelope, as SGLang answers there
         body = {"object": "error", **body["error"]}
-    assert set(body) == ERROR_KEYS and body["code"] == 400 and body["type"] == "invalid_request_error", body
+    kind = "BadRequestError" if urlsplit(r.url).path == "/v1/score" else "invalid_request_error"  # SGLang's type
+    assert set(body) == ERROR_KEYS and body["code"] == 400 and body["type"] == kind, body
     assert body["param"] == param, body
     for word in words:
         assert word in body["message"], body

@@ -72,8 +72,10 @@ class Inputs:
         limit = self.context_length()
         max_chars = limit * self.tokenizer.max_token_chars
         if chars > max_chars:
-            raise ApiError(400, f"The prompt ({param!r}) has {chars} characters, more than the model's context "
-                                f"length of {limit} tokens can hold (at most {max_chars} characters){hint}.", param)
+            # SGLang's words for a prompt past the context ("is longer than the model's context length")
+            raise ApiError(400, f"The input ({chars} characters) is longer than the model's context length ({limit} "
+                                f"tokens) can hold: the prompt ({param!r}) may have at most {max_chars} characters"
+                                f"{hint}.", param)
 
     def check_length(self, ids: list[int], param: str) -> None:
         limit = self.context_length()
