@@ -315,6 +315,8 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if req.params.max_new_tokens == 0:  # computed for its prompt's logprobs only: the token is not output
+            if logprob is not None:  # but the next position's logprobs are (SGLang's scoring of token ids)
+                req.output_logprobs.append(logprob)
             req.finish_reason = "length"
             self.scheduler.remove(req, cache=True)
             return

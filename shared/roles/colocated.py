@@ -2,8 +2,8 @@
 
 A worker keeps one role for its lifetime. Its engine calls the role on the engine thread:
 
-    admit(req)              a new, validated request: finish it at once (max_new_tokens 0, no prompt logprobs) or
-                            queue it
+    admit(req)              a new, validated request: finish it at once (max_new_tokens 0, no logprobs to compute)
+                            or queue it
     before_step()           before scheduling (a decode worker reserves pages for prompts here)
     schedule()              the next batch
     family(req)             the choices of a fresh prompt whose KV just completed (n > 1: forks of its pages)
@@ -38,7 +38,8 @@ class ColocatedRole:
         self.scheduler = engine.scheduler
 
     def admit(self, req: Req) -> None:
-        if req.params.max_new_tokens == 0 and not req.params.wants_prompt_logprobs:
+        p = req.params
+        if p.max_new_tokens == 0 and not (p.wants_prompt_logprobs or p.token_ids_logprob):
             self.engine.emit(req, finish_reason="length")
             req.status = ReqStatus.FINISHED
             return

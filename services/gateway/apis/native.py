@@ -100,7 +100,8 @@ def _output(gw: Gateway, req: GenerateRequest, job: Job, gen: Generation, r: Cho
             "completion_tokens": tokens, "cached_tokens": gen.cached_tokens,
             "cached_tokens_details": cached_details(gen), "e2e_latency": round(gen.e2e_latency, 6)}
     if logprob:
-        meta.update(output_logprob_meta(gw.tokenizer, r.logprobs, req.return_text_in_logprobs, job.params))
+        meta.update(output_logprob_meta(gw.tokenizer, r.logprobs, req.return_text_in_logprobs, job.params,
+                                        gen.next_ids_logprobs))
         if job.params.wants_prompt_logprobs:
             meta.update(prompt_logprob_meta(gw.tokenizer, job, gen.input_logprobs, req.return_text_in_logprobs))
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}

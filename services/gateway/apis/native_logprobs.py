@@ -31,7 +31,9 @@ def token_ids_logprob(value: object, count: int, batch: bool, vocab_size: int) -
 
 
 def output_logprob_meta(tokenizer: ModelTokenizer, lps: list[TokenLogprob], with_text: bool,
-                        params: SamplingParams) -> dict:
+                        params: SamplingParams, next_ids: list[tuple[int, float]] = ()) -> dict:
+    """`next_ids`: with max_new_tokens 0, the named ids at the position after the prompt, which SGLang reports as
+    the one position of output_token_ids_logprobs (how its score API reads them) though no token is output."""
     def entry(token_id: int, lp: float) -> list:
         return [lp, token_id, tokenizer.token_text(token_id) if with_text else None]
 
@@ -39,7 +41,8 @@ def output_logprob_meta(tokenizer: ModelTokenizer, lps: list[TokenLogprob], with
     if params.top_logprobs_num:
         meta["output_top_logprobs"] = [[entry(t, v) for t, v in lp.top] for lp in lps]
     if params.token_ids_logprob:
-        meta["output_token_ids_logprobs"] = [[entry(t, v) for t, v in lp.ids] for lp in lps]
+        meta["output_token_ids_logprobs"] = [[entry(t, v) for t, v in lp.ids] for lp in lps] or \
+            ([[entry(t, v) for t, v in next_ids]] if next_ids else [])
     return meta
 
 

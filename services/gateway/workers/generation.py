@@ -115,6 +115,8 @@ class Generation:
         self.cached_tokens = 0
         self.cached_by_tier = {"host": 0, "storage": 0}  # of those, put back from a lower tier for it
         self.input_logprobs: list[TokenLogprob] = []  # prompt tokens from max(logprob_start_len, 1) on
+        # max_new_tokens 0: (token id, logprob) of the job's token_ids_logprob at the position after the prompt
+        self.next_ids_logprobs: list[tuple[int, float]] = []
         self.choices: list[_Choice] = []
         self.pair: Pair | None = None
         # The id the workers know the current attempt by: the job's, then "{rid}.{n}" for the n-th attempt after
@@ -339,6 +341,8 @@ class Generation:
         update = Update(delta.index)
         ids = list(delta.token_ids)
         stop_token = delta.matched_stop_token if delta.finish_reason == "stop" else -1
+        if not ids and delta.token_ids_logprobs:  # logprobs without a token: max_new_tokens 0
+            self.next_ids_logprobs = list(zip(self.job.params.token_ids_logprob, delta.token_ids_logprobs[0].logprobs))
         for i, token in enumerate(ids):
             choice.output_ids.append(token)
             update.token_ids.append(token)

@@ -208,6 +208,8 @@ def test_pd_token_ids_logprob_and_a_prompt_scored_with_max_new_tokens_0(pd):
     assert zero["input_token_ids_logprobs"][0] is None
     assert zero["input_token_logprobs"] == four["input_token_logprobs"]
     assert zero["input_token_ids_logprobs"] == four["input_token_ids_logprobs"]
+    assert zero["output_token_logprobs"] == [] and zero["output_token_ids_logprobs"] == \
+        four["output_token_ids_logprobs"][:1]  # the position after the prompt, computed by the prefill worker
 
 
 def test_pd_stop_regex_ends_the_output_at_its_first_match(pd):

@@ -196,7 +196,21 @@ def test_max_new_tokens_0_returns_every_prompt_logprob(colocated):
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] == 15
     assert meta["input_token_logprobs"] == one["meta_info"]["input_token_logprobs"]
     assert meta["input_token_ids_logprobs"] == one["meta_info"]["input_token_ids_logprobs"]
-    assert meta["output_token_logprobs"] == [] and meta["output_token_ids_logprobs"] == []
+    # As SGLang (its score API reads them so): the named ids at the position after the prompt, and no token.
+    assert meta["output_token_logprobs"] == [] and len(meta["output_token_ids_logprobs"]) == 1
+    assert meta["output_token_ids_logprobs"] == one["meta_info"]["output_token_ids_logprobs"]
+    # Without logprob_start_len too: the position after the prompt only.
+    labels = post(colocated.open, "/generate", {"text": text, "return_logprob": True, "token_ids_logprob": ids,
+                                                "return_text_in_logprobs": True,
+                                                "sampling_params": {"max_new_tokens": 0}}).json()["meta_info"]
+    assert labels["output_token_ids_logprobs"] == meta["output_token_ids_logprobs"]
+    assert "input_token_logprobs" not in labels and labels["completion_tokens"] == 0
+    # The OpenAI way to score a text: an echoed prompt's logprobs with no completion.
+    echo = client(colocated.open).completions.create(model="default", prompt=text, max_tokens=0, echo=True,
+                                                     logprobs=1)
+    lps = echo.choices[0].logprobs
+    assert echo.choices[0].text == text and lps.token_logprobs[0] is None and len(lps.token_logprobs) == 15
+    assert lps.token_logprobs[1:] == pytest.approx([lp for lp, _, _ in meta["input_token_logprobs"][1:]])
     # Without prompt logprobs it still ends at once, and streamed the same way.
     plain = post(colocated.open, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 0}}).json()
     assert plain["output_ids"] == [] and plain["meta_info"]["finish_reason"]["type"] == "length"
