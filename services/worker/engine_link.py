@@ -62,15 +62,19 @@ class EngineLink:
         self._ready = loop.create_future()
         self._dir = tempfile.mkdtemp(prefix="pdserve-engine-")  # mode 0700: this user's only
         self._context = zmq.asyncio.Context(1)
+        gate = channel.PeerGate(self._context, "front")  # the engine process only, once started
         self._to_engine = self._context.socket(zmq.PUSH)
+        gate.guard(self._to_engine)
         self._to_engine.setsockopt(zmq.LINGER, 0)
         self._to_engine.bind(channel.address(self._dir, channel.TO_ENGINE))
         self._from_engine = self._context.socket(zmq.PULL)
+        gate.guard(self._from_engine)
         self._from_engine.bind(channel.address(self._dir, channel.TO_FRONT))
         # A session of its own: a Ctrl-C at the terminal reaches the front alone, which drains, then stops it.
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve.services.worker.engine_process", stdin=asyncio.subprocess.DEVNULL,
             env={**os.environ, channel.CHANNEL_ENV: self._dir}, start_new_session=True)
+        gate.expect(self._proc.pid)
         self.alive = True
         self._tasks = [asyncio.create_task(self._read(), name="engine-channel"),
                        asyncio.create_task(self._watch(), name="engine-process")]
@@ -143,8 +147,19 @@ class EngineLink:
 
     def _flush(self) -> None:
         items, self._outbox = self._outbox, []
-        if items and self.alive:
-            self._to_engine.send(channel.pack(("batch", items)), copy=False).add_done_callback(_sent)
+        if not items or not self.alive:
+            return
+        frames, too_large = channel.pack_batches(items)
+        for frame in frames:
+            self._to_engine.send(frame, copy=False).add_done_callback(_sent)
+        for item in too_large:
+            error = f"the call {item[-2]!r} is larger than the engine channel's frame limit " \
+                    f"({channel.MAX_FRAME_BYTES} bytes)"
+            future = self._pending.get(item[1]) if item[0] == "call" else None
+            if future is not None and not future.done():
+                future.set_exception(RemoteError("invalid", error))
+            else:
+                log.error("front: %s: not sent", error)
 
     # ------------------------------------------------------------ what comes back
     async def _read(self) -> None:

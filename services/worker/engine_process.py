@@ -9,9 +9,10 @@ flags from the first frame, builds everything, says ("ready", info) and serves t
   transfer window, reading a checkpoint), its reply sent when it is done;
 - every output and event of one engine loop iteration in one ("step", ...) frame (`_flush`, the engine's
   `on_iteration` hook), so the front wakes once per step, not once per request.
+A frame that is not a batch of calls, or a call it cannot take, is logged and dropped: no frame ends it.
 It exits when the front says stop, when the front dies (the kernel's parent-death signal, and its parent id
-checked every second), when a tensor-parallel rank or node is gone (checked every second too), or on
-SIGTERM/SIGINT.
+checked every second), when the channel lost its connection (which cannot come back once its directory is gone),
+when a tensor-parallel rank or node is gone (checked every second too), or on SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pdserve.services.worker import channel
 from pdserve.services.worker.engine_calls import EngineCalls
 from pdserve.shared.kv_events import CacheEvents
 from pdserve.shared.logs import setup_logging
+from pdserve.shared.outputs import ReqOutput
 
 log = logging.getLogger("pdserve.worker")
 FRONT_KINDS = frozenset({"start", "batch"})
@@ -44,17 +46,38 @@ class Pipe:
 
     def __init__(self, directory: str) -> None:
         self.context = zmq.Context(1)
+        self.gate = channel.PeerGate(self.context, "engine", os.getppid())  # the front that started it, only
         self.inbox = self.context.socket(zmq.PULL)
+        self.gate.guard(self.inbox)
         self.inbox.connect(channel.address(directory, channel.TO_ENGINE))
         self.outbox = self.context.socket(zmq.PUSH)
+        self.gate.guard(self.outbox)
         self.outbox.setsockopt(zmq.LINGER, 1000)
         self.outbox.connect(channel.address(directory, channel.TO_FRONT))
         self._lock = threading.Lock()
+        # Once the directory is gone a lost connection cannot come back (ZMQ drops one whose peer sent a frame over
+        # `maxmsgsize`, and never connects again): a worker that can no longer hear or answer its front ends.
+        self._monitors = [s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in (self.inbox, self.outbox)]
 
-    def send(self, message: list | tuple) -> None:
+    def broken(self) -> bool:
+        """Whether either pipe lost its connection since the last call."""
+        lost = False
+        for monitor in self._monitors:
+            while monitor.poll(0):
+                monitor.recv_multipart()
+                lost = True
+        return lost
+
+    def send(self, message: list | tuple) -> bool:
+        """False (logged) when the message is too large for a frame: nothing was sent."""
         frame = channel.pack(message)
+        if len(frame) > channel.MAX_FRAME_BYTES:
+            log.error("engine: a %s message of %d bytes is over the channel's frame limit (%d): not sent",
+                      message[0], len(frame), channel.MAX_FRAME_BYTES)
+            return False
         with self._lock:
             self.outbox.send(frame, copy=False)
+        return True
 
     def recv(self, timeout_s: float) -> list | None:
         if not self.inbox.poll(int(timeout_s * 1000)):
@@ -62,6 +85,9 @@ class Pipe:
         return channel.unpack(self.inbox.recv(copy=True), FRONT_KINDS, "engine")
 
     def close(self) -> None:
+        for sock, monitor in zip((self.inbox, self.outbox), self._monitors):
+            sock.disable_monitor()
+            monitor.close(0)
         self.inbox.close(0)
         self.outbox.close()
         self.context.term()
@@ -106,11 +132,18 @@ class EngineHost(EngineCalls):
             self._events.append(kv)
         if self._outputs or self._events:
             outputs, events, self._outputs, self._events = self._outputs, self._events, [], []
-            self.pipe.send(("step", outputs, events))
+            if not self.pipe.send(("step", outputs, events)):  # one frame per output, then
+                self.pipe.send(("step", [], events))
+                for out in outputs:
+                    if not self.pipe.send(("step", [out], [])):
+                        error = "the output is larger than the engine channel's frame limit"
+                        self.pipe.send(("step", [channel.output_to_wire(
+                            ReqOutput(out[0], out[1], [], [], "abort", error=error))], []))
 
     # ------------------------------------------------------------ the channel (main thread)
     def serve(self, stop: Stop) -> None:
         self.engine.start(self.compute)
+        self.pipe.broken()  # what happened while connecting, when the front could still connect again
         self.pipe.send(("ready", self.info()))
         parent = os.getppid()
         while not stop.asked:
@@ -118,12 +151,15 @@ class EngineHost(EngineCalls):
             if os.getppid() != parent:
                 log.error("the worker's front process is gone: the engine process exits")
                 break
+            if self.pipe.broken():
+                log.error("the engine channel lost its connection to the front (a frame over its limit, or the "
+                          "front going): the engine process exits, for the worker to start again")
+                self.failed = True
+                break
             if not self.engine.is_alive() or not self._ranks_alive():  # a lost tensor-parallel rank
                 self.failed = True
                 break
-            if message is None or message[0] != "batch":
-                continue
-            for item in message[1]:
+            for item in _calls(message):
                 self._dispatch(item)
             if stop.asked or self._stop_asked:
                 break
@@ -145,6 +181,8 @@ class EngineHost(EngineCalls):
 
     def _dispatch(self, item) -> None:
         try:
+            if not isinstance(item, list) or not item:
+                raise ValueError(f"not a call: {item!r:.80}")
             kind, rest = item[0], item[1:]
             if kind == "call":
                 call_id, name, kwargs = rest
@@ -153,8 +191,10 @@ class EngineHost(EngineCalls):
             else:
                 raise ValueError(f"unknown item kind {kind!r}")
             handler = getattr(self, f"call_{name}", None)
-            if handler is None or not isinstance(kwargs, dict):
+            if handler is None:
                 raise ValueError(f"unknown call {name!r}")
+            if not isinstance(kwargs, dict):
+                raise ValueError(f"the arguments of {name!r} are no map: {kwargs!r:.80}")
         except (ValueError, TypeError, IndexError) as exc:
             log.error("engine: refused an item on the engine channel: %s", exc)
             return
@@ -185,8 +225,19 @@ class EngineHost(EngineCalls):
             return
         if isinstance(value, Future):  # a call answered when its request is done (a prefill)
             value.add_done_callback(lambda f: self._reply(call_id, name, f))
-        elif call_id is not None:
-            self.pipe.send(("reply", call_id, True, value))
+        elif call_id is not None and not self.pipe.send(("reply", call_id, True, value)):
+            self.pipe.send(("reply", call_id, False, ("internal", f"the answer to {name} is larger than the engine "
+                                                                   "channel's frame limit")))
+
+
+def _calls(message: list | None) -> list:
+    """The calls of a ("batch", [call, ...]) frame; none (logged) from any other frame."""
+    if message is None:
+        return []
+    if message[0] != "batch" or len(message) != 2 or not isinstance(message[1], list):
+        log.error("engine: refused a frame on the engine channel that is no batch of calls: %.80r", message)
+        return []
+    return message[1]
 
 
 def _die_with_parent() -> None:
@@ -219,6 +270,17 @@ def _remove_channel_dir() -> None:
     shutil.rmtree(os.environ.get(channel.CHANNEL_ENV, ""), ignore_errors=True)
 
 
+def _start(message: list | None) -> tuple[str, argparse.Namespace] | None:
+    """The command and flags of a ("start", command, flags) frame; None (logged) from any other frame."""
+    if message is None:
+        return None
+    if message[0] != "start" or len(message) != 3 or not isinstance(message[1], str) \
+            or not isinstance(message[2], dict) or not all(isinstance(k, str) for k in message[2]):
+        log.error("engine: refused a frame on the engine channel that is no start frame: %.80r", message)
+        return None
+    return message[1], argparse.Namespace(**message[2])
+
+
 def main() -> int:
     _die_with_parent()
     stop = Stop()
@@ -226,14 +288,14 @@ def main() -> int:
         signal.signal(sig, stop)
     pipe = Pipe(os.environ[channel.CHANNEL_ENV])
     started = time.monotonic()
-    message = None
-    while message is None and time.monotonic() - started < START_TIMEOUT_S:
-        message = pipe.recv(1.0)
-    if message is None or message[0] != "start":
+    start = None
+    while start is None and time.monotonic() - started < START_TIMEOUT_S:
+        start = _start(pipe.recv(1.0))
+    if start is None:
         print("error: the worker's front process sent no start frame", file=sys.stderr)
+        pipe.close()
         return 1
-    _, command, flags = message
-    args = argparse.Namespace(**flags)
+    command, args = start
     setup_logging(args.log_level, args.log_format == "json")
     try:
         host = EngineHost(command, args, pipe)

@@ -72,3 +72,30 @@ async def test_the_engine_process_refuses_what_it_cannot_read_and_keeps_serving(
     err = capfd.readouterr().err
     assert "refused a malformed frame" in err and "refused a frame of unknown kind" in err
     assert "unknown call 'no_such_call'" in err and err.count("refused an item") == 4
+
+
+def test_a_batch_too_large_for_one_frame_is_split_and_a_call_too_large_for_any_is_handed_back(monkeypatch):
+    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 200)
+    items = [["call", i, "x", {"a": "y" * 60}] for i in range(5)] + [["call", 9, "big", {"a": "z" * 300}]]
+    frames, too_large = channel.pack_batches(items)
+    assert len(frames) > 1 and all(len(frame) <= 200 for frame in frames)
+    unpacked = [channel.unpack(frame, frozenset({"batch"}), "engine") for frame in frames]
+    assert [item for message in unpacked for item in message[1]] == items[:5]  # in order, none lost
+    assert too_large == items[5:]
+
+
+def test_the_gate_admits_one_process_of_this_user_only():
+    import os
+
+    import zmq
+
+    context = zmq.Context()
+    gate = channel.PeerGate(context, "test", pid=4242)
+    try:
+        uid = os.getuid()
+        assert gate.admits(f"localhost:{uid}:0:4242")
+        assert not gate.admits(f"localhost:{uid}:0:4243")  # another process of this user
+        assert not gate.admits(f"localhost:{uid + 1}:0:4242")  # another user
+        assert not gate.admits("127.0.0.1")  # no credentials: not a Unix socket's peer
+    finally:
+        context.term()
