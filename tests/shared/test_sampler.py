@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+from pdserve.shared.logprobs import HostCopy
 from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -320,6 +321,23 @@ def test_logprobs_are_those_of_the_raw_model_distribution(vocab, dtype):
         torch.testing.assert_close(reference[i, ids], out.top_logprobs[i, :k])
         assert bool((out.top_logprobs[i, :-1] >= out.top_logprobs[i, 1:]).all())  # most likely first
     assert out.top_ids[2].tolist() == [-1] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_ids_logprob_are_the_named_ids_logprobs_in_their_order(dtype):
+    torch.manual_seed(14)
+    logits = (torch.randn(4, 1001) * 3).to(dtype)
+    named = (1000, int(logits[0].float().argmax()), 5)  # the greedy token among them
+    params = [SamplingParams(temperature=0, return_logprob=True, token_ids_logprob=named),
+              SamplingParams(temperature=0.7, return_logprob=True, top_logprobs_num=2),  # names none
+              SamplingParams(token_ids_logprob=(9,)),  # no logprobs asked: nothing reported
+              SamplingParams(temperature=0, repetition_penalty=1.5, return_logprob=True, token_ids_logprob=(42,))]
+    tokens, lps = HostCopy(sample(logits, params, outputs=[[42]] * 4)).read(params)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(torch.tensor(lps[0].id_logprobs), reference[0, list(named)])
+    torch.testing.assert_close(torch.tensor(lps[3].id_logprobs), reference[3, [42]])  # the raw model's, unpenalised
+    assert tokens[0] == named[1] and lps[0].id_logprobs[1] == lps[0].logprob
+    assert lps[1].id_logprobs == [] and len(lps[1].top_ids) == 2 and lps[2] is None
 
 
 def test_logprob_of_a_greedy_token_is_the_top_logprob():

@@ -51,9 +51,10 @@ def compile_stop_regex(pattern: str) -> StopRegex:
     try:
         re.compile(pattern)
         widest = re_parser.parse(pattern).getwidth()[1]
-    except re.error as exc:
+        compiled = regex.compile(pattern, regex.VERSION0)
+    except (re.error, regex.error, OverflowError, RecursionError) as exc:
         raise ValueError(f"{pattern!r} is not a valid regular expression: {exc}") from None
-    return StopRegex(pattern, regex.compile(pattern, regex.VERSION0), min(widest, REGEX_WINDOW))
+    return StopRegex(pattern, compiled, min(widest, REGEX_WINDOW))
 
 
 class StopMatcher:

@@ -78,6 +78,7 @@ def test_generate_reports_the_matched_regex(colocated):
      "--max-stop-regex"),
     ("/v1/completions", {"prompt": "x", "stop_regex": "a" * 257}, "stop_regex", "--max-stop-regex-chars"),
     ("/v1/completions", {"prompt": "x", "stop_regex": ""}, "stop_regex", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "stop_regex": "a{99999999999}"}, "stop_regex", "repetition number"),
 ])
 def test_bad_stop_regex_is_a_400_naming_the_field(colocated, path, body, param, words):
     r = post(colocated.open, path, {"model": "default", **body})
