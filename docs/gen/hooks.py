@@ -17,6 +17,7 @@ import cli_ref  # noqa: E402
 import errors_ref  # noqa: E402
 import helm_ref  # noqa: E402
 import metrics_ref  # noqa: E402
+import params_ref  # noqa: E402
 
 
 def generated() -> dict[str, str]:
@@ -25,6 +26,7 @@ def generated() -> dict[str, str]:
     pages["reference/metrics.md"] = metrics_ref.page()
     pages["reference/helm-values.md"] = helm_ref.page()
     pages["reference/errors.md"] = errors_ref.page()
+    pages["reference/sampling-parameters.md"] = params_ref.page()
     return pages
 
 

@@ -3,11 +3,13 @@
 The site is built once, as a user builds it (`mkdocs build --strict` from the project's venv). What the references
 must hold is read here from the code by other routes than the generators in docs/gen/ take: the flags from each
 command parser's own table of options, the metric names from the string literals of the modules that use
-prometheus_client, the Helm values from values.yaml, the error statuses from the `ApiError(...)` calls' text.
+prometheus_client, the Helm values from values.yaml, the error statuses from the `ApiError(...)` calls' text, the sampling
+parameters from their dataclass.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import html
 import os
 import re
@@ -101,6 +103,16 @@ def test_every_error_status_of_the_gateway_and_jobs_is_in_the_error_codes(site):
         assert statuses >= {400, 404}
         missing = sorted(s for s in statuses if f"<code>{s}</code>" not in text)
         assert not missing, f"{folder}: statuses missing from the error codes: {missing}"
+
+
+def test_every_sampling_parameter_is_in_its_reference(site):
+    from pdserve.services.gateway.intake.dialects import GATEWAY_DERIVED, LOGPROB_FIELDS
+    from pdserve.shared.sampling_params import SamplingParams
+
+    text = page(site, "reference/sampling-parameters")
+    names = {f.name for f in dataclasses.fields(SamplingParams)} - GATEWAY_DERIVED - LOGPROB_FIELDS
+    missing = sorted(n for n in names if f'<span id="{n}"></span><code>{n}</code>' not in text)
+    assert not missing, f"sampling parameters missing from their reference: {missing}"
 
 
 def test_the_docs_script_serves_the_site():
