@@ -75,6 +75,7 @@ def page() -> str:
             "Every sampling parameter, from its one definition in `shared/sampling_params.py` (default, range, "
             "meaning) and the name each API gives it, read when this site is built. A value outside its range is "
             "a 400 naming the field, whichever API it came through; the openai SDK sends the fields OpenAI does "
-            "not define in `extra_body`. Log-probabilities are asked for on each API in its own way: see the "
-            "[API pages](../apis/index.md).\n\n"
+            "not define in `extra_body`. Stop strings (`stop`, `stop_sequences` on Messages) and SGLang's "
+            "`stop_regex` are matched by the gateway on the output text, beside these; log-probabilities are asked "
+            "for on each API in its own way: see the [API pages](../apis/index.md).\n\n"
             + table(["parameter", "default", "range", *(title for title, _ in COLUMNS), "meaning"], rows))
