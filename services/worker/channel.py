@@ -53,6 +53,9 @@ def pack(message: list | tuple) -> bytes:
 def pack_batches(items: list) -> tuple[list[bytes], list]:
     """("batch", items) as frames of at most MAX_FRAME_BYTES each (consecutive items), and the items that would not
     fit in any frame alone."""
+    whole = pack(("batch", items))
+    if len(whole) <= MAX_FRAME_BYTES:  # nearly always: one frame, packed once
+        return [whole], []
     packer = msgpack.Packer(use_bin_type=True)
     head = packer.pack_array_header(2) + packer.pack("batch")
     frames, too_large, run, size = [], [], [], 0
