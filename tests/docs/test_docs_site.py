@@ -115,6 +115,13 @@ def test_every_sampling_parameter_is_in_its_reference(site):
     assert not missing, f"sampling parameters missing from their reference: {missing}"
 
 
+def test_the_readme_links_only_to_files_that_exist():
+    readme = (REPO / "README.md").read_text()
+    targets = {link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in link}
+    missing = sorted(t for t in targets if t and not (REPO / t).exists())
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
 def test_the_docs_script_serves_the_site():
     script = REPO / "scripts" / "docs"
     assert script.stat().st_mode & 0o111, "scripts/docs is not executable"
