@@ -157,6 +157,8 @@ def test_hostile_requests_get_the_fuzz_runs_answers(colocated):
         error = r.json()
         if path.startswith("/v1/messages"):
             assert error["type"] == "error" and error["error"]["message"]
+        elif path.startswith("/v1/responses"):  # OpenAI's envelope, as SGLang's there
+            assert error["error"]["code"] == r.status_code and error["error"]["message"]
         else:
             assert error["object"] == "error" and error["code"] == r.status_code and error["message"]
         assert "Traceback" not in r.text
