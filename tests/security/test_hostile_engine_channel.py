@@ -30,7 +30,7 @@ PARAMS = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 OVERSIZED = channel.MAX_FRAME_BYTES + (1 << 20)
 
 # Connects to the front's two sockets as soon as they exist: takes what the front sends its engine, and sends
-# what an engine would (a forged "ready", a forged reply, a frame over the limit). Prints what it took.
+# what an engine would (a forged "ready", a forged reply). Prints each frame it took.
 FOREIGN = """
 import sys, time, zmq, msgpack
 directory = sys.argv[1]
@@ -39,7 +39,7 @@ steal = context.socket(zmq.PULL)
 steal.connect(f"ipc://{directory}/to-engine")
 forge = context.socket(zmq.PUSH)
 forge.connect(f"ipc://{directory}/to-front")
-taken, end = [], time.monotonic() + float(sys.argv[2])
+end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     for message in (["ready", {"forged": True}], ["reply", 0, True, "forged"]):
         try:
@@ -47,8 +47,7 @@ while time.monotonic() < end:
         except zmq.Again:
             pass
     if steal.poll(50):
-        taken.append(steal.recv()[:40])
-print("taken", len(taken), flush=True)
+        print("took", steal.recv()[:40], flush=True)
 """
 
 MALFORMED = {
@@ -142,7 +141,7 @@ async def test_foreign_peers_oversized_and_malformed_frames_leave_the_engine_ser
         foreign.kill()
         taken = foreign.communicate()[0]
         await link.stop()
-    assert "taken" not in taken or "taken 0" in taken, taken  # nothing of the front's reached it
+    assert taken == "", taken  # nothing of the front's reached it
     engine_log = capfd.readouterr().err
     # Each malformed frame logged (the call with arguments it does not take fails as a call: logged so too).
     assert engine_log.count("on the engine channel") == len(MALFORMED) - 1, engine_log[-3000:]
