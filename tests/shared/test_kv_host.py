@@ -115,12 +115,13 @@ def test_above_storage_write_back_writes_from_the_host_copies(tiny_models, tmp_p
     plain = run(engine_for(model, None, pages=24), {"a": PROMPT})
     # a pool of 48 pages: each eviction (at most a prompt's 12 pages) fits the writer's quarter of the pool
     engine = host_engine(model, pages=48, storage=tmp_path, policy="write_back")
+    # No eviction dropped for the writer being behind (a quarter of the pool waiting: counted, not a fault, and
+    # on a busy machine the writer thread can be that far behind between two evictions).
+    engine.tiers.writer.limit_pages = 1 << 20
     run(engine, {"a": PROMPT})
     assert not stored_files(tmp_path)
-    for rid, ids in OTHERS.items():  # each eviction written before the next: a writer slowed by a busy machine
-        run(engine, {rid: ids})      # would otherwise drop the second for being behind (counted, not a fault)
-        settle(engine)
-    assert engine.cache.match_prefix(PROMPT).num_tokens == 0
+    evict_prompt(engine)
+    settle(engine)
     assert len(stored_files(tmp_path)) >= 10 and not engine.tiers.host._busy  # every lent slot given back
     stats = engine.tiers.stats()
     assert stats["pages_written"] == stats["host_bytes_written"] // engine.tiers.host.page_bytes > 0

@@ -294,12 +294,15 @@ def test_write_back_keeps_what_the_pool_evicts(tiny_models, tmp_path):
     model = tiny_models["llama"]
     plain = run(engine_for(model, None), {"a": PROMPT})
     small = engine_for(model, tmp_path, pages=24, policy="write_back")
+    # No eviction dropped for the writer being behind (a quarter of the pool waiting: counted, not a fault, and
+    # on a busy machine the writer thread can be that far behind within one request's evictions).
+    small.tiers.writer.limit_pages = 1 << 20
     run(small, {"a": PROMPT})
     assert not stored_files(tmp_path)  # nothing evicted yet
     others = {f"b{k}": [(k * 13 + i * 7) % 400 + 50 for i in range(41)] for k in range(3)}
-    for rid, ids in others.items():  # each eviction written before the next: a writer slowed by a busy machine
-        run(small, {rid: ids})       # would otherwise drop a later one for being behind (counted, not a fault)
-        settle(small)
+    for rid, ids in others.items():
+        run(small, {rid: ids})
+    settle(small)
     assert stored_files(tmp_path)
     back = run(small, {"a2": PROMPT})["a2"]
     assert back[0] == plain["a"][0] and back[1] > 0
