@@ -28,7 +28,7 @@ from pdserve.services.gateway.apis.responses import routes as responses_routes
 from pdserve.services.gateway.apis.responses.store import ResponseStore
 from pdserve.services.gateway import body_encoding
 from pdserve.services.gateway.cpu_pool import CPU_POOL
-from pdserve.services.gateway.errors import ApiError, Busy, body_bytes, error_middleware, too_large
+from pdserve.services.gateway.errors import ApiError, Busy, answer, body_bytes, error_middleware, too_large
 from pdserve.services.gateway.siblings import SIBLINGS, Siblings
 from pdserve.shared.logs import HEADER, REQUEST_ID, request_id
 
@@ -169,8 +169,8 @@ async def read_body(request: web.Request, handler):
                 else:
                     await request.read()
         except TimeoutError:
-            response = ApiError(408, f"The request body did not arrive within {timeout_s:g} s "
-                                     "(--body-timeout).").response()
+            response = answer(request, ApiError(408, f"The request body did not arrive within {timeout_s:g} s "
+                                                     "(--body-timeout)."))
             response.force_close()
             return response
     return await handler(request)
@@ -247,8 +247,8 @@ END_GRACE_S = 0.5  # after ending what is left: for handlers to write their erro
 async def drain_requests(request: web.Request, handler):
     drain = request.app[DRAIN]
     if drain.closing and request.path != "/live":  # alive while draining: a liveness failure would kill it
-        response = Busy(503, "The gateway is shutting down: send the request again (another instance will take "
-                             "it).", 1).response()
+        response = answer(request, Busy(503, "The gateway is shutting down: send the request again (another "
+                                             "instance will take it).", 1))
         response.force_close()
         return response
     drain.active += 1

@@ -103,6 +103,11 @@ async def read_json(request: web.Request) -> dict:
 NESTED_ERROR_PREFIX = "/v1/responses"
 
 
+def answer(request: web.Request, error: ApiError) -> web.Response:
+    """`error` in the shape the request's route answers errors in."""
+    return error.response(nested=request.path.startswith(NESTED_ERROR_PREFIX))
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
@@ -111,7 +116,7 @@ async def error_middleware(request: web.Request, handler):
         # Answered inside the block: `exc` is dropped with it. Kept in a local of this frame past it, the
         # exception's traceback (which holds this frame) would make a cycle that only the garbage collector
         # frees, and with it every frame's locals: a refused 31 MiB body stayed in the gateway's memory.
-        return as_api_error(request, exc).response(nested=request.path.startswith(NESTED_ERROR_PREFIX))
+        return answer(request, as_api_error(request, exc))
 
 
 def as_api_error(request: web.Request, exc: Exception) -> ApiError:

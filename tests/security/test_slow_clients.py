@@ -101,6 +101,15 @@ def test_a_body_that_does_not_come_is_408(hostile):
     assert seconds < 5
 
 
+def test_a_responses_body_that_does_not_come_is_408_in_openais_envelope(hostile):
+    with connect(hostile.strict) as sock:
+        sock.sendall(request_head("/v1/responses", 1000) + b'{"input": "x')
+        data, _ = closed_within(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == 408 and "--body-timeout" in error["message"]
+
+
 def test_a_complete_request_is_served_on_the_strict_gateway(hostile):
     r = requests.post(hostile.strict.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
