@@ -70,7 +70,7 @@ def gateway(colocated, default_model_dir, minilm_dir, tmp_path_factory):
 
 
 def test_the_api_pages_have_examples():
-    assert {"openai.md", "native.md", "files-batches.md"} <= set(PAGES)
+    assert {"openai.md", "native.md", "responses.md", "messages.md", "files-batches.md"} <= set(PAGES)
 
 
 @pytest.mark.parametrize("name", PAGES)
