@@ -8,8 +8,8 @@ CPU whose oneDNN cannot pack the dtype) it is a plain `F.linear`.
 A step of at most GEMV_MAX_ROWS[dtype] tokens (decoding one or a few sequences) only streams the weights once,
 and there the native GEMV (kernels/native/gemv.cpp) reads them faster than oneDNN: bf16 1.5-2.7x at 1-4 rows
 (AVX512-BF16), fp32 1.6-1.7x at one row on an AVX2 build, which loses to oneDNN's AVX2 kernel at four (0.8-1.3x,
-README "Native kernels on AVX2-only CPUs"), so fp32 takes it up to two rows. The layer keeps the plain weight for
-it beside the packed one.
+docs/performance/runtime.md, "Native kernels on AVX2-only CPUs"), so fp32 takes it up to two rows. The layer keeps
+the plain weight for it beside the packed one.
 
 Wide steps (prefill, at least WIDE_MIN_ROWS tokens) are bound by arithmetic, and how bf16 compares with fp32
 there depends on the CPU. With AMX tiles bf16 multiplies 4-10x faster than fp32; on AMD's AVX512-BF16 cores
