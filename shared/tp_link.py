@@ -29,7 +29,7 @@ import threading
 import time
 
 from pdserve.shared.cluster_auth import TOKEN_ENV, challenge, cluster_token, proof, proves
-from pdserve.shared.tp_gate import Door, bind
+from pdserve.shared.tp_gate import Door, bind, read_line
 from pdserve.shared.tp_group import RankGone
 from pdserve.shared.tp_nodes import NodeClaimError
 
@@ -116,9 +116,9 @@ class Link:
         except OSError as exc:
             raise RankGone(f"node {node}: cannot reach rank 0's node at {host}:{port}: {exc}") from None
         try:
-            nonce = bytes.fromhex(_read_line(sock))
+            nonce = bytes.fromhex(read_line(sock))
             sock.sendall(f"{answer(link.token, nonce, node)}\n".encode())
-            said = _read_line(sock)
+            said = read_line(sock)
         except (OSError, ValueError) as exc:
             sock.close()
             raise RankGone(f"node {node}: no link with rank 0's node at {host}:{port}: {exc}") from None
@@ -297,19 +297,6 @@ class Link:
         what = "rank 0's node" if peer.node == 0 else f"tensor-parallel node {peer.node}"
         if self.lost is None:
             self.lost = f"{what} ({peer.where}) is gone: {why}"
-
-
-def _read_line(sock: socket.socket) -> str:
-    """One line of a hello, read a byte at a time so nothing after it is taken (the beats are the peer's)."""
-    line = b""
-    while not line.endswith(b"\n"):
-        byte = sock.recv(1)
-        if not byte:
-            raise ConnectionError("rank 0's node closed the connection")
-        if len(line) >= _HELLO_BYTES:
-            raise ValueError("rank 0's node does not speak the link's protocol")
-        line += byte
-    return line[:-1].decode(errors="replace")
 
 
 def _close_after_sent(socks: list[socket.socket], wait_s: float = CLOSE_WAIT_S) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.shared import tp_link
+from pdserve.shared import tp_gate, tp_link
 from pdserve.shared.cluster_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from pdserve.shared.tp_channel import StoreBox
 from pdserve.shared.tp_group import RankGone
@@ -240,9 +240,9 @@ def test_with_a_token_rank_0_checks_the_settings_each_node_tells(token, monkeypa
 def hello(port: int, token: str | None, node: int = 1, then=lambda: None) -> str:
     """A hand-made hello to rank 0's end: what it answers (`then()` runs before the connection closes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        nonce = bytes.fromhex(tp_link._read_line(sock))
+        nonce = bytes.fromhex(tp_gate.read_line(sock))
         sock.sendall(f"{answer(token, nonce, node)}\n".encode())
-        said = tp_link._read_line(sock)
+        said = tp_gate.read_line(sock)
         if said != tp_link.LINKED:
             assert sock.recv(1) == b""  # refused: closed
         then()
@@ -283,8 +283,8 @@ def test_a_connection_that_says_nothing_holds_up_no_node_and_is_closed(token, mo
         start = time.monotonic()
         node = Link.connect("127.0.0.1", rank0_end.port, 1, timeout_s=1.5)
         assert time.monotonic() - start < 0.5 and rank0_end.linked([1])
-        tp_link._read_line(silent)  # its challenge, unanswered
-        assert "did not say which node it is within 0.5 s" in tp_link._read_line(silent)
+        tp_gate.read_line(silent)  # its challenge, unanswered
+        assert "did not say which node it is within 0.5 s" in tp_gate.read_line(silent)
         assert silent.recv(1) == b""
     node.poll(0.1)
     assert rank0_end.lost is None and node.lost is None
