@@ -9,9 +9,12 @@ import pytest
 # One layer's allocation pattern in small: two gathered 4 MiB inputs, a copy of each, a score buffer, all freed
 # again. After warm-up rounds, print the page faults 50 more rounds cost.
 PROBE = """
-import resource, sys, torch
+import ctypes, resource, sys, torch
 from pdserve.shared.host_memory import keep_freed_memory
 torch.set_num_threads(1)
+# glibc's thresholds as a process starts with them, held there (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)
+mallopt = ctypes.CDLL("libc.so.6").mallopt
+assert mallopt(-3, 128 << 10) and mallopt(-1, 128 << 10)
 if sys.argv[1] == "kept":
     assert keep_freed_memory()
 MIB = 1 << 18  # fp32 elements
@@ -39,7 +42,9 @@ def page_faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings apply on Linux only")
 def test_reallocated_activations_reuse_warm_pages():
-    default, kept = page_faults("default"), page_faults("kept")
-    # By default glibc gives freed megabytes back to the kernel and every round faults them in again
-    # (measured: 10,000-55,000 faults over 50 rounds); kept in the heap, rounds reuse pages already there.
-    assert default > 5000 and kept * 5 < default, (default, kept)
+    returned, kept = page_faults("returned"), page_faults("kept")
+    # With the thresholds a process starts with, glibc maps each freed megabyte block afresh and every round
+    # faults it in again. Left alone, glibc raises them after the first frees by an amount that depends on the
+    # order of earlier frees (measured here: 0, 3,072 or 23,010 faults over 50 rounds), which is why the
+    # baseline holds them. Kept in the heap, rounds reuse pages already there (measured: 0).
+    assert returned > 5000 and kept * 5 < returned and kept < 1000, (returned, kept)
