@@ -31,7 +31,8 @@ AVX-512 at others): they run the native fixed-order matmul (FixedOrderMatmul, ke
 sums every output in one lane from the first k to the last, so a row has the same bits at every row count by
 construction. In the default mode the bf16 layers and the layers with fp32 output (the LM head, whose fp32 sums
 are the logits) run on whichever kernel measured faster on this machine (shared/matmul_choice.py: timed once
-per CPU model and native build, then read back; `fixed_order_pays`, `fixed_order_head_pays`).
+per CPU model and native build, then read back; `fixed_order_pays`, `fixed_order_head_pays`); but a bf16 LM head
+decoding (up to HEAD_FIXED_ROWS rows) reads its bf16 weight: oneDNN's fp32 copy is twice the bytes (1.3 vs 5.7 ms).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ GEMV_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 2}  # where the native GEMV r
 # From this many rows a step may run its bf16 matmuls in fp32 (see above); below, bf16 measured as fast or
 # faster (0.74x at 8 rows, 1.05x at 32, 1.24x at 64, 1.45x at 256 on the 2-core Xeon).
 WIDE_MIN_ROWS = 64
+HEAD_FIXED_ROWS = 8  # one register tile of the fixed-order kernel: its rows read the weight once
 
 
 class Linear:
@@ -69,14 +71,16 @@ class Linear:
         self.dtype = weight.dtype
         self.bias = bias
         self.fp32_output = fp32_output
+        narrow = fixed is None and fp32_output and weight.dtype == torch.bfloat16  # see HEAD_FIXED_ROWS above
         if fixed is None and weight.device.type == "cpu":
             bf16 = weight.dtype == torch.bfloat16
             fixed = (not bf16 or fixed_order_head_pays()) if fp32_output else bf16 and fixed_order_pays()
-        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fixed else None
+        self._fixed = FixedOrderMatmul.make(weight, bias) if batch_invariant or fixed or narrow else None
         if batch_invariant and self._fixed is None:
             raise ValueError("a batch-invariant layer needs the native CPU kernels' fixed-order matmul (a CPU "
                              "weight in float32 or bfloat16 and a native build)")
-        fixed = self._fixed is not None
+        self._fixed_rows = HEAD_FIXED_ROWS if narrow and not (fixed or batch_invariant) else None  # None: any
+        fixed = self._fixed is not None and self._fixed_rows is None
         # On CUDA, and on a CPU without the native build, an fp32 output comes from fp32 arithmetic: cuBLAS writes
         # fp32 from bf16 operands; the CPU fallback keeps an fp32 copy of the weight.
         cpu_f32 = fp32_output and not fixed and weight.device.type == "cpu" and weight.dtype != torch.float32
@@ -91,7 +95,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features], plus `residual` [T, out_features] when given."""
-        if self._fixed is not None:
+        if self._fixed is not None and (self._fixed_rows is None or x.shape[0] <= self._fixed_rows):
             return self._fixed(x, residual, self.fp32_output)
         out = self._matmul(x)
         return out if residual is None else out.add_(residual)

@@ -374,16 +374,41 @@ def test_the_lm_head_takes_its_own_choice_and_deterministic_mode_keeps_the_fixed
     monkeypatch.setattr(linear, "_matmul_choice", MatmulChoice(True, head_fixed, (), "test"))
     torch.manual_seed(5)
     weight = (torch.randn(200, 96) * 0.1).bfloat16()
-    x = torch.randn(6, 96).bfloat16()
+    x = torch.randn(12, 96).bfloat16()  # past HEAD_FIXED_ROWS: the measured choice's kernel
     want = x.double() @ weight.double().T
     head = Linear(weight, fp32_output=True)
-    assert (head._fixed is not None) is (head_fixed and native_available())
+    assert (head._fixed is not None and head._fixed_rows is None) is (head_fixed and native_available())
     got = head(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums, not rounded to bf16
     if native_available():
         assert Linear(weight, fp32_output=True, batch_invariant=True)._fixed is not None
         assert Linear(weight.float(), fp32_output=True)._fixed is not None  # fp32 weights: as before the probe
+
+
+@pytest.mark.skipif(not native_available(), reason="no native build: the LM head multiplies an fp32 copy")
+def test_a_bf16_lm_head_decodes_from_its_bf16_weight_with_the_bits_of_deterministic_mode(monkeypatch):
+    """Where wide steps take oneDNN over an fp32 copy, a decode step's few rows still read the bf16 weight (half
+    the bytes) on the fixed-order kernel: fp32 logits within fp32 rounding of exact sums, and bit for bit what
+    deterministic mode's batch-invariant head gives at every row count up to HEAD_FIXED_ROWS."""
+    monkeypatch.setattr(linear, "_matmul_choice", MatmulChoice(True, False, (), "test"))
+    torch.manual_seed(6)
+    weight, bias = (torch.randn(300, 160) * 0.1).bfloat16(), torch.randn(300).bfloat16()
+    head = Linear(weight, bias, fp32_output=True)
+    exact = Linear(weight, bias, fp32_output=True, batch_invariant=True)
+    x = torch.randn(linear.HEAD_FIXED_ROWS + 1, 160).bfloat16()
+    want = x.double() @ weight.double().T + bias.double()
+    called: list[int] = []
+    fixed = head._fixed
+    monkeypatch.setattr(head, "_fixed", lambda x, *a: called.append(x.shape[0]) or fixed(x, *a))
+    for rows in range(1, linear.HEAD_FIXED_ROWS + 2):
+        got = head(x[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, 300)
+        torch.testing.assert_close(got.double(), want[:rows], rtol=1e-5, atol=1e-5)
+        if rows <= linear.HEAD_FIXED_ROWS:
+            assert torch.equal(got, exact(x[:rows])) and torch.equal(got[:1], exact(x[:1]))
+    assert called == list(range(1, linear.HEAD_FIXED_ROWS + 1))  # past them: oneDNN over the fp32 copy
+    assert Linear(weight, fp32_output=True, fixed=False)._fixed is None  # the probe's oneDNN side stays oneDNN
 
 
 
