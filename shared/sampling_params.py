@@ -105,7 +105,8 @@ class SamplingParams:
     min_new_tokens: int = param(0, lo=0)
     """Until this many tokens are out, eos (unless ignore_eos) and stop_token_ids cannot be sampled."""
     stop_token_ids: tuple[int, ...] = ()
-    """Sampling one of these ends the request (finish reason "stop"), as eos does."""
+    """Sampling one of these ends the request (finish reason "stop"), as eos does. The gateway drops an id past the
+    vocabulary, which no step can sample (SGLang serves such a list, one written for a larger vocabulary)."""
     ignore_eos: bool = False
     """Eos does not end the request."""
     seed: int | None = param(None, lo=_INT64_MIN, hi=_INT64_MAX)

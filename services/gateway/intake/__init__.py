@@ -58,7 +58,13 @@ def read(dialect: Dialect, sampling: BaseModel, *, prefix: str = "", response_fo
 
 
 def build_params(draft: Draft, vocab_size: int | None, params: type = SamplingParams) -> SamplingParams:
-    """The checked SamplingParams; a bad value is a 400 naming the field as the API calls it."""
+    """The checked SamplingParams; a bad value is a 400 naming the field as the API calls it. A stop token id past
+    the vocabulary is dropped, not refused: no step can sample it, and SGLang serves such a list (one written for
+    a model with a larger vocabulary)."""
+    stops = draft.values.get("stop_token_ids")
+    if vocab_size is not None and stops:
+        draft.values["stop_token_ids"] = tuple(
+            t for t in stops if not (isinstance(t, int) and not isinstance(t, bool) and t >= vocab_size))
     try:
         built = params(**{k: v for k, v in draft.values.items() if v is not None})
         built.validate(vocab_size)

@@ -221,3 +221,23 @@ def test_max_new_tokens_0_returns_every_prompt_logprob(colocated):
     events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert len(events[-1]["meta_info"]["input_token_logprobs"]) == 15
+
+
+# ---------------------------------------------------------------- stop_token_ids past the vocabulary
+def test_stop_token_ids_past_the_vocabulary_stop_nothing_and_the_others_still_stop(colocated):
+    # SGLang serves a stop list written for a larger vocabulary (119690 is a Llama 3 id; this one has 49,152).
+    body = {"text": COUNT, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+    free = post(colocated.open, "/generate", body).json()
+    far = post(colocated.open, "/generate", {**body, "sampling_params": {
+        **body["sampling_params"], "stop_token_ids": [119690, 2**31 - 1]}})
+    assert far.status_code == 200, far.text
+    assert far.json()["output_ids"] == free["output_ids"]
+    assert far.json()["meta_info"]["finish_reason"]["type"] == "length"
+    second = free["output_ids"][1]  # " 5, 6," -> the "5"
+    mixed = post(colocated.open, "/generate", {**body, "sampling_params": {
+        **body["sampling_params"], "stop_token_ids": [119690, second]}}).json()
+    assert mixed["meta_info"]["finish_reason"] == {"type": "stop", "matched": second}
+    assert mixed["output_ids"] == free["output_ids"][:2]
+    bad = post(colocated.open, "/generate", {**body, "sampling_params": {
+        **body["sampling_params"], "stop_token_ids": [-1]}})
+    assert bad.status_code == 400 and "stop_token_ids" in bad.text, bad.text  # a negative id is still refused
