@@ -45,9 +45,8 @@ def gateway() -> list[Series]:
 
 def worker(lora: bool = False, host: bool = False, storage: bool = False) -> list[Series]:
     from pdserve.services.worker.metrics import WorkerMetrics
-    from pdserve.shared.config import Role
 
-    metrics = WorkerMetrics("MODEL", Role.COLOCATED, page_size=16, num_pages=64, max_lora=8 if lora else None)
+    metrics = WorkerMetrics("MODEL", page_size=16, num_pages=64, max_lora=8 if lora else None)
     if host or storage:
         metrics.watch_tiers(host=host, storage=storage)
     return registered(metrics.registry)

@@ -11,41 +11,43 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.services.worker.channel import RemoteError
+from pdserve.services.worker.engine_messages import (Adapters, Call, Experts, FlushCache, Load, LoadAdapter,
+                                                     PoolStats, UnloadAdapter)
 
 
 class AdminRpcs:
     async def Info(self, request, context):
         reply = pb.InfoReply()
         reply.CopyFrom(self.info)
-        reply.lora_adapters.extend(adapter_info(a) for a in await self._call_or_abort(context, "adapters"))
+        reply.lora_adapters.extend(adapter_info(a) for a in await self._call_or_abort(context, Adapters()))
         return reply
 
     async def Load(self, request, context):
-        return pb.LoadReply(**await self._call_or_abort(context, "load"))
+        return pb.LoadReply(**await self._call_or_abort(context, Load()))
 
     async def FlushCache(self, request: pb.FlushRequest, context):
         # Waits up to engine_admin_calls.FLUSH_WRITES_WAIT_S for the storage tier's writes, beyond the usual call.
-        return pb.FlushReply(**await self._call_or_abort(context, "flush_cache", tiers=list(request.tiers)))
+        return pb.FlushReply(**await self._call_or_abort(context, FlushCache(list(request.tiers))))
 
     async def Stats(self, request, context):
-        return pb.PoolStats(**await self._call_or_abort(context, "pool_stats"))
+        return pb.PoolStats(**await self._call_or_abort(context, PoolStats()))
 
     # ------------------------------------------------------------ LoRA adapters
     async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context):
         # Loading reads and checks the files on the engine thread: adapters are megabytes, not a step's worth.
-        return await self._change_adapters(context, "load_adapter", name=request.name, path=request.path)
+        return await self._change_adapters(context, LoadAdapter(request.name, request.path))
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context):
-        return await self._change_adapters(context, "unload_adapter", name=request.name)
+        return await self._change_adapters(context, UnloadAdapter(request.name))
 
-    async def _change_adapters(self, context, method: str, /, **kwargs) -> pb.LoraReply:
+    async def _change_adapters(self, context, call: Call) -> pb.LoraReply:
         try:
-            return pb.LoraReply(ok=True, adapters=[adapter_info(a) for a in await self._engine(method, **kwargs)])
+            return pb.LoraReply(ok=True, adapters=[adapter_info(a) for a in await self._engine(call)])
         except RemoteError as exc:  # the message names the adapter and the problem
             if exc.kind not in ("invalid", "weights"):
                 raise
             error = str(exc)
-        adapters = await self._call_or_abort(context, "adapters")
+        adapters = await self._call_or_abort(context, Adapters())
         return pb.LoraReply(ok=False, error=error, adapters=[adapter_info(a) for a in adapters])
 
     # ------------------------------------------------------------ expert distribution
@@ -65,7 +67,7 @@ class AdminRpcs:
         """The reason a worker cannot record (no experts, no mode) as FAILED_PRECONDITION; a dump that cannot be
         written as INTERNAL."""
         try:
-            return await self._engine("experts", op=op)
+            return await self._engine(Experts(op))
         except RemoteError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION if exc.kind == "precondition"
                                 else grpc.StatusCode.INTERNAL, str(exc))

@@ -23,19 +23,28 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.channel import EngineGone, RemoteError
+from pdserve.services.worker.colocated import Colocated
+from pdserve.services.worker.decode import Decode
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.engine_messages import CacheChanged, CacheDomain, Metrics, StatsSample, TransferHealth
 from pdserve.services.worker.kv_events import KVFeed
 from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.pooling import PoolingService, engine_encode
 from pdserve.services.worker.rpc import Calls, Timeouts, WorkerService
+from pdserve.services.worker.prefill import Prefill
 from pdserve.services.worker.settings import worker_name
-from pdserve.services.worker.settings import wiring_for
+from pdserve.services.worker.wiring import Wiring
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat, WeightsVersion
 from pdserve.shared.config import Role
 from pdserve.shared.logs import RequestIdServerInterceptor
 
 log = logging.getLogger("pdserve.worker")
+
+
+def wiring_for(role: Role) -> Wiring:
+    """The front's side of a role: what it serves and how (`wiring.py`)."""
+    return {wiring.role: wiring for wiring in (Colocated, Prefill, Decode)}[role]()
 
 
 class WorkerApp:
@@ -47,8 +56,10 @@ class WorkerApp:
         self.name = worker_name(role.value, args.host, args.port)
         flags = {**vars(args), "model_path": model_path, "worker_name": self.name}
         self.link = EngineLink(role.value, flags, on_exit=self._engine_exited)
-        self.link.on_event = self._event
         self.kv_feed = KVFeed()  # what its prefix cache holds, for the routers
+        self.link.on(CacheChanged, lambda e: self.kv_feed.apply(e.cleared, e.added, e.removed))
+        self.link.on(CacheDomain, lambda e: self.kv_feed.set_domain(e.domain))
+        self.link.on(TransferHealth, self._transfer_health)
         self.registry = CollectorRegistry()  # the front's own series, beside the engine's
         self.trace_spans_dropped = Counter(
             "pdserve_worker_trace_spans_dropped", "spans the trace collector did not take (unreachable, slow or "
@@ -80,18 +91,10 @@ class WorkerApp:
         """Ready, its engine process alive, and (PD) its KV transfer still able to take pages."""
         return self.ready and self.link.alive and self.transfer_ok
 
-    def _event(self, event: list) -> None:
-        kind = event[0]
-        if kind == "reserved":
-            self.wiring.prompts.reserved(*event[1:])
-        elif kind == "kv":
-            self.kv_feed.apply(*event[1:])
-        elif kind == "kv_domain":
-            self.kv_feed.set_domain(event[1])
-        elif kind == "transfer_healthy":
-            self.transfer_ok = event[1]
-            log.log(logging.INFO if self.transfer_ok else logging.ERROR, "KV transfer %s",
-                    "healthy again" if self.transfer_ok else "unhealthy: peers cannot write into this pool")
+    def _transfer_health(self, event: TransferHealth) -> None:
+        self.transfer_ok = event.ok
+        log.log(logging.INFO if self.transfer_ok else logging.ERROR, "KV transfer %s",
+                "healthy again" if self.transfer_ok else "unhealthy: peers cannot write into this pool")
 
     def _engine_exited(self, code: int) -> None:
         log.error("the engine process exited (code %s): this worker stops, for its supervisor to start it again",
@@ -183,7 +186,7 @@ class WorkerApp:
 
         async def metrics(request: web.Request) -> web.Response:
             try:
-                engine = await self.link.call("metrics", 5.0)
+                engine = await self.link.call(Metrics(), 5.0)
             except (RemoteError, EngineGone, asyncio.TimeoutError):
                 engine = b""
             return web.Response(body=engine + generate_latest(self.registry),
@@ -227,7 +230,7 @@ class StatsLine:
 
     async def tick(self) -> None:
         try:
-            load, prefill, decode, spec = await self.link.call("stats_sample", self.interval_s)
+            load, prefill, decode, spec = await self.link.call(StatsSample(), self.interval_s)
         except (asyncio.TimeoutError, RemoteError, EngineGone):  # a long step, or the engine stopped: no line now
             return
         now = time.monotonic()

@@ -13,10 +13,12 @@ sends more before any of it is kept (`maxmsgsize`), and each sender splits or re
 peer never has to. A frame that is not msgpack, of a kind or shape the receiver does not know, is logged and
 dropped, never raised (a bug must not bring the worker down).
 
-Front -> engine: ("start", command, args) once, then ("batch", [("call", id, name, kwargs) | ("cast", name,
-kwargs), ...]): every call the front's event loop made in one turn, in one frame.
+Front -> engine: ("start", command, args) once, then ("batch", [("call", id, name, fields) | ("cast", name,
+fields), ...]): every call the front's event loop made in one turn, in one frame; each call a type declared in
+`engine_messages.py`, named with its fields.
 Engine -> front: ("ready", info) or ("failed", message) once; ("reply", id, ok, value | (kind, message)); and
-one ("step", outputs, events) per engine loop iteration that produced any: every output of that step.
+one ("step", outputs, events) per engine loop iteration that produced any: every output of that step (each an
+`engine_messages.OutputRecord`) and its events (each a declared type too, named with its fields).
 """
 from __future__ import annotations
 
@@ -27,8 +29,6 @@ from pathlib import Path
 
 import msgpack
 import zmq
-
-from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -173,26 +173,3 @@ def error_kind(exc: BaseException) -> str:
 
 class EngineGone(RuntimeError):
     """The engine process exited: nothing sent to it will be answered."""
-
-
-# ------------------------------------------------------------ outputs on the wire
-
-def _logprobs(lps: list[TokenLogprobs] | None) -> list | None:
-    return None if lps is None else [lp.to_wire() for lp in lps]
-
-
-def _from_logprobs(items: list | None) -> list[TokenLogprobs] | None:
-    return None if items is None else [TokenLogprobs.from_wire(lp) for lp in items]
-
-
-def output_to_wire(o: ReqOutput) -> tuple:
-    return (o.rid, o.index, o.token_ids, _logprobs(o.logprobs), o.finish_reason, o.matched_stop_token,
-            o.prompt_tokens, o.cached_tokens, o.error, _logprobs(o.input_logprobs), o.queue_s, o.compute_s,
-            o.first_token_time, o.arrival, o.tier_tokens)
-
-
-def output_from_wire(item: list) -> ReqOutput:
-    (rid, index, ids, lps, finish, matched, prompt, cached, error, input_lps, queue_s, compute_s, first,
-     arrival, tier_tokens) = item
-    return ReqOutput(rid, index, list(ids), _from_logprobs(lps), finish, matched, prompt, cached, error,
-                     _from_logprobs(input_lps), queue_s, compute_s, first, arrival, dict(tier_tokens))

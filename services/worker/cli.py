@@ -4,27 +4,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
-from pathlib import Path
-
-from pdserve.services.worker.settings import add_expert_arguments, add_tp_arguments, serve_node, tp_nodes
-from pdserve.services.worker.tier_flags import add_tier_arguments, tier_config
-from pdserve.shared.config import (ENCODER_MODEL_TYPES, CacheConfig, LoraConfig, Role, RuntimeConfig,
-                                   SchedulerConfig, SpeculativeConfig)
+from pdserve.services.worker.settings import (add_expert_arguments, add_lora_arguments, add_speculative_arguments,
+                                              add_tp_arguments, positive_int, runtime_config, serve_node,
+                                              set_torch_threads, tp_nodes)
+from pdserve.services.worker.tier_flags import add_tier_arguments
+from pdserve.shared.config import ENCODER_MODEL_TYPES, CacheConfig, Role, RuntimeConfig, SchedulerConfig
 from pdserve.shared.logs import add_log_arguments, setup_logging
 from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
 
 DEFAULT_PORTS = {"colocated": 50051, "prefill": 50051, "decode": 50052}
 log = logging.getLogger("pdserve.worker")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -79,10 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--schedule-policy", default=sched.policy, choices=["fcfs", "lpm"])
     parser.add_argument("--enable-mixed-chunk", action="store_true",
                         help="colocated: prefill new prompts in the same steps that decode running requests")
-    parser.add_argument("--quantization", default=None, choices=["w8a8_int8"],
-                        help="run the layers' matmuls in int8: weights per output channel, activations per token "
-                             "(decoders: attention, dense MLPs and the LM head, while MoE experts stay in --dtype; "
-                             "encoders: fp32 models, smoothed)")
+    parser.add_argument("--quantization", default=None, choices=["w8a8_int8", "gguf"],
+                        help="w8a8_int8: run the layers' matmuls in int8: weights per output channel, activations "
+                             "per token (decoders: attention, dense MLPs and the LM head, while MoE experts stay in "
+                             "--dtype; encoders: fp32 models, smoothed); gguf: a .gguf --model-path's matrices kept as "
+                             "its Q4_0, Q4_1 or Q8_0 blocks")
     add_lora_arguments(parser)
     add_expert_arguments(parser)
     add_tp_arguments(parser)
@@ -125,84 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="prefill worker to register with at start-up (repeatable; DNS names may resolve to several)")
 
 
-def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    spec = SpeculativeConfig()
-    parser.add_argument("--speculative-algorithm", type=str.lower, default=None, choices=["ngram"],
-                        help="speculative decoding: ngram drafts several tokens of a request from its own prompt "
-                             "and output, verified in one step (output unchanged; off by default)")
-    parser.add_argument("--speculative-num-draft-tokens", type=positive_int, default=spec.num_draft_tokens,
-                        help="the most draft tokens a request verifies in one step")
-    parser.add_argument("--speculative-ngram-min-match-window-size", type=positive_int, default=spec.min_match,
-                        help="shortest suffix of a sequence matched against its earlier tokens")
-    parser.add_argument("--speculative-ngram-max-match-window-size", type=positive_int, default=spec.max_match,
-                        help="longest suffix compared when choosing among matches")
-
-
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    if getattr(args, "speculative_algorithm", None) is None:
-        return None
-    return SpeculativeConfig(num_draft_tokens=args.speculative_num_draft_tokens,
-                             min_match=args.speculative_ngram_min_match_window_size,
-                             max_match=args.speculative_ngram_max_match_window_size)
-
-
-def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    lora = LoraConfig()
-    parser.add_argument("--enable-lora", action="store_true",
-                        help="serve LoRA adapters over the base model (implied by --lora-paths)")
-    parser.add_argument("--lora-paths", nargs="+", default=os.environ.get("PDSERVE_LORA_PATHS", "").split(),
-                        metavar="NAME=PATH", help="PEFT adapter directories loaded at start-up, as NAME=PATH (or "
-                        "PATH: named by its folder); default: $PDSERVE_LORA_PATHS, space-separated")
-    parser.add_argument("--max-loras-per-batch", type=int, default=lora.max_loras_per_batch,
-                        help="adapter slots: the distinct adapters one batch may mix")
-    parser.add_argument("--max-lora-rank", type=int, default=int(os.environ.get("PDSERVE_MAX_LORA_RANK") or 0) or None,
-                        help="largest adapter rank (default: $PDSERVE_MAX_LORA_RANK, else the largest of "
-                             "--lora-paths, else 16)")
-    parser.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
-                        help="modules adapters may change, or 'all' (default: those of --lora-paths, else all)")
-
-
-def lora_config(args: argparse.Namespace) -> LoraConfig | None:
-    if not (args.enable_lora or args.lora_paths):
-        return None
-    paths = []
-    for spec in args.lora_paths:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec).resolve().name, spec
-        paths.append((name, path))
-    targets = args.lora_target_modules
-    if targets is not None and "all" in targets:
-        from pdserve.shared.lora import SUPPORTED_TARGETS
-
-        targets = list(SUPPORTED_TARGETS)
-    return LoraConfig(paths=tuple(paths), max_loras_per_batch=args.max_loras_per_batch, max_rank=args.max_lora_rank,
-                      target_modules=tuple(targets) if targets is not None else None)
-
-
-def runtime_config(args: argparse.Namespace, model_path: str) -> RuntimeConfig:
-    return RuntimeConfig(
-        model_path=model_path, dtype=args.dtype, device=args.device, kernels=args.kernels,
-        decode_graphs="off" if args.disable_cuda_graph else "auto", cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_bs=tuple(args.cuda_graph_bs or ()),
-        overlap_schedule=("off" if args.disable_overlap_schedule else "on" if args.enable_overlap_schedule
-                          else "auto"),
-        context_length=args.context_length, deterministic=args.enable_deterministic_inference,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                          mem_fraction=args.mem_fraction),
-        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  max_prefill_tokens=args.max_prefill_tokens,
-                                  chunked_prefill_size=args.chunked_prefill_size, policy=args.schedule_policy,
-                                  mixed_prefill=args.enable_mixed_chunk,
-                                  local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens", 0)),
-        lora=lora_config(args) if not getattr(args, "is_embedding", False) else None,
-        is_embedding=getattr(args, "is_embedding", False),
-        quantization=args.quantization,
-        speculative=speculative_config(args),
-        tiers=tier_config(args),
-    )
-
-
 def main(args: argparse.Namespace, command: str) -> int:
     setup_logging(args.log_level, args.log_format == "json")
     from pdserve.shared.model_files import ModelNotFound, resolve_model_path
@@ -230,7 +144,9 @@ def main(args: argparse.Namespace, command: str) -> int:
             return 1
     if nodes is not None and nodes.rank > 0:  # this machine's ranks only: node 0 runs the worker's endpoints
         try:
-            return serve_node(args, config, Role(command))
+            from pdserve.services.worker.engine_process import engine_role  # this node computes: torch is fine
+
+            return serve_node(args, config, Role(command), engine_role(Role(command)).transfer_spec)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -244,18 +160,6 @@ def main(args: argparse.Namespace, command: str) -> int:
         return asyncio.run(app.serve())
     finally:
         shutdown_tracing()
-
-
-def set_torch_threads(args: argparse.Namespace) -> None:
-    """--threads compute threads (default: all cores), and one inter-op thread: in the process that computes."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
 
 
 def _serve_encoder(config: RuntimeConfig, args: argparse.Namespace) -> int:

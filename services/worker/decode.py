@@ -1,11 +1,13 @@
 """A decode worker: Generate pulls each prompt's KV from the prefill worker the request names (`kv_pull.KVPull`:
 the engine reserves the pages, the prefill worker writes them) unless its own prefix cache holds nearly all of it;
 registers with the prefill workers it is given (`peers.py`) before it is ready; refuses Pooling; its engine holds
-the receiving side of KV transfers. A generation that fails here ends UNAVAILABLE, which the gateway migrates."""
+the receiving side of KV transfers (`decode_engine.py`). A generation that fails here ends UNAVAILABLE, which the
+gateway migrates."""
 from __future__ import annotations
 
 import grpc
 
+from pdserve.services.worker.engine_messages import PagesReserved, TransferMetadata
 from pdserve.services.worker.kv_pull import KVPull
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.services.worker.wiring import Wiring
@@ -15,8 +17,6 @@ from pdserve.shared.config import Role
 
 class Decode(Wiring):
     role = Role.DECODE
-    transfer = "receiver"
-    serves_pooling_models = False
     failure_code = grpc.StatusCode.UNAVAILABLE
     refuses_pooling = "this is a decode worker: send prefill-only requests to a prefill or colocated worker"
 
@@ -28,9 +28,10 @@ class Decode(Wiring):
         return prefill_s + stall_s  # its prompt is filled elsewhere first
 
     async def serve(self, app, server, calls) -> None:
-        self.peers = PrefillPeers(app.name, app.compat, await app.link.call("transfer_metadata"))
+        self.peers = PrefillPeers(app.name, app.compat, await app.link.call(TransferMetadata()))
         self.prompts = KVPull(app.link, self.peers, app.timeouts.engine_call, app.timeouts.prefill,
                               lambda: self.peers.compat.weights_version)
+        app.link.on(PagesReserved, self.prompts.reserved)
 
     async def start(self, app) -> None:
         addrs = [a for spec in app.args.prefill for a in expand_hostports(spec)]

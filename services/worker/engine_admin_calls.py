@@ -1,5 +1,6 @@
-"""What a worker's front may ask of its engine process for operators: load and pool figures, metrics, LoRA
-adapters, the expert distribution, live weight updates (see `engine_calls.py` for how calls run)."""
+"""What a worker's front may ask of its engine process for operators, whatever its role: load and pool figures,
+metrics, LoRA adapters, the expert distribution, live weight updates (see `engine_worker.py` for where calls
+run)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,9 @@ from dataclasses import asdict
 
 from prometheus_client import generate_latest
 
+from pdserve.services.worker.engine_messages import (Adapters, Experts, FlushCache, Load, LoadAdapter, Metrics,
+                                                     PoolStats, StatsSample, UnloadAdapter, Weights)
+from pdserve.services.worker.engine_worker import WorkerEngine, handles
 from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir
@@ -16,30 +20,25 @@ from pdserve.shared.lora import AdapterNotFound, LoraError
 from pdserve.shared.weights_digest import weights_digest
 
 log = logging.getLogger("pdserve.worker")
-ENGINE_TIMEOUT_S = 30.0  # for the engine thread to take a command from a host thread
 METRICS_REFRESH_S = 0.5  # a scrape never waits longer than this on a step (see metrics.REFRESH_TIMEOUT_S)
 WEIGHTS_BUILD_TIMEOUT_S = 600.0
 FLUSH_WRITES_WAIT_S = 5.0  # how long a flush waits for the storage tier's writes, which hold their pages
 
 
-def runs(where: str):
-    """Where a call runs: "engine", "thread" or "here" (engine_calls.py)."""
-    def mark(fn):
-        fn.where = where
-        return fn
-    return mark
-
-
 class AdminCalls:
-    """Over EngineCalls' engine, runner, metrics and expert settings."""
+    def __init__(self, worker: WorkerEngine) -> None:
+        self.worker = worker
 
-    def on_engine(self, fn, timeout: float = ENGINE_TIMEOUT_S):
-        """From a host thread: `fn()` on the engine thread, waited for."""
-        return self.engine.call(fn).result(timeout)
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    def on_engine(self, fn, timeout: float | None = None):
+        return self.worker.on_engine(fn) if timeout is None else self.worker.on_engine(fn, timeout)
 
     # ------------------------------------------------------------ inspection
-    @runs("engine")
-    def call_load(self) -> dict:
+    @handles(Load, where="engine")
+    def load(self, call: Load) -> dict:
         load = self.engine.load()
         tiers = self.engine.tiers
         if tiers is not None and tiers.files is not None:  # what its directory holds, as of the latest count
@@ -49,10 +48,11 @@ class AdminCalls:
             load.update(host_tier=True, host_pages=tiers.host.used, host_capacity=tiers.host.num_pages)
         return load
 
-    @runs("thread")
-    def call_flush_cache(self, tiers: list[str] | tuple[str, ...] = ()) -> dict:
+    @handles(FlushCache, where="thread")
+    def flush_cache(self, call: FlushCache) -> dict:
         """Empty the named tiers of cached KV (none named: every tier). The pool's prefix cache empties only while
         nothing runs; pages the storage tier is still writing are locked until written, so that is waited for."""
+        tiers = call.tiers
         unknown = [t for t in tiers if t not in CACHE_TIERS]
         if unknown:
             raise ValueError(f"tiers: unknown tier {unknown[0]!r} (known: {', '.join(CACHE_TIERS)})")
@@ -83,87 +83,90 @@ class AdminCalls:
             return {"ok": False, "message": "requests are running; cache not flushed"}
         return {"ok": True, "message": f"cache flushed ({' and '.join(('device', *lower))})"}
 
-    @runs("engine")
-    def call_pool_stats(self) -> dict:
+    @handles(PoolStats, where="engine")
+    def pool_stats(self, call: PoolStats) -> dict:
         report = self.engine.scheduler.check_integrity()
         return {"total_pages": report.total, "free_pages": report.free, "used_pages": report.held,
                 "cached_pages": report.cached, "radix_nodes": self.engine.cache.num_pages,
                 "integrity_ok": report.ok, "integrity_message": report.message}
 
-    @runs("engine")
-    def call_stats_sample(self) -> tuple:
+    @handles(StatsSample, where="engine")
+    def stats_sample(self, call: StatsSample) -> tuple:
         spec = self.engine.speculator
         return (self.engine.load(), self.engine.stats.prefill_tokens, self.engine.stats.decode_tokens,
                 spec.figures() if spec is not None else None)
 
-    @runs("thread")
-    def call_metrics(self) -> bytes:
+    @handles(Metrics, where="thread")
+    def metrics(self, call: Metrics) -> bytes:
         def refresh() -> None:  # on the engine thread, whose state the trace records are
-            self.metrics.refresh(self.engine)
-            self.metrics.trace_records.set(len(self.traced))
+            self.worker.metrics.refresh(self.engine)
+            self.worker.metrics.trace_records.set(len(self.worker.traced))
         try:
             self.on_engine(refresh, METRICS_REFRESH_S)
         except TimeoutError:
             pass  # a long step: the gauges stay as the previous scrape left them
-        return generate_latest(self.metrics.registry)
+        return generate_latest(self.worker.metrics.registry)
 
     # ------------------------------------------------------------ LoRA adapters, experts
-    @runs("engine")
-    def call_adapters(self) -> list[dict]:
+    @handles(Adapters, where="engine")
+    def adapters(self, call: Adapters) -> list[dict]:
         return [{"name": a.name, "path": str(a.path), "version": a.version, "rank": a.rank,
                  "target_modules": list(a.target_modules)} for a in self.engine.adapters.list()]
 
-    @runs("engine")
-    def call_load_adapter(self, name: str, path: str) -> list[dict]:
+    @handles(LoadAdapter, where="engine")
+    def load_adapter(self, call: LoadAdapter) -> list[dict]:
+        name, path = call.name, call.path
         try:
             self.engine.adapters.load(name, path)
         except AdapterNotFound as exc:  # one answer whatever is at the path: callers learn nothing of the host
             log.warning("%s", exc)
             raise LoraError(f"adapter {name!r}: no PEFT LoRA adapter to load at {path!r} (a directory this worker "
                             "can read, holding adapter_config.json and adapter_model.safetensors)") from None
-        return self.call_adapters()
+        return self.adapters(Adapters())
 
-    @runs("engine")
-    def call_unload_adapter(self, name: str) -> list[dict]:
+    @handles(UnloadAdapter, where="engine")
+    def unload_adapter(self, call: UnloadAdapter) -> list[dict]:
+        name = call.name
         self.engine.adapters.unload(name)
-        return self.call_adapters()
+        return self.adapters(Adapters())
 
-    @runs("thread")
-    def call_experts(self, op: str) -> dict | None:
+    @handles(Experts, where="thread")
+    def experts(self, call: Experts) -> dict | None:
         """start, stop or dump the expert distribution record; refused (PermissionError) where nothing records."""
+        op = call.op
         recording = self.engine.experts
-        if self.engine.model_config.moe is not None and self.experts.mode is None:
+        if self.engine.model_config.moe is not None and self.worker.experts.mode is None:
             raise PermissionError(RECORDING_OFF)
         try:
             if op == "start":
                 return self.on_engine(recording.start)
             if op == "stop":
                 return self.on_engine(recording.stop)
-            writable_dir(self.experts.directory)  # before the counts are cleared: a bad directory loses nothing
+            writable_dir(self.worker.experts.directory)  # before the counts are cleared: a bad directory loses nothing
             counts = self.on_engine(recording.dump)  # [L, E]
         except ValueError as exc:  # no experts in this model
             raise PermissionError(str(exc)) from None
         try:
-            path = save_dump(counts, self.experts.directory, self.experts.tag)
+            path = save_dump(counts, self.worker.experts.directory, self.worker.experts.tag)
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"cannot write the expert distribution: {exc}") from None
         return {"counts": counts.flatten().tolist(), "shape": list(counts.shape), "path": str(path)}
 
     # ------------------------------------------------------------ live weight updates (see weights_rpc.py)
-    @runs("thread")
-    def call_weights(self, step: str, path: str = "", number: int = 0, tag: str = "",
-                     abort_reason: str | None = None) -> dict | None:
+    @handles(Weights, where="thread")
+    def weights(self, call: Weights) -> dict | None:
         """prepare (read and build new weights beside the served ones), commit (swap them in once nothing runs:
         returns None while requests still run), discard, or served (nothing); returns the served version and the
         requests aborted."""
+        step, path = call.step, call.path
         weights = self.engine.weights
         if step == "discard":
             self.on_engine(weights.discard)
         elif step == "prepare" or (step == "commit" and weights.staged != path):
             self._prepare(path)
         if step == "commit":
-            version = WeightsVersion(number, path, tag)
-            aborted = self.on_engine(lambda: weights.commit(version, abort_reason))
+            version = WeightsVersion(call.number, path, call.tag)
+            aborted = self.on_engine(lambda: weights.commit(version, call.abort_reason))
             if aborted is None:
                 return None
             return {"weights": asdict(weights.version), "aborted": aborted}
@@ -187,7 +190,7 @@ class AdminCalls:
 
     def _read(self, path: str):
         try:
-            checkpoint = self.runner.read_weights(path)
+            checkpoint = self.worker.runner.read_weights(path)
             if self.engine.tiers is not None:  # the digest naming their KV (kv_keys.py), hashed here, not at commit
                 weights_digest(checkpoint.directory)
             return checkpoint

@@ -1,10 +1,10 @@
 """EngineLink: a worker front's side of its engine process (started, called, watched) over the local channel.
 
-`call(name, **kwargs)` runs `EngineCalls.call_<name>` in the engine process and returns its result (RemoteError
-with the kind and message of a failure; EngineGone once the process exited; TimeoutError past `timeout`). Calls
-made in one turn of the event loop leave in one frame. A generation's outputs reach the sink registered for its
-rid (`watch`), all of one engine step's in one delivery, and events (pages reserved, transfer health) reach
-`on_event`.
+`call(Prefill(...))` runs the engine's handler of that call type (`engine_messages.py`: each call a declared
+type, its handler marked with it) and returns its result (RemoteError with the kind and message of a failure;
+EngineGone once the process exited; TimeoutError past `timeout`). Calls made in one turn of the event loop leave
+in one frame. A generation's outputs reach the sink registered for its rid (`watch`), all of one engine step's
+in one delivery, and each event reaches the handler registered for its type (`on`).
 
 Supervision: the link waits on the process; when it exits, every call in flight fails with EngineGone, every
 watched generation gets an error output, and `on_exit` is told, so the front stops and its supervisor (`pdserve
@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from pdserve.services.worker import channel
 from pdserve.services.worker.channel import EngineGone, RemoteError
+from pdserve.services.worker.engine_messages import Call, Event, OutputRecord, Stop, from_wire
 from pdserve.shared.outputs import ReqOutput
 
 log = logging.getLogger("pdserve.worker")
@@ -41,7 +42,7 @@ class EngineLink:
     def __init__(self, command: str, flags: dict, on_exit: Callable[[int], None] | None = None) -> None:
         self.command, self.flags = command, flags
         self.on_exit = on_exit
-        self.on_event: Callable[[list], None] = lambda event: None
+        self._on_event: dict[type, Callable] = {}  # event type -> its handler
         self.alive = False
         self.info: dict = {}
         self._sinks: dict[str, Sink] = {}
@@ -95,7 +96,7 @@ class EngineLink:
         self._stopping = True
         if self._proc is not None and self._proc.returncode is None:
             if self.alive:
-                self.cast("stop")
+                self.cast(Stop())
                 self._flush()
             try:
                 await asyncio.wait_for(self._proc.wait(), STOP_TIMEOUT_S)
@@ -117,22 +118,26 @@ class EngineLink:
         return self._proc.pid if self._proc is not None else None
 
     # ------------------------------------------------------------ calls
-    async def call(self, method: str, timeout: float = 30.0, /, **kwargs):
+    async def call(self, call: Call, timeout: float = 30.0):
         if not self.alive:
             raise EngineGone(ENGINE_DIED)
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        self._post(("call", call_id, method, kwargs))
+        self._post(("call", call_id, *call.to_wire()))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(call_id, None)
 
-    def cast(self, method: str, /, **kwargs) -> None:
+    def cast(self, call: Call) -> None:
         """A call whose answer nobody waits for (an abort)."""
         if self.alive:
-            self._post(("cast", method, kwargs))
+            self._post(("cast", *call.to_wire()))
+
+    def on(self, event: type[Event], handler: Callable[[Event], None]) -> None:
+        """`handler(e)` for each event `e` of this type the engine sends."""
+        self._on_event[event] = handler
 
     def watch(self, rid: str, sink: Sink) -> None:
         self._sinks[rid] = sink
@@ -178,14 +183,17 @@ class EngineLink:
             _, outputs, events = message
             by_rid: dict[str, list[ReqOutput]] = {}
             for item in outputs:
-                out = channel.output_from_wire(item)
+                out = OutputRecord(*item).output()
                 by_rid.setdefault(out.rid, []).append(out)
             for rid, outs in by_rid.items():
                 sink = self._sinks.get(rid)
                 if sink is not None:
                     sink(outs)
-            for event in events:
-                self.on_event(event)
+            for name, values in events:
+                event = from_wire("event", name, values)
+                handler = self._on_event.get(type(event))
+                if handler is not None:
+                    handler(event)
         elif kind == "reply":
             _, call_id, ok, value = message
             future = self._pending.get(call_id)

@@ -4,9 +4,11 @@ interpreter lock from a step.
 
 Started by the front (`engine_link.EngineLink`) with the channel's directory in its environment; it reads its
 flags from the first frame, builds everything, says ("ready", info) and serves the channel (`channel.py`):
-- calls, by name (`EngineHost.call_*`), each run where it belongs: on the engine thread between steps
-  (`engine.call`), or on a host thread when it would block (compiling a grammar, connecting a peer, closing a
-  transfer window, reading a checkpoint), its reply sent when it is done;
+- calls, each a declared type (`engine_messages.py`) run by the one handler marked for that type: the
+  generations' and pooling's (`engine_calls.py`), the operators' (`engine_admin_calls.py`) and the role's own
+  (`colocated_engine.py`, `prefill_engine.py`, `decode_engine.py`); each where it belongs: on the engine thread
+  between steps (`engine.call`), or on a host thread when it would block (compiling a grammar, connecting a peer,
+  closing a transfer window, reading a checkpoint), its reply sent when it is done;
 - every output and event of one engine loop iteration in one ("step", ...) frame (`_flush`, the engine's
   `on_iteration` hook), so the front wakes once per step, not once per request.
 A frame that is not a batch of calls, or a call it cannot take, is logged and dropped: no frame ends it.
@@ -25,15 +27,20 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import zmq
 
 from pdserve.services.worker import channel
-from pdserve.services.worker.engine_calls import EngineCalls
-from pdserve.shared.kv_events import CacheEvents
+from pdserve.services.worker.colocated_engine import ColocatedEngine
+from pdserve.services.worker.decode_engine import DecodeEngine
+from pdserve.services.worker.engine_admin_calls import AdminCalls
+from pdserve.services.worker.engine_calls import GenerationCalls
+from pdserve.services.worker.engine_messages import Call, OutputRecord, from_wire
+from pdserve.services.worker.engine_worker import WorkerEngine, handlers_of
+from pdserve.services.worker.prefill_engine import PrefillEngine
+from pdserve.shared.config import Role
 from pdserve.shared.logs import setup_logging
-from pdserve.shared.outputs import ReqOutput
 
 log = logging.getLogger("pdserve.worker")
 FRONT_KINDS = frozenset({"start", "batch"})
@@ -93,58 +100,41 @@ class Pipe:
         self.context.term()
 
 
-class EngineHost(EngineCalls):
-    """Serves the channel over one worker's engine (built by EngineCalls)."""
+def engine_role(role: Role) -> type[ColocatedEngine]:
+    """The engine side of a role: what it adds to the engine, and the calls only it serves."""
+    return {side.role: side for side in (ColocatedEngine, PrefillEngine, DecodeEngine)}[role]
+
+
+class EngineHost:
+    """Serves the channel over one worker's engine: every call to the handler of its type."""
 
     def __init__(self, command: str, args: argparse.Namespace, pipe: Pipe) -> None:
         self.pipe = pipe
-        self.threads = ThreadPoolExecutor(8, thread_name_prefix="engine-host")
-        self._outputs: list[tuple] = []  # engine thread only: this iteration's outputs and events
-        self._events: list[tuple] = []
-        self._transfer_ok = True
         self.failed = False
-        super().__init__(command, args)
-        self.engine.on_iteration = self._flush
-        # What the prefix cache gains and loses, told to the routers with each iteration's outputs.
-        self.cache_events = self.engine.cache.events = CacheEvents()
-        if self.engine.tiers is not None:
-            self.engine.tiers.events = self.cache_events
-        self._domain = ""
+        self.worker = w = WorkerEngine(engine_role(Role(command)), args)
+        self.handlers = handlers_of(GenerationCalls(w), AdminCalls(w), w.role)
+        w.engine.on_iteration = self._flush
 
     # ------------------------------------------------------------ engine thread
-    def emit(self, out) -> None:
-        """A request's `on_output`: kept until the iteration ends."""
-        self._outputs.append(channel.output_to_wire(out))
-
-    def event(self, *event) -> None:
-        self._events.append(event)
-
     def _flush(self) -> None:
-        if self.transfer is not None and self.transfer.healthy() != self._transfer_ok:
-            self._transfer_ok = not self._transfer_ok
-            self._events.append(("transfer_healthy", self._transfer_ok))
-        domain = self.engine.tiers.domain if self.engine.tiers is not None else ""
-        if domain != self._domain:  # before the pages stored under it
-            self._domain = domain
-            self._events.append(("kv_domain", domain))
-        kv = self.cache_events.drain()
-        if kv is not None:
-            self._events.append(kv)
-        if self._outputs or self._events:
-            outputs, events, self._outputs, self._events = self._outputs, self._events, [], []
-            if not self.pipe.send(("step", outputs, events)):  # one frame per output, then
-                self.pipe.send(("step", [], events))
-                for out in outputs:
-                    if not self.pipe.send(("step", [out], [])):
-                        error = "the output is larger than the engine channel's frame limit"
-                        self.pipe.send(("step", [channel.output_to_wire(
-                            ReqOutput(out[0], out[1], [], [], "abort", error=error))], []))
+        outputs, events = self.worker.take_step()
+        if not outputs and not events:
+            return
+        wire_events = [e.to_wire() for e in events]
+        if not self.pipe.send(("step", outputs, wire_events)):  # one frame per output, then
+            self.pipe.send(("step", [], wire_events))
+            for out in outputs:
+                if not self.pipe.send(("step", [out], [])):
+                    error = "the output is larger than the engine channel's frame limit"
+                    self.pipe.send(("step", [OutputRecord(out.rid, out.index, [], [], "abort", None, 0, 0, error,
+                                                          None, 0.0, 0.0, None, None, {})], []))
 
     # ------------------------------------------------------------ the channel (main thread)
     def serve(self, stop: Stop) -> None:
-        self.engine.start(self.compute)
+        w = self.worker
+        w.engine.start(w.compute)
         self.pipe.broken()  # what happened while connecting, when the front could still connect again
-        self.pipe.send(("ready", self.info()))
+        self.pipe.send(("ready", w.info()))
         parent = os.getppid()
         while not stop.asked:
             message = self.pipe.recv(1.0)
@@ -156,28 +146,14 @@ class EngineHost(EngineCalls):
                           "front going): the engine process exits, for the worker to start again")
                 self.failed = True
                 break
-            if not self.engine.is_alive() or not self._ranks_alive():  # a lost tensor-parallel rank
+            if not w.engine.is_alive() or not w.ranks_alive():  # a lost tensor-parallel rank
                 self.failed = True
                 break
             for item in _calls(message):
                 self._dispatch(item)
-            if stop.asked or self._stop_asked:
+            if stop.asked or w.stop_asked:
                 break
-        self.shutdown()
-
-    def _ranks_alive(self) -> bool:
-        """Whether every other rank (and node) of a tensor-parallel worker is still there: a step notices a lost
-        one itself, this notices it while the worker is idle."""
-        if self.ranks is None:
-            return True
-        from pdserve.shared.tp_group import RankGone
-
-        try:
-            self.ranks.check_alive()
-        except RankGone as exc:
-            log.error("%s: this worker stops, for its supervisor to start it again", exc)
-            return False
-        return True
+        w.shutdown()
 
     def _dispatch(self, item) -> None:
         try:
@@ -185,33 +161,33 @@ class EngineHost(EngineCalls):
                 raise ValueError(f"not a call: {item!r:.80}")
             kind, rest = item[0], item[1:]
             if kind == "call":
-                call_id, name, kwargs = rest
+                call_id, name, values = rest
             elif kind == "cast":
-                call_id, (name, kwargs) = None, rest
+                call_id, (name, values) = None, rest
             else:
                 raise ValueError(f"unknown item kind {kind!r}")
-            handler = getattr(self, f"call_{name}", None)
+            call = from_wire("call", name, values)
+            handler = self.handlers.get(type(call))
             if handler is None:
-                raise ValueError(f"unknown call {name!r}")
-            if not isinstance(kwargs, dict):
-                raise ValueError(f"the arguments of {name!r} are no map: {kwargs!r:.80}")
+                raise ValueError(f"this {self.worker.role.role.value} worker serves no {name} call")
         except (ValueError, TypeError, IndexError) as exc:
             log.error("engine: refused an item on the engine channel: %s", exc)
             return
-        self._run(call_id, name, handler, kwargs)
+        self._run(call_id, call, handler)
 
-    def _run(self, call_id, name: str, handler, kwargs: dict) -> None:
-        where = getattr(handler, "where", "engine")
+    def _run(self, call_id, call: Call, handler) -> None:
+        where = handler.where
         if where == "engine":
-            future = self.engine.call(lambda: handler(**kwargs))
+            future = self.worker.engine.call(lambda: handler(call))
         elif where == "thread":
-            future = self.threads.submit(handler, **kwargs)
+            future = self.worker.threads.submit(handler, call)
         else:  # "here": cheap and thread-safe
             future = Future()
             try:
-                future.set_result(handler(**kwargs))
+                future.set_result(handler(call))
             except Exception as exc:
                 future.set_exception(exc)
+        name = type(call).__name__
         future.add_done_callback(lambda f: self._reply(call_id, name, f))
 
     def _reply(self, call_id, name: str, future: Future) -> None:

@@ -28,6 +28,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import first_token_from_proto
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.engine_messages import Abort, KVAnswered, KVSettle, PagesReserved
 from pdserve.services.worker.peers import PrefillPeers
 from pdserve.shared.transfer.fence import WRITE_BOUND_S, Lease
 
@@ -54,22 +55,23 @@ class KVPull:
     def expect(self, rid: str, request: pb.GenerateRequest) -> None:
         self.requests[rid] = request
 
-    def reserved(self, rid: str, pages: list[int], lora_version: str, fence: int = 0, checked: bool = False) -> None:
-        """The engine reserved `pages` for `rid` and opened their window under `fence`; `checked`: every write into
-        them passes the receiver's check (TCP's socket), so closing the window settles the fence."""
+    def reserved(self, event: PagesReserved) -> None:
+        """The engine reserved the pages of `event.rid` and opened their window under its fence."""
+        rid, pages = event.rid, event.pages
         request = self.requests.pop(rid, None)
         if request is None:  # the Generate call is gone already: drop the request, free the pages
-            self.link.cast("abort", rids=[rid])
-            self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
+            self.link.cast(Abort([rid]))
+            self.link.cast(KVSettle(rid, pages, closed=False))
             return
-        call = self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, lora_version, fence, checked))
+        call = self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, event.lora_version,
+                                                                  event.fence, event.checked))
         call.add_done_callback(lambda _: self._never_started(rid, call, pages))
 
     def _never_started(self, rid: str, call: asyncio.Task, pages: list[int]) -> None:
         """A call cancelled before its first step never ran its `finally`: nothing was sent, the pages go back."""
         if self.calls.get(rid) is call:
             del self.calls[rid]
-            self.link.cast("kv_settle", rid=rid, pages=pages, closed=False)
+            self.link.cast(KVSettle(rid, pages, closed=False))
 
     def take_reply(self, rid: str) -> tuple[pb.PrefillReply, list[float]] | None:
         return self.replies.pop(rid, None)
@@ -84,7 +86,7 @@ class KVPull:
         self.requests.pop(rid, None)
         call = self.calls.get(rid)
         if call is not None:
-            self.link.cast("abort", rids=[rid])
+            self.link.cast(Abort([rid]))
             call.cancel()
 
     async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str,
@@ -111,8 +113,7 @@ class KVPull:
             self.replies[rid] = reply, timing  # before the first tokens can reach the stream
             firsts = [(first.token_id, first.logprob and first.logprob.to_wire())
                       for first in map(first_token_from_proto, reply.first_tokens)]
-            timing[2] = await self.link.call("kv_answered", self.deadline_s, rid=rid, pages=pages, firsts=firsts,
-                                             cached_tokens=reply.cached_tokens)
+            timing[2] = await self.link.call(KVAnswered(rid, pages, firsts, reply.cached_tokens), self.deadline_s)
             closed = True
         except asyncio.CancelledError:
             raise
@@ -121,11 +122,11 @@ class KVPull:
             error = f"prefill worker {request.prefill_addr} failed: {detail}"
             log.warning("%s (request %s)", error, rid)
             self.replies.pop(rid, None)
-            self.link.cast("abort", rids=[rid], error=error)
+            self.link.cast(Abort([rid], error))
         finally:
             self.calls.pop(rid, None)
             if answered or not lease.settled_by or checked:  # answered, never sent, or refused at landing
-                self.link.cast("kv_settle", rid=rid, pages=pages, closed=closed)
+                self.link.cast(KVSettle(rid, pages, closed))
             else:
                 task = asyncio.ensure_future(self._settle(rid, request.prefill_addr, peer_name, fence, lease, pages))
                 self.settling.add(task)
@@ -154,4 +155,4 @@ class KVPull:
                             "pages go back to the pool (no write of it can land any more)", rid, addr)
                 break
             await asyncio.sleep(min(FENCE_RETRY_S, left))
-        self.link.cast("kv_settle", rid=rid, pages=pages, closed=False, lease_expired=expired)
+        self.link.cast(KVSettle(rid, pages, closed=False, lease_expired=expired))

@@ -20,7 +20,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.services.worker.tier_metrics import TierMetrics
-from pdserve.shared.config import Role
 from pdserve.shared.engine import Engine
 from pdserve.shared.observer import RequestObserver
 from pdserve.shared.req import Req, ReqStatus
@@ -39,12 +38,14 @@ NAME = ["model_name"]
 
 
 class WorkerMetrics(RequestObserver):
-    def __init__(self, model_name: str, role: Role, page_size: int, num_pages: int,
-                 max_lora: int | None = None) -> None:
-        """`max_lora`: adapter slots of one batch when LoRA is enabled (None: it is not, and no LoRA metric)."""
+    def __init__(self, model_name: str, page_size: int, num_pages: int, max_lora: int | None = None,
+                 counts_at_prefill: bool = False) -> None:
+        """`max_lora`: adapter slots of one batch when LoRA is enabled (None: it is not, and no LoRA metric).
+        `counts_at_prefill`: a request's work here ends once its prompt is prefilled (the role says: a prefill
+        worker's), so it counts as finished then."""
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        self.role = role
+        self.counts_at_prefill = counts_at_prefill
         self.page_size = page_size
         self._prompts: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_WINDOW)  # (prompt, cached) tokens
         self._computed_seen = {"prefill": 0, "decode": 0}
@@ -140,7 +141,9 @@ class WorkerMetrics(RequestObserver):
 
     # ------------------------------------------------------------ request lifecycle (engine thread)
     def scheduled(self, req: Req) -> None:
-        if self.role != Role.DECODE:  # decode only recomputes retracted requests: no queue of prompts
+        # A fresh prompt, in any role (a decode worker computes a conversation's short next turn itself); a
+        # retracted request recomputed had its queue time, and one whose KV came from a prefill worker none here.
+        if not req.output_ids:
             self.queue_time.observe(req.first_scheduled - req.arrival)
 
     def prefilled(self, req: Req) -> None:
@@ -148,7 +151,7 @@ class WorkerMetrics(RequestObserver):
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(req.cached_tokens)
         self._prompts.append((prompt, req.cached_tokens))
-        if self.role == Role.PREFILL:  # its work for the request ends here
+        if self.counts_at_prefill:  # its work for the request ends here
             self.requests.inc()
 
     def output(self, req: Req, num_tokens: int, finish_reason: str | None) -> None:

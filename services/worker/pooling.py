@@ -17,16 +17,17 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.worker import spans
 from pdserve.services.worker.channel import EngineGone, RemoteError
+from pdserve.services.worker.engine_messages import Encode
 
 # (sequences, their segment ids or None, label token ids) -> {"vectors", "prompt_tokens", "cached_tokens"};
 # failures as RemoteError, by kind.
-Encode = Callable[[list[list[int]], list[list[int]] | None, list[int]], Awaitable[dict]]
+Encoder = Callable[[list[list[int]], list[list[int]] | None, list[int]], Awaitable[dict]]
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
          "timeout": grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class PoolingService(pb_grpc.PoolingServicer):
-    def __init__(self, encode: Encode, refusal: str | None = None) -> None:
+    def __init__(self, encode: Encoder, refusal: str | None = None) -> None:
         """`refusal`: why this worker takes no Encode call (a decode worker), if it takes none."""
         self.encode = encode
         self.refusal = refusal
@@ -65,11 +66,11 @@ class PoolingService(pb_grpc.PoolingServicer):
                               prompt_tokens=done["prompt_tokens"], cached_tokens=done["cached_tokens"])
 
 
-def engine_encode(link, timeout_s: float = 120.0) -> Encode:
+def engine_encode(link, timeout_s: float = 120.0) -> Encoder:
     """A generative worker's Encode: through its engine process, `timeout_s` per input at most."""
     async def encode(seqs, types, labels) -> dict:
         if types is not None:
             raise RemoteError("invalid", "segment ids (type_ids) need an encoder model (a worker started with "
                                          "--is-embedding)")
-        return await link.call("encode", timeout_s * (1 + len(seqs)), seqs=seqs, labels=labels)
+        return await link.call(Encode(seqs, labels), timeout_s * (1 + len(seqs)))
     return encode

@@ -1,6 +1,7 @@
 """A prefill worker: serves the Prefill service (decode workers register, then ask for prompts to be filled into
 their pages: `prefill_rpc.py`) and Pooling (scores need only a prompt); refuses Generate; its engine holds the
-sending side of KV transfers. Draining, it still fills the prompts decode workers already took."""
+sending side of KV transfers (`prefill_engine.py`). Draining, it still fills the prompts decode workers already
+took."""
 from __future__ import annotations
 
 import grpc
@@ -13,8 +14,6 @@ from pdserve.shared.config import Role
 
 class Prefill(Wiring):
     role = Role.PREFILL
-    transfer = "sender"
-    serves_pooling_models = False
 
     def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
         return (grpc.StatusCode.FAILED_PRECONDITION,

@@ -18,14 +18,14 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import compat_from_proto, first_token_to_proto, params_from_proto, prompt_logprobs_to_proto
+from pdserve.proto.codec import compat_from_proto, first_token_to_proto, prompt_logprobs_to_proto
 from pdserve.services.worker import spans
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.rpc import CODES, Calls, Timeouts, params_to_wire
+from pdserve.services.worker.engine_messages import Abort, AddPeer, Fence, Prefill, RemovePeer
+from pdserve.services.worker.rpc import CODES, Calls, Timeouts
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import FirstToken, TokenLogprobs
-from pdserve.shared.sampling_params import InvalidParam
 from pdserve.shared.transfer.fence import WRITE_BOUND_S
 
 MAX_LEASE_S = 3600.0  # a fence deadline further ahead than this was computed from another process's clock
@@ -51,8 +51,8 @@ class PrefillService(pb_grpc.PrefillServicer):
             log.error(msg)
             return pb.RegisterReply(ok=False, error=msg)
         try:  # idempotent: the same name and metadata again leave the connection as it is
-            known, metadata = await self.link.call("add_peer", self.timeouts.engine_call, name=request.peer_name,
-                                                   metadata=request.transfer_metadata)
+            known, metadata = await self.link.call(AddPeer(request.peer_name, request.transfer_metadata),
+                                                   self.timeouts.engine_call)
         except (RemoteError, EngineGone, asyncio.TimeoutError) as exc:
             return pb.RegisterReply(ok=False, error=f"cannot reach decode worker {request.peer_name}: {exc}")
         if not known:  # decode workers register again every second; only a new one is news
@@ -68,7 +68,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             del self.registered_at[peer]
             # On the engine thread, where KV transfers run: none to this peer is under way while it goes.
             try:
-                await self.link.call("remove_peer", self.timeouts.engine_call, name=peer)
+                await self.link.call(RemovePeer(peer), self.timeouts.engine_call)
             except Exception as exc:  # the engine is busy (maybe writing to that very peer) or stopping
                 log.warning("could not drop decode worker %s yet (%r): trying again at the next registration",
                             peer, exc)
@@ -89,10 +89,9 @@ class PrefillService(pb_grpc.PrefillServicer):
         """No write of `fence` starts from now on and none is under way; then the request is dropped."""
         try:
             if not fence:  # an unfenced caller: the engine's abort is all there is
-                await self.link.call("abort", self.timeouts.engine_call, rids=[rid])
+                await self.link.call(Abort([rid]), self.timeouts.engine_call)
                 return {"fenced": True, "error": ""}
-            return await self.link.call("fence", self.timeouts.engine_call + WRITE_BOUND_S, rid=rid,
-                                        peer_name=peer_name, fence=fence)
+            return await self.link.call(Fence(rid, peer_name, fence), self.timeouts.engine_call + WRITE_BOUND_S)
         except (RemoteError, EngineGone, asyncio.TimeoutError) as exc:
             error = f"could not revoke the KV reservation of {rid} at {peer_name}: {type(exc).__name__}: {exc}"
             log.error(error)
@@ -100,10 +99,6 @@ class PrefillService(pb_grpc.PrefillServicer):
 
     async def _prefill(self, request: pb.PrefillRequest, context):
         arrived = time.monotonic()
-        try:
-            params = params_from_proto(request.sampling)
-        except (InvalidParam, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         deadline = request.fence_deadline if request.fence else float("inf")
         if request.fence and deadline - arrived > MAX_LEASE_S:  # the decode worker registers again and resends
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the pages' fence deadline is not in this "
@@ -117,13 +112,11 @@ class PrefillService(pb_grpc.PrefillServicer):
         try:
             # FAILED_PRECONDITION (the peer is not registered: we restarted since) makes the decode side register
             # again and resend (peers.PrefillClient).
-            result = await asyncio.wait_for(self.link.call(
-                "prefill", self.timeouts.engine_call + self.timeouts.prefill, rid=request.rid,
-                input_ids=list(request.input_ids), params=params_to_wire(params), arrival=arrived,
-                peer_name=request.peer_name, dst_pages=list(request.dst_pages), lora=request.lora,
-                lora_version=request.lora_version, weights_version=request.weights_version,
-                traced=span is not None, fence=request.fence, fence_deadline=deadline),
-                self.timeouts.engine_call + self.timeouts.prefill)
+            limit = self.timeouts.engine_call + self.timeouts.prefill
+            result = await asyncio.wait_for(self.link.call(Prefill(
+                request.rid, list(request.input_ids), request.sampling.SerializeToString(), arrived,
+                request.peer_name, list(request.dst_pages), request.lora, request.lora_version,
+                request.weights_version, span is not None, request.fence, deadline), limit), limit)
             done = True
         except RemoteError as exc:
             done = True

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,18 +19,18 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import output_to_proto, params_from_proto, prompt_logprobs_to_proto
+from pdserve.proto.codec import output_to_proto, prompt_logprobs_to_proto
 from pdserve.services import tracing
 from pdserve.services.worker import spans
 from pdserve.services.worker.admin_rpc import AdminRpcs
 from pdserve.services.worker.channel import EngineGone, RemoteError
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.engine_messages import Abort, Call, Generate, Trace
 from pdserve.services.worker.kv_events import KVEventsRpc
 from pdserve.services.worker.multiplex import StepSink, serve_many
 from pdserve.services.worker.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import ReqOutput, coalesce
-from pdserve.shared.sampling_params import InvalidParam, SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.services.worker.wiring import Wiring
@@ -88,16 +87,6 @@ class Calls:
             return False
 
 
-def params_to_wire(params: SamplingParams) -> dict:
-    """The fields that differ from their defaults: what the engine process rebuilds the params from. Fields
-    only: an instance also caches what it derives (`has_penalty`), which is not the caller's to send."""
-    return {f.name: value for f in dataclasses.fields(params)
-            if (value := getattr(params, f.name)) != DEFAULT_PARAMS[f.name]}
-
-
-DEFAULT_PARAMS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-
-
 async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_tokens: int) -> list[ReqOutput]:
     """What the engine sent since the last message: at least one output and everything already queued behind it (a
     stream whose event loop fell behind the engine catches up in one message), gathering until `min_tokens`
@@ -140,13 +129,13 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
     def prompts(self):  # where each generation's prompt KV comes from (wiring.Prompts, or decode's KVPull)
         return self.wiring.prompts
 
-    async def _engine(self, method: str, timeout: float | None = None, /, **kwargs):
-        return await self.link.call(method, timeout or self.timeouts.engine_call, **kwargs)
+    async def _engine(self, call: Call, timeout: float | None = None):
+        return await self.link.call(call, timeout or self.timeouts.engine_call)
 
-    async def _call_or_abort(self, context, method: str, /, **kwargs):
+    async def _call_or_abort(self, context, call: Call):
         """An engine call whose failure ends the gRPC call with the matching status and the engine's message."""
         try:
-            return await self.link.call(method, self.timeouts.engine_call, **kwargs)
+            return await self.link.call(call, self.timeouts.engine_call)
         except RemoteError as exc:
             await context.abort(CODES.get(exc.kind, grpc.StatusCode.INTERNAL), str(exc))
         except EngineGone as exc:
@@ -162,11 +151,11 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             def deliver(outs: list[ReqOutput]) -> None:
                 for out in outs:
                     outputs.put_nowait(out)
-            params = await self._start(request, context, deliver)
+            n = await self._start(request, context, deliver)
             finished: set[int] = set()
             first = True
             try:
-                while len(finished) < params.n:
+                while len(finished) < n:
                     ready = await next_outputs(outputs, self._wait_limit(first),
                                                1 if first else self.stream_interval)
                     error = next((o.error for o in ready if o.error), None)
@@ -179,7 +168,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             except asyncio.TimeoutError:
                 await self._stalled(request, context)
             finally:
-                self._end(request, params, finished)
+                self._end(request, n, finished)
 
     async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
         """Generate for each call on one stream, every call's messages of one engine step in one message
@@ -199,7 +188,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                 for out in outs:
                     sink.put_nowait(out)
                 sink.flush()
-            params = await self._start(request, context, deliver)
+            n = await self._start(request, context, deliver)
             try:
                 error = await sink.wait(self._wait_limit)
                 if error:
@@ -208,7 +197,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                 await self._stalled(request, context)
             finally:
                 sink.close()
-                self._end(request, params, sink.finished)
+                self._end(request, n, sink.finished)
 
     async def _admit(self, request: pb.GenerateRequest, context) -> int:
         """The sequences a generation holds: a bounded number in progress (RESOURCE_EXHAUSTED beyond it), and
@@ -223,8 +212,9 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                                 f"{self.max_sequences}: retry later")
         return n
 
-    async def _start(self, request: pb.GenerateRequest, context, deliver) -> SamplingParams:
-        """Checks the request and hands it to the engine; each step's outputs of it go to `deliver`."""
+    async def _start(self, request: pb.GenerateRequest, context, deliver) -> int:
+        """Checks the request and hands it to the engine (which reads its sampling parameters: INVALID_ARGUMENT
+        for one out of range); each step's outputs of it go to `deliver`. Its number of choices."""
         arrived = time.monotonic()
         refusal = self.wiring.refuses_generate(request)
         if refusal is not None:
@@ -232,10 +222,6 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         if not self.generates:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker serves a pooling model (embeddings or scores): it does not generate")
-        try:
-            params = params_from_proto(request.sampling)
-        except (InvalidParam, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         role = self.wiring.role.value
         span = spans.start(f"{role} generate", request.traceparent, {"pdserve.rid": request.rid, "pdserve.role": role})
         if span is not None:
@@ -244,11 +230,11 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         self.link.watch(request.rid, deliver)
         self.prompts.expect(request.rid, request)
         try:
-            await self._call_or_abort(context, "generate", rid=request.rid, input_ids=list(request.input_ids),
-                                      params=params_to_wire(params), arrival=arrived, lora=request.lora,
-                                      traced=span is not None)
+            await self._call_or_abort(context, Generate(request.rid, list(request.input_ids),
+                                                        request.sampling.SerializeToString(), arrived,
+                                                        request.lora, span is not None))
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
-            self.link.cast("abort", rids=[request.rid])
+            self.link.cast(Abort([request.rid]))
             self.link.unwatch(request.rid)
             self.prompts.abort(request.rid)  # a Prefill call already started for it is cancelled
             traced = self.traced.pop(request.rid, None)
@@ -256,7 +242,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                 asyncio.ensure_future(self._end_span(request.rid, traced, False, time.monotonic()))
             raise
         self.public_ids[request.rid] = request.public_id  # until `_end`
-        return params
+        return max(1, request.sampling.n)
 
     def _message(self, request: pb.GenerateRequest, ready: list[ReqOutput],
                  first: bool) -> tuple[pb.GenerateResponse, set[int]]:
@@ -305,19 +291,19 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         self._abort_soon(request.rid)
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request made no progress in time")
 
-    def _end(self, request: pb.GenerateRequest, params: SamplingParams, finished: set[int]) -> None:
+    def _end(self, request: pb.GenerateRequest, n: int, finished: set[int]) -> None:
         self.link.unwatch(request.rid)
         self.public_ids.pop(request.rid, None)
         traced = self.traced.pop(request.rid, None)
         if traced is not None:
-            asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= params.n, time.monotonic()))
+            asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= n, time.monotonic()))
         self.prompts.take_reply(request.rid)
-        if len(finished) < params.n:  # cancelled by the client, failed or timed out
+        if len(finished) < n:  # cancelled by the client, failed or timed out
             self._abort_soon(request.rid)
 
     async def _end_span(self, rid: str, traced: spans.Traced, finished: bool, end: float) -> None:
         try:
-            trace = await self._engine("trace", rid=rid)
+            trace = await self._engine(Trace(rid))
         except (RemoteError, EngineGone, asyncio.TimeoutError):
             trace = None
         spans.end_generate(traced, spans.ReqTrace(**trace) if trace else None, finished, end)
@@ -328,7 +314,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         return self.timeouts.stall
 
     def _abort_soon(self, rid: str) -> None:
-        self.link.cast("abort", rids=[rid])
+        self.link.cast(Abort([rid]))
         self.prompts.abort(rid)
 
     # ------------------------------------------------------------ Abort, Health
@@ -340,7 +326,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                        if request.all or public == request.public_id}
         else:
             targets = {request.rid: ""}
-        found = await self._call_or_abort(context, "abort", rids=list(targets))
+        found = await self._call_or_abort(context, Abort(list(targets)))
         for rid in targets:
             self.prompts.abort(rid)
         return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])

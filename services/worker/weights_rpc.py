@@ -13,6 +13,7 @@ from dataclasses import replace
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.worker.channel import RemoteError
+from pdserve.services.worker.engine_messages import Weights
 from pdserve.shared.compat import WeightsVersion
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ class WeightUpdates:
                 if request.step == pb.WEIGHTS_COMMIT:
                     done = await self._commit_weights(request)
                 else:
-                    done = await self.link.call("weights", WEIGHTS_BUILD_TIMEOUT_S, step=STEPS[request.step],
-                                                path=request.model_path)
+                    done = await self.link.call(Weights(STEPS[request.step], request.model_path),
+                                                WEIGHTS_BUILD_TIMEOUT_S)
             except RemoteError as exc:
                 if exc.kind not in ("weights", "not_found", "invalid"):
                     raise
@@ -55,9 +56,8 @@ class WeightUpdates:
         reason = UPDATE_ABORT_REASON if request.abort_all_requests else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WEIGHTS_DRAIN_S
-        while (done := await self.link.call("weights", WEIGHTS_BUILD_TIMEOUT_S, step="commit",
-                                            path=request.model_path, number=request.version, tag=request.tag,
-                                            abort_reason=reason)) is None:
+        while (done := await self.link.call(Weights("commit", request.model_path, request.version, request.tag,
+                                                    reason), WEIGHTS_BUILD_TIMEOUT_S)) is None:
             if loop.time() > deadline:
                 raise RemoteError("weights", f"requests were still running after {WEIGHTS_DRAIN_S:g} s, so the "
                                              "weights were not swapped (retry, or pass abort_all_requests)")
@@ -66,7 +66,7 @@ class WeightUpdates:
         return done
 
     async def _served(self) -> WeightsVersion:
-        done = await self.link.call("weights", self.timeouts.engine_call, step="served")
+        done = await self.link.call(Weights("served"), self.timeouts.engine_call)
         return WeightsVersion(**done["weights"])
 
     def _weights_changed(self, version: WeightsVersion) -> None:

@@ -1,7 +1,8 @@
-"""How a worker of one role is wired: the services it serves, where Generate gets a prompt's KV from, which side of
-KV transfers its engine holds, and what it does once serving. Each role says it in one module: `colocated.py`
-(the plain case: these defaults), `prefill.py`, `decode.py`; an embedding model's worker is `encoder_app.py`.
-`app.py` and `rpc.py` ask the wiring and hold no role checks of their own.
+"""How a worker of one role is wired in its front: the services it serves, where Generate gets a prompt's KV from,
+and what it does once serving. Each role says it in one module: `colocated.py` (the plain case: these defaults),
+`prefill.py`, `decode.py`; its engine side is beside it (`colocated_engine.py`, `prefill_engine.py`,
+`decode_engine.py`: the KV transfer side it holds, the calls only it serves); an embedding model's worker is
+`encoder_app.py`. `app.py` and `rpc.py` ask the wiring and hold no role checks of their own.
 """
 from __future__ import annotations
 
@@ -23,14 +24,9 @@ class Prompts:
     def take_reply(self, rid: str):
         return None  # a prefill worker's reply with its timings: none here
 
-    def reserved(self, rid: str, pages: list[int], lora_version: str) -> None:
-        pass
-
 
 class Wiring:
     role = Role.COLOCATED
-    transfer: str | None = None  # the engine's side of KV transfers: None, "sender" (prefill), "receiver" (decode)
-    serves_pooling_models = True  # embeddings and scores need no prefill/decode split: only colocated serves them
     # What ends a Generate call that failed here; decode's UNAVAILABLE makes the gateway migrate the stream.
     failure_code = grpc.StatusCode.INTERNAL
     refuses_pooling: str | None = None  # why Encode calls are refused here, if they are

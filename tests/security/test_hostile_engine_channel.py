@@ -24,9 +24,12 @@ from pdserve.services.worker import channel
 from pdserve.services.worker.channel import RemoteError
 from pdserve.services.worker.cli import add_arguments
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.engine_messages import Generate, PoolStats
+from pdserve.proto.codec import params_to_proto
+from pdserve.shared.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
-PARAMS = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+SAMPLING = params_to_proto(SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)).SerializeToString()
 OVERSIZED = channel.MAX_FRAME_BYTES + (1 << 20)
 
 # Connects to the front's two sockets as soon as they exist: takes what the front sends its engine, and sends
@@ -57,11 +60,11 @@ MALFORMED = {
     "wrong arity: a bare batch": msgpack.packb(["batch"]),
     "wrong arity: a batch and more": msgpack.packb(["batch", [], 1]),
     "wrong arity: a call without its name": msgpack.packb(["batch", [["call", 1]]]),
-    "wrong arity: a cast without kwargs": msgpack.packb(["batch", [["cast", "load"]]]),
+    "wrong arity: a cast without kwargs": msgpack.packb(["batch", [["cast", "Load"]]]),
     "unknown call": msgpack.packb(["batch", [["call", 10**6, "no_such_call", {}]]]),
-    "unknown item kind": msgpack.packb(["batch", [["zap", "load", {}]]]),
-    "kwargs not a map": msgpack.packb(["batch", [["call", 10**6, "load", 5]]]),
-    "kwargs the call does not take": msgpack.packb(["batch", [["call", 10**6, "load", {"x": 1}]]]),
+    "unknown item kind": msgpack.packb(["batch", [["zap", "Load", {}]]]),
+    "kwargs not a map": msgpack.packb(["batch", [["call", 10**6, "Load", 5]]]),
+    "kwargs the call does not take": msgpack.packb(["batch", [["call", 10**6, "Load", {"x": 1}]]]),
     "an item that is a map": msgpack.packb(["batch", [{"call": 1}]]),
     "an item that is an int": msgpack.packb(["batch", [5]]),
     "non-list batch: an int": msgpack.packb(["batch", 5]),
@@ -69,7 +72,7 @@ MALFORMED = {
     "non-list batch: a string": msgpack.packb(["batch", "calls"]),
     "a start frame while serving": msgpack.packb(["start", "colocated", {}]),
     "undecodable: a reserved byte": b"\xc1",
-    "undecodable: truncated": msgpack.packb(["batch", [["call", 1, "load", {}]]])[:-3],
+    "undecodable: truncated": msgpack.packb(["batch", [["call", 1, "Load", {}]]])[:-3],
     "undecodable: empty": b"",
 }
 
@@ -95,7 +98,7 @@ async def served(link: EngineLink, rid: str) -> list[int]:
 
     link.watch(rid, sink)
     try:
-        await link.call("generate", 30.0, rid=rid, input_ids=PROMPT, params=PARAMS, arrival=time.monotonic())
+        await link.call(Generate(rid, PROMPT, SAMPLING, time.monotonic()), 30.0)
         await asyncio.wait_for(done.wait(), 30)
     finally:
         link.unwatch(rid)
@@ -124,11 +127,10 @@ async def test_foreign_peers_oversized_and_malformed_frames_leave_the_engine_ser
 
         # A call too large for a frame is refused by the front with the reason; the engine never sees it.
         with pytest.raises(RemoteError, match="frame limit") as refused:
-            await link.call("generate", 30.0, rid="huge", input_ids=PROMPT, params=PARAMS,
-                            arrival=time.monotonic(), lora="x" * OVERSIZED)
+            await link.call(Generate("huge", PROMPT, SAMPLING, time.monotonic(), lora="x" * OVERSIZED), 30.0)
         assert refused.value.kind == "invalid"
         assert await served(link, "after-huge") == first
-        assert link.alive and (await link.call("pool_stats"))["integrity_ok"]
+        assert link.alive and (await link.call(PoolStats()))["integrity_ok"]
 
         # A frame over the limit all the same: ZMQ drops the connection before reading it, and with the directory
         # gone it cannot come back, so the engine ends (its front then stops, for the worker to start again).
@@ -143,8 +145,8 @@ async def test_foreign_peers_oversized_and_malformed_frames_leave_the_engine_ser
         await link.stop()
     assert taken == "", taken  # nothing of the front's reached it
     engine_log = capfd.readouterr().err
-    # Each malformed frame logged (the call with arguments it does not take fails as a call: logged so too).
-    assert engine_log.count("on the engine channel") == len(MALFORMED) - 1, engine_log[-3000:]
+    # Each malformed frame logged, the call with arguments its type does not declare among them.
+    assert engine_log.count("on the engine channel") == len(MALFORMED), engine_log[-3000:]
     assert "unexpected keyword argument 'x'" in engine_log
     assert "the engine channel lost its connection to the front" in engine_log, engine_log[-3000:]
 

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.services.worker import channel
 from pdserve.services.worker.engine_link import EngineLink
+from pdserve.services.worker.engine_messages import Load, OutputRecord
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,12 +33,12 @@ def test_an_output_crosses_the_channel_unchanged():
     out = ReqOutput("r1", 2, [5, 6], [TokenLogprobs(-0.5, [5, 7], [-0.5, -1.25]), TokenLogprobs(-0.1)], "stop", 6,
                     prompt_tokens=9, cached_tokens=4, input_logprobs=[TokenLogprobs(-2.0, [3], [-2.0])], queue_s=0.25,
                     compute_s=0.5, first_token_time=12.5, arrival=11.0)
-    wire = channel.unpack(channel.pack(("step", [channel.output_to_wire(out)], [])), KINDS, "front")
-    assert channel.output_from_wire(wire[1][0]) == out
+    wire = channel.unpack(channel.pack(("step", [OutputRecord.of(out)], [])), KINDS, "front")
+    assert OutputRecord(*wire[1][0]).output() == out
 
 
 FRONT_MODULES = ("app", "cli", "rpc", "admin_rpc", "prefill_rpc", "kv_pull", "pooling", "peers", "multiplex",
-                 "weights_rpc", "spans", "engine_link", "channel", "settings")
+                 "weights_rpc", "spans", "engine_link", "channel", "engine_messages", "settings")
 
 
 def test_a_workers_front_loads_neither_torch_nor_the_runtime():
@@ -63,9 +64,9 @@ async def test_the_engine_process_refuses_what_it_cannot_read_and_keeps_serving(
         assert info["generates"] and link._dir is None  # the socket files went once the engine connected
         for frame in (b"\xc1 not msgpack", channel.pack(("hello",)),
                       channel.pack(("batch", [("call", 1, "no_such_call", {}), ("bogus",), 5,
-                                              ("call", 2, "load", "not a dict")]))):
+                                              ("call", 2, "Load", "not a dict")]))):
             await link._to_engine.send(frame)
-        load = await link.call("load", 30)
+        load = await link.call(Load(), 30)
         assert load["running"] == 0 and link.alive
     finally:
         await link.stop()

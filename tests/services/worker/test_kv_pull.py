@@ -6,16 +6,17 @@ import asyncio
 import time
 
 from pdserve.proto import worker_pb2 as pb
+from pdserve.services.worker.engine_messages import Abort, Call, KVSettle, PagesReserved
 from pdserve.services.worker.kv_pull import KVPull
 from pdserve.shared.transfer.fence import PeerClock
 
 
 class Link:
     def __init__(self) -> None:
-        self.casts: list[tuple[str, dict]] = []
+        self.casts: list[Call] = []
 
-    def cast(self, method: str, /, **kwargs) -> None:
-        self.casts.append((method, kwargs))
+    def cast(self, call: Call) -> None:
+        self.casts.append(call)
 
 
 class Client:
@@ -50,24 +51,22 @@ async def test_an_aborted_pull_drops_the_request_at_the_engine_before_its_pages_
     link, peers = Link(), Peers()
     pull = KVPull(link, peers, call_timeout_s=5.0, prefill_timeout_s=5.0, weights_label=lambda: "w")
     pull.expect("r1", pb.GenerateRequest(rid="r1", input_ids=[1, 2, 3], prefill_addr="prefill:1"))
-    pull.reserved("r1", [4, 5], "", fence=7, checked=False)
+    pull.reserved(PagesReserved("r1", [4, 5], "", fence=7, checked=False))
     await asyncio.wait_for(peers.client.sent.wait(), 5)
     pull.abort("r1")
     for _ in range(100):
         if not pull.calls and not pull.settling:
             break
         await asyncio.sleep(0.01)
-    assert [m for m, _ in link.casts] == ["abort", "kv_settle"]
-    assert link.casts[0][1]["rids"] == ["r1"]
-    assert link.casts[1][1] == {"rid": "r1", "pages": [4, 5], "closed": False, "lease_expired": False}
+    assert link.casts == [Abort(["r1"]), KVSettle("r1", [4, 5], closed=False, lease_expired=False)]
 
 
 async def test_a_pull_aborted_before_its_first_step_drops_the_request_then_gives_the_pages_back():
     link, peers = Link(), Peers()
     pull = KVPull(link, peers, call_timeout_s=5.0, prefill_timeout_s=5.0, weights_label=lambda: "w")
     pull.expect("r1", pb.GenerateRequest(rid="r1", input_ids=[1, 2, 3], prefill_addr="prefill:1"))
-    pull.reserved("r1", [4, 5], "", fence=7, checked=False)
+    pull.reserved(PagesReserved("r1", [4, 5], "", fence=7, checked=False))
     pull.abort("r1")
     await asyncio.sleep(0.05)
-    assert [m for m, _ in link.casts] == ["abort", "kv_settle"]
+    assert [type(c) for c in link.casts] == [Abort, KVSettle]
     assert not pull.calls and not peers.client.sent.is_set()

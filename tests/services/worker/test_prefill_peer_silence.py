@@ -9,6 +9,7 @@ import asyncio
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto
+from pdserve.services.worker.engine_messages import AddPeer, Call, RemovePeer
 from pdserve.services.worker.prefill_rpc import PrefillService
 from pdserve.services.worker.rpc import Timeouts
 from pdserve.shared.compat import Compat
@@ -18,20 +19,20 @@ COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_k
 
 
 class Connections:
-    """The engine process's side of registration (engine_calls.call_add_peer, call_remove_peer)."""
+    """The engine process's side of registration (prefill_engine.PrefillEngine.add_peer, remove_peer)."""
 
     def __init__(self) -> None:
         self.peers: set[str] = set()
         self.removals = 0
 
-    async def call(self, method: str, timeout: float, /, **kwargs):
-        if method == "add_peer":
-            known = kwargs["name"] in self.peers
-            self.peers.add(kwargs["name"])
+    async def call(self, call: Call, timeout: float):
+        if isinstance(call, AddPeer):
+            known = call.name in self.peers
+            self.peers.add(call.name)
             return known, b"prefill"
-        assert method == "remove_peer"
+        assert isinstance(call, RemovePeer)
         self.removals += 1
-        self.peers.discard(kwargs["name"])
+        self.peers.discard(call.name)
 
 
 async def register(service: PrefillService, name: str) -> pb.RegisterReply:
@@ -57,11 +58,11 @@ async def test_a_decode_worker_silent_past_the_limit_is_dropped_and_one_that_com
 class BusyOnce(Connections):
     """An engine thread that is busy (a long KV write) the first time a peer is to be dropped."""
 
-    async def call(self, method: str, timeout: float, /, **kwargs):
-        if method == "remove_peer" and self.removals == 0:
+    async def call(self, call: Call, timeout: float):
+        if isinstance(call, RemovePeer) and self.removals == 0:
             self.removals += 1
             raise asyncio.TimeoutError  # the wait for the engine timed out
-        return await super().call(method, timeout, **kwargs)
+        return await super().call(call, timeout)
 
 
 async def test_a_drop_that_the_busy_engine_could_not_run_is_tried_again():

@@ -7,7 +7,6 @@ import pytest
 
 from pdserve.services.worker.cli import add_arguments, runtime_config
 from pdserve.services.worker.settings import tp_ranks
-from pdserve.shared.config import Role
 
 
 def parse(command: str, *argv: str) -> argparse.Namespace:
@@ -23,7 +22,7 @@ def test_the_alias_and_the_default():
 
 def test_tp_size_one_starts_no_ranks(tiny_models):
     args = parse("colocated", "--model-path", str(tiny_models["llama"]))
-    assert tp_ranks(args, runtime_config(args, args.model_path), Role.COLOCATED) is None
+    assert tp_ranks(args, runtime_config(args, args.model_path), None) is None
 
 
 def test_the_storage_tier_is_split_across_ranks_and_the_host_tier_refused_with_the_reason(tiny_models, tmp_path):

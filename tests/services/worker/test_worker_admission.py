@@ -14,6 +14,7 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
+from pdserve.services.worker.engine_messages import Abort, Call, Generate
 from pdserve.services.worker.rpc import Calls, WorkerService
 from pdserve.shared.compat import Compat
 from pdserve.services.worker.colocated import Colocated
@@ -39,16 +40,16 @@ class HoldingEngine:
     def unwatch(self, rid: str) -> None:
         pass
 
-    async def call(self, method: str, timeout: float, /, **kwargs):
-        if method == "generate":
-            self.added.append(kwargs["rid"])
-        elif method == "abort":
-            self.aborted.extend(kwargs["rids"])
-            return kwargs["rids"]
+    async def call(self, call: Call, timeout: float):
+        if isinstance(call, Generate):
+            self.added.append(call.rid)
+        elif isinstance(call, Abort):
+            self.aborted.extend(call.rids)
+            return call.rids
 
-    def cast(self, method: str, /, **kwargs) -> None:
-        if method == "abort":
-            self.aborted.extend(kwargs["rids"])
+    def cast(self, call: Call) -> None:
+        if isinstance(call, Abort):
+            self.aborted.extend(call.rids)
 
 
 @pytest.fixture

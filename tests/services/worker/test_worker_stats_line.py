@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from pdserve.services.worker.app import StatsLine
+from pdserve.services.worker.engine_messages import StatsSample
 from pdserve.shared.observer import StepStats
 
 
@@ -21,8 +22,8 @@ class Engine:
         return {"running": self.running, "waiting": self.waiting, "free_pages": 75, "total_pages": 100,
                 "cached_pages": 0}
 
-    async def call(self, method: str, timeout: float, /):
-        assert method == "stats_sample"
+    async def call(self, call: StatsSample, timeout: float):
+        assert isinstance(call, StatsSample)
         spec = self.speculator
         return (self.load(), self.stats.prefill_tokens, self.stats.decode_tokens,
                 spec.figures() if spec is not None else None)
@@ -53,7 +54,7 @@ async def test_the_stats_line_comes_while_the_worker_works_and_not_when_idle(cap
 
 async def test_a_busy_engine_that_does_not_answer_in_time_skips_a_line(caplog):
     class Stuck(Engine):
-        async def call(self, method: str, timeout: float, /):
+        async def call(self, call: StatsSample, timeout: float):
             await asyncio.sleep(timeout)  # the step is long: the sample does not come in time
             raise asyncio.TimeoutError
 
