@@ -351,14 +351,16 @@ class RuntimeConfig:
     # the step itself, so reading late would only delay each token. "on" runs it anywhere (the CPU mode it is
     # tested in); "off" is --disable-overlap-schedule. Speculative decoding reads its tokens at once: off there.
     overlap_schedule: str = "auto"
-    quantization: str | None = None  # None | "w8a8_int8": the dense layers' matmuls in int8 (shared/int8_linear.py)
+    # None | "w8a8_int8": the dense layers' matmuls in int8 (shared/int8_linear.py) | "gguf": over a GGUF file's own
+    # quantized blocks (shared/gguf_linear.py)
+    quantization: str | None = None
     tiers: TierConfig | None = None  # None: the KV cache lives in the pool only
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "w8a8_int8"):
-            raise ValueError(f"quantization must be w8a8_int8 or None, got {self.quantization!r}")
+        if self.quantization not in (None, "w8a8_int8", "gguf"):
+            raise ValueError(f"quantization must be w8a8_int8, gguf or None, got {self.quantization!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.decode_graphs not in ("auto", "static", "off"):

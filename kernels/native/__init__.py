@@ -32,7 +32,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = ("norm.cpp", "activation.cpp", "rotary_kv.cpp", "attention.cpp", "extend_tiled.cpp", "gemv.cpp",
-           "dense.cpp", "rows.cpp", "token_mask.cpp", "lora.cpp", "int8.cpp", "allreduce.cpp", "bindings.cpp")
+           "dense.cpp", "rows.cpp", "token_mask.cpp", "lora.cpp", "int8.cpp", "allreduce.cpp", "gguf.cpp",
+           "bindings.cpp")
 _HEADERS = ("common.h", "attention.h")
 _HERE = Path(__file__).resolve().parent
 CXX_STD = "c++20"  # what torch's extension build compiles the sources with (torch 2.13)

@@ -13,6 +13,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const at::Tensor& col_sum, const at::Tensor& sum128, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& inv_smooth);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                       bool fp32_output);
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t k, at::ScalarType dtype);
 at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos_sin, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -78,5 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &pdserve::dequantize_rows, release());
   m.def("int8_linear_supported", &pdserve::int8_linear_supported);
   m.def("int8_linear", &pdserve::int8_linear, release());
+  m.def("gguf_linear", &pdserve::gguf_linear, release());
+  m.def("gguf_dequantize", &pdserve::gguf_dequantize, release());
   m.def("isa", &pdserve::isa);
 }

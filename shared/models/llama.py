@@ -19,6 +19,8 @@ from pdserve.kernels.rotary import build_cos_sin_cache, cos_sin_rows
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.kernel_ops import KernelOps
 from pdserve.shared.kv_pool import KVPool
+from pdserve.shared.gguf_linear import GGUFLinear
+from pdserve.shared.gguf_weights import TIED_HEAD, BlockWeight, gguf_blocks
 from pdserve.shared.int8_linear import Int8Linear
 from pdserve.shared.linear import Linear
 from pdserve.shared.lora import LoraPool
@@ -97,6 +99,8 @@ class LlamaForCausalLM:
         if tensors is None:
             tensors = _read_safetensors(Path(model_dir))
         cfg = self.config
+        if self.quantization == "gguf":  # the matrices as the GGUF file stores them (shared/gguf_weights.py)
+            tensors = gguf_blocks(tensors, Path(model_dir), cfg)
         self.checkpoint_shapes = {}
         if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
             # A bare decoder (saved from e.g. Qwen2Model, as embedding checkpoints often are): no "model." prefix.
@@ -105,9 +109,11 @@ class LlamaForCausalLM:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(weight, bias, batch_invariant=self.batch_invariant)
 
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  fp32_output: bool = False) -> Linear | Int8Linear:
-            """An attention, MLP or LM head matmul, in int8 when the model is quantized."""
+        def dense(weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None,
+                  fp32_output: bool = False) -> Linear | Int8Linear | GGUFLinear:
+            """An attention, MLP or LM head matmul, in int8 when the model is quantized, over a GGUF's blocks."""
+            if isinstance(weight, BlockWeight):
+                return GGUFLinear(weight, bias, self.dtype, fp32_output, self.batch_invariant)
             if self.quantization == "w8a8_int8":
                 return Int8Linear(weight, bias, fp32_output=fp32_output)
             return Linear(weight, bias, batch_invariant=self.batch_invariant, fp32_output=fp32_output)
@@ -170,7 +176,8 @@ class LlamaForCausalLM:
             self.lm_head = None
         elif cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             # Tied: the embedding stays plain for lookups; on CPU the head gets its own packed (or int8) copy.
-            self.lm_head = dense(self.embed, fp32_output=True)
+            head = take(TIED_HEAD, vocab) if TIED_HEAD in tensors else self.embed  # a GGUF's: its own blocks
+            self.lm_head = dense(head, fp32_output=True)
         else:
             self.lm_head = dense(take("lm_head.weight", vocab), fp32_output=True)
 

@@ -26,7 +26,8 @@ MARCH = "x86-64-v3"
 ROOT = Path(__file__).resolve().parents[2]
 # The tests of every native op (each against its torch twin), and the layer that picks the native GEMV.
 MODULES = ["test_rmsnorm.py", "test_silu_mul.py", "test_rotary_kv.py", "test_decode_attention.py",
-           "test_extend_attention.py", "test_token_mask.py", "test_int8_matmul.py", "test_lora.py", "test_dense.py"]
+           "test_extend_attention.py", "test_token_mask.py", "test_int8_matmul.py", "test_lora.py", "test_dense.py",
+           "test_gguf_matmul.py"]
 
 
 def _compiler_refuses() -> str | None:
