@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("pdserve.shared.model_files", "convert/locate a model and print its HF directory"),
     "bench": ("pdserve.benchclient.cli", "streaming chat load against any OpenAI-compatible server: throughput, "
                                        "TTFT, ITL"),
+    "profile": ("pdserve.planning.cli", "measure this machine's step costs for a model: the profile simulate and plan "
+                                         "read"),
+    "simulate": ("pdserve.planning.cli", "replay a trace on a simulated deployment: TTFT, ITL, throughput, goodput"),
+    "plan": ("pdserve.planning.cli", "the split of workers between prefill and decode with the best goodput on a trace"),
     "debug": ("pdserve.services.debug", "debugging tools: ping, info, stats, generate, transfer benchmark"),
 }
 SERVICES = ("up", "prefill", "decode", "colocated", "gateway", "jobs", "batch-worker")  # these take --config

@@ -201,6 +201,18 @@ def prompt_ids(req: TraceRequest, unique: int, block_size: int = MOONCAKE_BLOCK,
     return ids
 
 
+def sim_prompt_ids(req: TraceRequest, unique: int, block_size: int = MOONCAKE_BLOCK) -> list[int]:
+    """Token ids for a simulated prompt, where no vocabulary bounds them: the same sharing as `prompt_ids`
+    (blocks of a hash id negative, the rest from a range of the request's own), built at C speed."""
+    ids: list[int] = []
+    for h in req.hash_ids:
+        ids.extend(range(-(h + 1) * block_size, -h * block_size))
+    del ids[req.input_len:]
+    base = (unique + 1) << 24
+    ids.extend(range(base, base + req.input_len - len(ids)))
+    return ids
+
+
 # ------------------------------------------------------------ synthetic traces
 
 
