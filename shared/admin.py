@@ -1,7 +1,7 @@
 """What an operator changes on a running worker: LoRA adapters, expert recording, the served weights.
 
-One class per resource. Every method runs on the engine thread (workers reach it through `Engine.call`),
-so a change never lands in the middle of a step.
+One class per resource, each given the parts of the engine it changes (never the engine itself). Every method
+runs on the engine thread (workers reach it through `Engine.call`), so a change never lands in the middle of a step.
 """
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.expert_recorder import ExpertRecorder, no_experts
 from pdserve.shared.lora import LoraAdapter, LoraError
 from pdserve.shared.lora_registry import LoraRegistry
+from pdserve.shared.scheduler import Scheduler
+from pdserve.shared.step_ops import StepOps
 from pdserve.shared.weights import Checkpoint, WeightsError
 
 if TYPE_CHECKING:
-    from pdserve.shared.engine import Engine
+    from pdserve.shared.kv_tiers import KVTiers
+    from pdserve.shared.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +29,19 @@ log = logging.getLogger(__name__)
 class Adapters:
     """The LoRA adapters a worker serves (its runner's registry, when started with --enable-lora)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
 
     def registry(self, adapter: str | None = None) -> LoraRegistry:
-        lora = getattr(self.engine.runner, "lora", None)  # runners built for a test may have no adapters
+        lora = getattr(self.runner, "lora", None)  # runners built for a test may have no adapters
         if lora is None:
             raise ValueError(f"{f'adapter {adapter!r}: ' if adapter else ''}LoRA is not enabled on this worker "
                              "(start it with --enable-lora)")
         return lora
 
     def list(self) -> list[LoraAdapter]:
-        lora = getattr(self.engine.runner, "lora", None)
+        lora = getattr(self.runner, "lora", None)
         return [] if lora is None else [lora.get(name) for name in lora.names()]
 
     def load(self, name: str, path: str) -> LoraAdapter:
@@ -48,7 +52,7 @@ class Adapters:
         """Refused while any request, running or queued, uses the adapter."""
         lora = self.registry(name)
         adapter = lora.get(name)
-        users = sum(1 for r in self.engine.scheduler.live_reqs() if r.lora is adapter)
+        users = sum(1 for r in self.scheduler.live_reqs() if r.lora is adapter)
         if users:
             raise LoraError(f"adapter {name!r}: cannot unload it while {users} requests use it; retry when they finish")
         lora.unload(name)
@@ -57,19 +61,20 @@ class Adapters:
 class ExpertRecording:
     """Counts of a Mixture-of-Experts model's routing choices, made at the first recording command."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, model_path: str) -> None:
+        self.runner = runner
+        self.model_path = model_path
         self._recorder: ExpertRecorder | None = None
 
     def start(self) -> None:
         """Count every expert layer's routing choices from the next step on, from zero. ValueError: no experts."""
         recorder = self._get()
         recorder.start()
-        self.engine.runner.model.set_route_hook(recorder.record)
+        self.runner.model.set_route_hook(recorder.record)
 
     def stop(self) -> None:
         self._get().stop()
-        self.engine.runner.model.set_route_hook(None)
+        self.runner.model.set_route_hook(None)
 
     def dump(self) -> torch.Tensor:
         """Selections per layer and expert since the start or the last dump, [L, E] int64 on the CPU; clears them."""
@@ -77,18 +82,19 @@ class ExpertRecording:
 
     def _get(self) -> ExpertRecorder:
         if self._recorder is None:
-            mc = self.engine.model_config
+            mc = self.runner.model_config
             if mc.moe is None:
-                raise no_experts(Path(self.engine.config.model_path).name)
-            self._recorder = ExpertRecorder(mc.num_layers, mc.moe.num_experts, self.engine.runner.device)
+                raise no_experts(Path(self.model_path).name)
+            self._recorder = ExpertRecorder(mc.num_layers, mc.moe.num_experts, self.runner.device)
         return self._recorder
 
 
 class ServedWeights:
     """The weights a worker serves (`version`), and new ones staged beside them (see shared/weights.py)."""
 
-    def __init__(self, engine: Engine, version: WeightsVersion) -> None:
-        self.engine = engine
+    def __init__(self, ops: StepOps, tiers: KVTiers | None, version: WeightsVersion) -> None:
+        self.ops = ops
+        self.tiers = tiers
         self.version = version
         # (path, model, the directory it resolved to) built but not yet served
         self._staged: tuple[str, object, Path] | None = None
@@ -97,7 +103,7 @@ class ServedWeights:
         """Build `checkpoint`'s weights beside the running ones, which keep serving until `commit`.
         Replaces weights staged before. Raises WeightsError, and then nothing is staged."""
         self._staged = None  # the previous staged model is freed before the next one is built
-        self._staged = (checkpoint.source, self.engine.runner.build_weights(checkpoint), checkpoint.directory)
+        self._staged = (checkpoint.source, self.ops.runner.build_weights(checkpoint), checkpoint.directory)
 
     @property
     def staged(self) -> str | None:
@@ -107,7 +113,7 @@ class ServedWeights:
     def discard(self) -> None:
         if self._staged is not None:
             self._staged = None
-            self.engine.runner.discard_weights()
+            self.ops.runner.discard_weights()
 
     def commit(self, version: WeightsVersion, abort_reason: str | None = None) -> int | None:
         """Serve the staged weights from the next step on, as `version`, with an empty prefix cache.
@@ -117,15 +123,15 @@ class ServedWeights:
         many requests were aborted, or None when requests still run and nothing changed: ask again later."""
         if self._staged is None:
             raise WeightsError("no weights are staged")
-        engine = self.engine
-        rids = {r.rid for r in engine.scheduler.live_reqs()} if abort_reason is not None else set()
+        ops = self.ops
+        rids = {r.rid for r in ops.scheduler.live_reqs()} if abort_reason is not None else set()
         for rid in rids:
-            engine.abort(rid, error=abort_reason)
-        if engine.scheduler.live_reqs() or not engine.flush_cache(lower=()):  # old KV never meets new weights
+            ops.abort(rid, error=abort_reason)
+        if ops.scheduler.live_reqs() or not ops.scheduler.flush_cache():  # old KV never meets new weights
             return None
-        engine.runner.swap_weights(self._staged[1])
-        if engine.tiers is not None:  # the old weights' stored KV stays, for the workers still on them, unreachable here
-            engine.tiers.weights_changed(str(self._staged[2]))
+        ops.runner.swap_weights(self._staged[1])
+        if self.tiers is not None:  # the old weights' stored KV stays, for the workers still on them, unreachable here
+            self.tiers.weights_changed(str(self._staged[2]))
         self._staged = None
         self.version = version
         log.info("serving weights version %s", version.label)

@@ -4,6 +4,8 @@
 
 What only a prefill or a decode worker does lives in its role (`shared/roles/`), called at those fixed points;
 what an operator changes while serving in `shared/admin.py`; reading a step's tokens late in `shared/overlap.py`.
+What a step does with its logits and tokens (account, sample, commit, emit) is `shared/step_ops.py`: the one
+object those helpers hold, so none of them imports this module.
 
 Other threads never touch the scheduler, pool or cache: they hand the engine a function with `call(fn)` and get
 a Future back. Results leave through each request's `on_output` callback, called from the engine thread.
@@ -23,25 +25,23 @@ from pdserve.shared.admin import Adapters, ExpertRecording, ServedWeights
 from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import Role, RuntimeConfig
-from pdserve.shared.grammar import Constraint, Grammars, apply_masks
+from pdserve.shared.grammar import Constraint, Grammars
 from pdserve.shared.kv_keys import kv_identity
 from pdserve.shared.kv_tier_ranks import TierRanks
 from pdserve.shared.kv_tiers import KVTiers
-from pdserve.shared.host_memory import upload
 from pdserve.shared.model_runner import ModelRunner
-from pdserve.shared.observer import RequestObserver, StepStats
-from pdserve.shared.outputs import ReqOutput, TokenLogprobs
-from pdserve.shared.overlap import Overlap
+from pdserve.shared.observer import RequestObserver
+from pdserve.shared.overlap import Overlap, overlap_wanted
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles import TransferFn, make_role
-from pdserve.shared.logprobs import HostCopy, prompt_logprobs
+from pdserve.shared.logprobs import prompt_logprobs
 from pdserve.shared.sampler import Sampler, make_generator
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import Batch, PoolExhausted, Scheduler
-from pdserve.shared.seeded_draws import position_generator
 from pdserve.shared.speculative import Speculator
+from pdserve.shared.step_ops import StepOps
 from pdserve.shared.tp_group import RankGone
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,15 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.cache, page_size,
                                    lora.pool if lora is not None else None)
         self.sampler = Sampler()
-        self.role = make_role(role, self, transfer_fn, poll_fn)
-        # Only roles that decode draft: a prefill worker samples each request's first token and no more.
-        self.speculator = (Speculator(self, config.speculative)
-                           if config.speculative is not None and role != Role.PREFILL and self.generates else None)
-        self.overlap = Overlap(self)
         self.observer = observer or RequestObserver()
-        self.stats = StepStats()
+        self.ops = StepOps(self.scheduler, self.runner, self.sampler, self.observer, mc.eos_token_ids, self.abort)
+        self.stats = self.ops.stats
+        self.role = make_role(role, self.ops, self.add_request, transfer_fn, poll_fn)
+        # Only roles that decode draft: a prefill worker samples each request's first token and no more.
+        self.speculator = (Speculator(self.ops, config.speculative)
+                           if config.speculative is not None and role != Role.PREFILL and self.generates else None)
+        self.overlap = Overlap(self.ops, self.role,
+                               overlap_wanted(config) and self.speculator is None and self.generates)
         # Called once per loop iteration, after its step: a worker's engine process sends that step's outputs
         # in one message from here.
         self.on_iteration: Callable[[], None] | None = None
@@ -81,14 +83,14 @@ class Engine:
         self.fatal: Exception | None = None  # what ended the step loop for good (a lost tensor-parallel rank)
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        self.adapters = Adapters(self)
-        self.experts = ExpertRecording(self)
-        self.weights = ServedWeights(self, WeightsVersion(0, config.model_path))
         tp = getattr(self.runner, "tp", None)  # a tensor-parallel worker's ranks each store their own KV heads
         self.tiers = KVTiers(config.tiers, self.scheduler, self.runner.pool, kv_identity(config, self.runner),
                              wake=lambda: self.call(lambda: None), model_path=config.model_path,
                              ranks=TierRanks(tp) if tp is not None else None) \
             if config.tiers is not None else None
+        self.adapters = Adapters(self.runner, self.scheduler)
+        self.experts = ExpertRecording(self.runner, config.model_path)
+        self.weights = ServedWeights(self.ops, self.tiers, WeightsVersion(0, config.model_path))
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of params' constraint, or None. Any thread; raises GrammarError.
@@ -195,7 +197,7 @@ class Engine:
         reqs = self.scheduler.find(rid)
         for req in reqs:
             self.scheduler.remove(req, cache=req.status >= ReqStatus.RUNNING)
-            self.emit(req, finish_reason=reason, error=error)
+            self.ops.emit(req, finish_reason=reason, error=error)
         self.role.aborted(rid, bool(reqs), error)
         return bool(reqs)
 
@@ -237,139 +239,10 @@ class Engine:
         if batch.prompt_rows:
             prompt_logprobs(batch.prompt_logits, batch.prompt_rows)
             batch.prompt_logits = None
-        rows, reqs = self.account(batch, compute_s)
+        rows, reqs = self.ops.account(batch, compute_s, self.role.family)
         if reqs:
-            tokens, logprobs = self.sample(logits, rows, reqs)
-            self.take(self.role.sampled(reqs, tokens, logprobs, compute_s))
-
-    def account(self, batch: Batch, compute_s: float) -> tuple[list[int], list[Req]]:
-        """Book what the step computed; returns the requests that sample a token now and their logit rows."""
-        rows: list[int] = []
-        reqs: list[Req] = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            if req.status == ReqStatus.FINISHED:  # it ended with the overlapped step before (overlap.py)
-                continue
-            req.num_computed += n
-            if batch.is_decode or req.status == ReqStatus.RUNNING:  # a decode, alone or beside prefills
-                self.stats.decode_tokens += 1
-                req.decode_steps += 1
-                rows.append(i)
-                reqs.append(req)
-                continue
-            self.stats.prefill_tokens += n
-            ended = time.monotonic()
-            req.prefill_chunks.append((ended - compute_s, ended, n))
-            if req.first_scheduled is None:  # its first chunk: it left the queue when this step began
-                req.first_scheduled = ended - compute_s
-                self.observer.scheduled(req)
-            if req.num_computed < req.seq_len:
-                req.status = ReqStatus.PREFILLING
-                self.scheduler.chunked = req
-                continue
-            if self.scheduler.chunked is req:
-                self.scheduler.chunked = None
-            self.scheduler.cache_pages(req, lock=True)
-            if not req.output_ids:  # a fresh prompt, not the recompute of a retracted request
-                self.observer.prefilled(req)
-            # A fresh prompt with n > 1 becomes n choices; a retracted request recomputed is one already.
-            for member in ([req] if req.output_ids else self.role.family(req)):
-                rows.append(i)
-                reqs.append(member)
-        return rows, reqs
-
-    def join(self, req: Req) -> None:  # a request whose prompt is computed decodes from the next step on
-        if req.status != ReqStatus.RUNNING:
-            req.status = ReqStatus.RUNNING
-            self.scheduler.running.append(req)
-
-    def take(self, decoding: list[tuple[Req, int, TokenLogprobs | None]]) -> None:
-        """Each request's sampled token: it joins the running batch, takes the token (finishing by the stop and
-        length rules), and its output leaves. A read step's tokens and decode's first tokens from its prefill
-        worker come here. Two callers append and send themselves: an overlapped step when it settles (a request
-        retracted since its launch must not join again), and a verify step (whether an accepted draft token
-        counts depends on the one before)."""
-        for req, tok, lp in decoding:
-            self.join(req)
-            self.append_token(req, tok, lp)
-        self.emit_all([req for req, _, _ in decoding])
-
-    def sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]):
-        """The next token (and its logprobs, where asked) of each of `reqs`, from `logits[rows]`."""
-        return self.launch_sample(logits, rows, reqs).read([r.params for r in reqs])
-
-    def launch_sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Req]) -> HostCopy:
-        """`sample`, with the tokens left on their way to the host (read them with `.read(params)`)."""
-        if rows != list(range(logits.shape[0])):
-            logits = logits[upload(rows, torch.int64, logits.device)]  # a mixed step, or n > 1 choices
-        if any(r.grammar is not None for r in reqs):
-            apply_masks(logits, [r.grammar for r in reqs])
-        # A seeded choice's draws at output position i come from (seed + choice index, i), whichever worker
-        # samples it (len(output_ids) counts an overlapped step's placeholders: it is the position).
-        generators = [position_generator(r.generator, None if r.params.seed is None else r.params.seed + r.index,
-                                         len(r.output_ids)) for r in reqs]
-        return HostCopy(self.sampler.sample(logits, [r.params for r in reqs], [r.input_ids for r in reqs],
-                                            [r.output_ids for r in reqs], generators,
-                                            self.model_config.eos_token_ids))
-
-    def append_token(self, req: Req, token: int, logprob: TokenLogprobs | None) -> None:
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if req.params.max_new_tokens == 0:  # computed for its prompt's logprobs only: the token is not output
-            if logprob is not None:  # but the next position's logprobs are (SGLang's scoring of token ids)
-                req.output_logprobs.append(logprob)
-            req.finish_reason = "length"
-            self.scheduler.remove(req, cache=True)
-            return
-        if req.grammar is not None and not req.grammar.accept(token):
-            # Only when the grammar left nothing to sample (e.g. it must end but min_new_tokens bans eos).
-            req.finish_reason = "stop"
-            self.scheduler.remove(req, cache=True)
-            return
-        req.output_ids.append(token)
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        p = req.params
-        if not p.ignore_eos and token in self.model_config.eos_token_ids:
-            req.finish_reason, req.matched_stop_token = "stop", token
-        elif token in p.stop_token_ids:
-            req.finish_reason, req.matched_stop_token = "stop", token
-        elif req.grammar is not None and req.grammar.terminated:  # complete, and its end accepted (ignore_eos)
-            req.finish_reason, req.matched_stop_token = "stop", token
-        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.runner.context_length:
-            req.finish_reason = "length"
-        if req.finish_reason is not None:
-            self.scheduler.remove(req, cache=True)
-
-    # ------------------------------------------------------------ outputs
-    def emit_all(self, reqs: list[Req]) -> None:
-        for req in reqs:
-            self.emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
-
-    def emit(self, req: Req, finish_reason: str | None = None, matched: int | None = None,
-              error: str | None = None) -> None:
-        if req.on_output is None:
-            return
-        new_ids = req.output_ids[req.num_sent:]
-        new_lps = req.output_logprobs[req.num_sent:] if req.output_logprobs else []
-        if not new_ids and finish_reason is None:
-            return
-        first = req.num_sent == 0
-        req.num_sent = len(req.output_ids)
-        self.observer.output(req, len(new_ids), finish_reason)
-        prompt_lps = None
-        if req.input_logprobs and not req.input_logprobs_sent and req.index == 0:
-            prompt_lps, req.input_logprobs_sent = req.input_logprobs, True
-        out = ReqOutput(req.rid, req.index, new_ids, new_lps, finish_reason, matched,
-                        prompt_tokens=len(req.input_ids), cached_tokens=req.cached_tokens, error=error,
-                        input_logprobs=prompt_lps)
-        if first:
-            out.first_token_time, out.arrival, out.tier_tokens = req.first_token_time, req.arrival, req.tier_tokens
-            started = req.first_scheduled if req.first_scheduled is not None else req.pages_reserved
-            if started is not None:
-                out.queue_s = started - req.arrival
-                if req.first_scheduled is not None and req.first_token_time is not None:
-                    out.compute_s = req.first_token_time - req.first_scheduled
-        req.on_output(out)
+            tokens, logprobs = self.ops.sample(logits, rows, reqs)
+            self.ops.commit(self.role.sampled(reqs, tokens, logprobs, compute_s))
 
     # ------------------------------------------------------------ inspection (engine thread)
     def flush_cache(self, lower: tuple[str, ...] = ("host", "storage")) -> bool:

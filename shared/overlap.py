@@ -19,17 +19,20 @@ grammar's mask, penalties). Anything else that must see final tokens (an abort) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.shared.config import Role
-from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.logprobs import HostCopy
+from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.roles import ColocatedRole
 from pdserve.shared.scheduler import Batch
+from pdserve.shared.step_ops import StepOps
 
-if TYPE_CHECKING:
-    from pdserve.shared.engine import Engine
+
+def overlap_wanted(config: RuntimeConfig) -> bool:
+    """--overlap-schedule asks for it: on, or auto on a GPU (a CPU has no device to keep busy meanwhile)."""
+    return config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and config.device != "cpu")
 
 
 def overlappable(req: Req) -> bool:
@@ -46,13 +49,12 @@ class InFlight:
 
 
 class Overlap:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        mode = engine.config.overlap_schedule
-        # Off: every step is read at once, and nothing is ever in flight. Speculation reads each step's tokens
-        # to draft the next; a model without an LM head samples nothing.
-        self.enabled = ((mode == "on" or (mode == "auto" and engine.config.device != "cpu"))
-                        and engine.speculator is None and engine.generates)
+    def __init__(self, ops: StepOps, role: ColocatedRole, enabled: bool) -> None:
+        """`enabled` False: every step is read at once, and nothing is ever in flight (the engine's choice:
+        speculation reads each step's tokens to draft the next; a model without an LM head samples nothing)."""
+        self.ops = ops
+        self.role = role
+        self.enabled = enabled
         self.pending: InFlight | None = None
 
     @property
@@ -63,15 +65,15 @@ class Overlap:
     def launch(self, batch: Batch, logits: torch.Tensor, compute_s: float) -> bool:
         """Sample `batch` and leave it in flight, settling the step before it (True); False when it must be
         read at once (then nothing was done: the caller settles and processes it as usual)."""
-        engine = self.engine
-        if (not self.enabled or batch.drafts is not None or batch.prompt_rows or engine.role.kind == Role.PREFILL
+        ops = self.ops
+        if (not self.enabled or batch.drafts is not None or batch.prompt_rows or self.role.kind == Role.PREFILL
                 or not all(overlappable(r) for r in batch.reqs)):
             return False
-        rows, reqs = engine.account(batch, compute_s)
-        copy = engine.launch_sample(logits, rows, reqs) if reqs else None
+        rows, reqs = ops.account(batch, compute_s, self.role.family)
+        copy = ops.launch_sample(logits, rows, reqs) if reqs else None
         at = []
         for k, req in enumerate(reqs):
-            engine.join(req)  # a prompt just computed decodes in the next step, from its placeholder
+            ops.join(req)  # a prompt just computed decodes in the next step, from its placeholder
             at.append(len(req.output_ids))
             req.output_ids.append(-(k + 1))
         self.settle()
@@ -84,19 +86,19 @@ class Overlap:
         step, self.pending = self.pending, None
         if step is None:
             return
-        engine = self.engine
         tokens, logprobs = step.copy.read([r.params for r in step.reqs])
         at = dict(zip(step.reqs, step.at))
         live = [i for i, req in enumerate(step.reqs) if req.status != ReqStatus.FINISHED]  # else: a dropped row
-        decoding = engine.role.sampled([step.reqs[i] for i in live], [tokens[i] for i in live],
-                                       [logprobs[i] for i in live], step.compute_s)
-        for req, token, logprob in decoding:
-            later = req.output_ids[at[req] + 1:]  # the placeholder of the step launched since, if any
+        decoding = self.role.sampled([step.reqs[i] for i in live], [tokens[i] for i in live],
+                                     [logprobs[i] for i in live], step.compute_s)
+        later = {}
+        for req, _, _ in decoding:
+            later[req] = req.output_ids[at[req] + 1:]  # the placeholder of the step launched since, if any
             del req.output_ids[at[req]:]
-            engine.append_token(req, token, logprob)
-            engine.emit(req, finish_reason=req.finish_reason, matched=req.matched_stop_token)
+        self.ops.commit(decoding, join=False)  # joined at launch; one retracted since must not join again
+        for req, _, _ in decoding:
             if req.status != ReqStatus.FINISHED:
-                req.output_ids.extend(later)
+                req.output_ids.extend(later[req])
 
     def drop(self) -> None:
         """Forget the in-flight step without reading it (after a failed step): its placeholders go."""

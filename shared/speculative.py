@@ -35,11 +35,10 @@ from pdserve.shared.config import SpeculativeConfig
 from pdserve.shared.outputs import acceptance
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.scheduler import Batch
+from pdserve.shared.step_ops import StepOps
 
 if TYPE_CHECKING:
     import torch
-
-    from pdserve.shared.engine import Engine
 
 CANDIDATES = 8  # latest occurrences of each anchor kept: the longest match among them wins
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # a request's acceptance rate before any evidence, worth this many tries
@@ -132,10 +131,10 @@ class StepCost:
 
 
 class Speculator:
-    def __init__(self, engine: Engine, config: SpeculativeConfig) -> None:
-        self.engine = engine
+    def __init__(self, ops: StepOps, config: SpeculativeConfig) -> None:
+        self.ops = ops
         self.config = config
-        self.scheduler = engine.scheduler
+        self.scheduler = ops.scheduler
         self.cost = StepCost()
         self.drafting: dict[Req, Drafting] = {}
         # Totals since start: verify steps, requests that drafted in them, draft tokens, draft tokens accepted.
@@ -181,7 +180,7 @@ class Speculator:
     def _room(self, req: Req) -> int:
         """Draft tokens the request may still take: the step adds up to k + 1 tokens."""
         p = req.params
-        left = min(p.max_new_tokens - len(req.output_ids), self.engine.runner.context_length - req.seq_len)
+        left = min(p.max_new_tokens - len(req.output_ids), self.ops.runner.context_length - req.seq_len)
         return max(left - 1, 0)
 
     def _grow(self, req: Req, num_tokens: int) -> bool:
@@ -204,7 +203,7 @@ class Speculator:
 
     def verify(self, batch: Batch, logits: torch.Tensor) -> None:
         """Sample the verify batch's tokens position by position (see the module's docstring) and emit them."""
-        engine, reqs, drafts = self.engine, batch.reqs, batch.drafts
+        ops, reqs, drafts = self.ops, batch.reqs, batch.drafts
         offsets, row = [], 0
         for n in batch.extend_lens:
             offsets.append(row)
@@ -215,18 +214,17 @@ class Speculator:
         live, pos = list(range(len(reqs))), 0
         while live:
             now = [i for i in live if i not in ahead]
-            sampled = dict(zip(now, zip(*engine.sample(logits, [offsets[i] + pos for i in now],
-                                                        [reqs[i] for i in now])))) if now else {}
-            going = []
-            for i in live:
-                token, logprob = (ahead[i][pos], None) if i in ahead else sampled[i]
-                req = reqs[i]
+            sampled = dict(zip(now, zip(*ops.sample(logits, [offsets[i] + pos for i in now],
+                                                     [reqs[i] for i in now])))) if now else {}
+            position = [(reqs[i], *((ahead[i][pos], None) if i in ahead else sampled[i])) for i in live]
+            for req, _, _ in position:
                 req.num_computed += 1  # the KV of the token fed at this position holds
-                engine.append_token(req, token, logprob)
-                engine.stats.decode_tokens += 1
-                if req.status == ReqStatus.RUNNING and pos < len(drafts[i]) and token == drafts[i][pos]:
-                    accepted[i] += 1
-                    going.append(i)
+            ops.commit(position, join=False, send=False)  # sent once, after the last position
+            ops.stats.decode_tokens += len(position)
+            going = [i for i, (req, token, _) in zip(live, position)
+                     if req.status == ReqStatus.RUNNING and pos < len(drafts[i]) and token == drafts[i][pos]]
+            for i in going:
+                accepted[i] += 1
             live, pos = going, pos + 1
         for req, draft, n in zip(reqs, drafts, accepted):
             req.decode_steps += 1
@@ -243,7 +241,7 @@ class Speculator:
         self.drafted_tokens += drafted
         self.accepted_tokens += gained
         self.recent.append((drafting, drafted, gained))
-        engine.emit_all(reqs)
+        ops.emit_all(reqs)
 
     def _sample_ahead(self, batch: Batch, logits: torch.Tensor, offsets: list[int]) -> dict[int, list[int]]:
         """The tokens of every position at once (by batch index) for the requests whose choice at a position does
@@ -255,7 +253,7 @@ class Speculator:
             return {}
         rows = [offsets[i] + j for i in chosen for j in range(batch.extend_lens[i])]
         owners = [batch.reqs[i] for i in chosen for _ in range(batch.extend_lens[i])]
-        tokens, _ = self.engine.sample(logits, rows, owners)
+        tokens, _ = self.ops.sample(logits, rows, owners)
         ahead, at = {}, 0
         for i in chosen:
             ahead[i], at = tokens[at:at + batch.extend_lens[i]], at + batch.extend_lens[i]

@@ -11,36 +11,30 @@ A worker keeps one role for its lifetime. Its engine calls the role on the engin
     aborted(rid, found, e)  an abort arrived (`found`: the engine held the request)
 
 and reads `has_work()`, `num_queued()`, `idle_wait_s` and `poll()` in its loop. Colocated is the plain case: prompts are
-computed and decoded in one place.
+computed and decoded in one place. A role holds the engine's `StepOps` (shared/step_ops.py), never the engine.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import TokenLogprobs
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.sampler import make_generator
 from pdserve.shared.scheduler import Batch
-
-if TYPE_CHECKING:
-    from pdserve.shared.engine import Engine
-
-Sampled = list[tuple[Req, int, TokenLogprobs | None]]
+from pdserve.shared.step_ops import Sampled, StepOps
 
 
 class ColocatedRole:
     kind = Role.COLOCATED
     idle_wait_s = 0.05  # how long an idle engine waits for a command before looking again
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.scheduler = engine.scheduler
+    def __init__(self, ops: StepOps) -> None:
+        self.ops = ops
+        self.scheduler = ops.scheduler
 
     def admit(self, req: Req) -> None:
         p = req.params
         if p.max_new_tokens == 0 and not (p.wants_prompt_logprobs or p.token_ids_logprob):
-            self.engine.emit(req, finish_reason="length")
+            self.ops.emit(req, finish_reason="length")
             req.status = ReqStatus.FINISHED
             return
         self.queue(req)
@@ -97,10 +91,10 @@ class ColocatedRole:
                 if new is None:
                     scheduler.release(child, cache=False)
                     break
-                self.engine.runner.pool.copy_page(page, new[0])
+                self.ops.runner.pool.copy_page(page, new[0])
                 child.pages.append(new[0])
             else:
                 children.append(child)
                 continue
-            self.engine.emit(child, finish_reason="abort", error="out of KV pages for n > 1")
+            self.ops.emit(child, finish_reason="abort", error="out of KV pages for n > 1")
         return children

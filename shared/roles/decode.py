@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import time
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles.colocated import ColocatedRole
 from pdserve.shared.scheduler import Batch
-
-if TYPE_CHECKING:
-    from pdserve.shared.engine import Engine
+from pdserve.shared.step_ops import StepOps
 
 
 class DecodeRole(ColocatedRole):
     kind = Role.DECODE
 
-    def __init__(self, engine: Engine, poll_fn: Callable[[], None] | None) -> None:
-        super().__init__(engine)
+    def __init__(self, ops: StepOps, poll_fn: Callable[[], None] | None) -> None:
+        super().__init__(ops)
         self.poll_fn = poll_fn
         self.reserving: list[Req] = []
         self.awaiting_kv: dict[str, list[Req]] = {}  # by rid
@@ -109,7 +107,7 @@ class DecodeRole(ColocatedRole):
         req.cached_tokens = cached_tokens
         self.scheduler.cache_pages(req, lock=True)
         children = [req] + self.fork(req)
-        self.engine.take([(child, first.token_id, first.logprob) for child, first in zip(children, first_tokens)])
+        self.ops.commit([(child, first.token_id, first.logprob) for child, first in zip(children, first_tokens)])
 
     def kv_settled(self, rid: str) -> None:
         """No KV write into `rid`'s reserved pages can land any more (their fence is settled): the pages of an
@@ -118,7 +116,7 @@ class DecodeRole(ColocatedRole):
         for good, holding its pages, so it is dropped and its pages go too (a quarantine filled after the settle
         would never be freed)."""
         if rid in self.awaiting_kv:
-            self.engine.abort(rid, error="its prompt's KV will not come: the prefill call ended unanswered")
+            self.ops.abort(rid, error="its prompt's KV will not come: the prefill call ended unanswered")
         self.scheduler.allocator.free(self.quarantine.pop(rid, []))
 
     # ------------------------------------------------------------ PageHolder

@@ -11,17 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken, PrefillResult, TokenLogprobs
 from pdserve.shared.req import Req, ReqStatus
-from pdserve.shared.roles.colocated import ColocatedRole, Sampled
+from pdserve.shared.roles.colocated import ColocatedRole
 from pdserve.shared.sampler import make_generator
 from pdserve.shared.scheduler import Batch
-
-if TYPE_CHECKING:
-    from pdserve.shared.engine import Engine
+from pdserve.shared.step_ops import Sampled, StepOps
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +28,16 @@ EARLY_ABORT_MEMORY_MAX = 10_000
 
 # Writes the KV pages of a finished prompt to req.transfer; returns the seconds taken, raises on failure.
 TransferFn = Callable[[Req], float]
+# The engine's add_request(req, lora, lora_version): validates the request and hands it to `admit`.
+AddFn = Callable[[Req, str | None, str | None], None]
 
 
 class PrefillRole(ColocatedRole):
     kind = Role.PREFILL
 
-    def __init__(self, engine: Engine, transfer_fn: TransferFn | None) -> None:
-        super().__init__(engine)
+    def __init__(self, ops: StepOps, add_request: AddFn, transfer_fn: TransferFn | None) -> None:
+        super().__init__(ops)
+        self.add_request = add_request
         self.transfer_fn = transfer_fn
         self._waiters: dict[str, tuple[Future, float]] = {}  # rid -> (future of its PrefillResult, arrival)
         self._early_aborts: dict[str, float] = {}  # rid -> when its abort came before it
@@ -48,7 +49,7 @@ class PrefillRole(ColocatedRole):
         fut: Future = Future()
         self._waiters[req.rid] = (fut, time.monotonic())
         try:
-            self.engine.add_request(req, lora, lora_version)
+            self.add_request(req, lora, lora_version)
         except Exception:
             self._waiters.pop(req.rid, None)
             raise

@@ -1,11 +1,11 @@
 """What one generation leaves for the people who run the gateway: a span per attempt on a worker pair (the
 workers' spans hang under it), its time to first token in named parts (/metrics, and the span), and its
 timeline for the flight recorder (services/gateway/timelines.py). Kept apart from Generation, whose job is the
-tokens."""
+tokens: the record reads it as an `Outcome`, the few counts and texts it reports, and never imports it."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace import get_current_span as current_span
@@ -14,14 +14,36 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.services import tracing
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.timelines import Timeline
+from pdserve.services.gateway.tokenization import ModelTokenizer
+from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.workers.router import Pair
 from pdserve.shared.logs import REQUEST_ID
 
-if TYPE_CHECKING:
-    from pdserve.services.gateway.workers.generation import Generation
-    from pdserve.services.gateway.workers.job import Job
-
 CONTENT_CHARS = 65536  # of a prompt or completion in a span, with --otlp-traces-include-content
+
+
+class ChoiceOutcome(Protocol):
+    finished: bool
+    finish_reason: str | None
+    output_ids: list[int]
+
+
+class Outcome(Protocol):
+    """What the record reads of the generation it follows (a Generation is one)."""
+
+    job: Job
+    tokenizer: ModelTokenizer
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def choices(self) -> Sequence[ChoiceOutcome]: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+    @property
+    def e2e_latency(self) -> float: ...
 
 
 def names(pair: Pair) -> str:
@@ -75,7 +97,7 @@ class GenerationRecord:
         current_span().add_event(step, {"pdserve.reason": reason, "pdserve.workers": workers,
                                         "pdserve.tokens": tokens})
 
-    def end_attempt(self, gen: Generation, failure: str | None) -> None:
+    def end_attempt(self, gen: Outcome, failure: str | None) -> None:
         """The attempt's span ends; the request's usage goes on the server span (GenAI conventions)."""
         span, self.span = self.span, None
         if span is None:
@@ -96,7 +118,7 @@ class GenerationRecord:
                 "pdserve.prompt": gen.tokenizer.decode(gen.job.input_ids)[:CONTENT_CHARS],
                 "pdserve.completions": [gen.tokenizer.decode(c.output_ids)[:CONTENT_CHARS] for c in gen.choices]})
 
-    def finish(self, gen: Generation) -> Timeline:
+    def finish(self, gen: Outcome) -> Timeline:
         """The generation's timeline, complete now that it has ended (Backend records it)."""
         t = self.timeline
         t.total_s, t.prompt_tokens, t.cached_tokens = gen.e2e_latency, gen.prompt_tokens, gen.cached_tokens
