@@ -23,7 +23,7 @@ from pdserve.shared.linear import Linear
 
 log = logging.getLogger(__name__)
 
-DENSE_ROWS = 16  # from this many rows on, widen the weight and multiply densely (see the module docstring)
+DENSE_ROWS = 8  # from this many rows on, widen the weight and multiply densely (see the module docstring)
 
 
 class GGUFLinear:
