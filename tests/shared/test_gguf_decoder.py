@@ -64,3 +64,14 @@ def test_a_model_not_from_a_gguf_file_is_refused(tiny_models):
     with pytest.raises(ValueError, match="--quantization gguf serves a .gguf --model-path"):
         ModelRunner(RuntimeConfig(model_path=str(tiny_models["llama"]), quantization="gguf",
                                   cache=CacheConfig(page_size=4, max_total_tokens=64)))
+
+
+def test_two_tensor_parallel_ranks_give_the_logits_of_one_process(default_model_dir):
+    """The blocks split as the plain weights do (q|k|v and gate|up by rows, o and down at block-aligned
+    columns, the tied head by vocabulary): the default model's 2 + 1 head split answers as one process."""
+    from test_tensor_parallel import Split, config, steps
+
+    whole = steps(ModelRunner(config(default_model_dir, quantization="gguf")))
+    with Split(config(default_model_dir, quantization="gguf"), 2) as runner:
+        split = steps(runner)
+    torch.testing.assert_close(split, whole, atol=2e-3, rtol=0)
