@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import int8_matmul as ops
 from pdserve.kernels import native
+from pdserve.shared.huge_pages import place
 
 SMOOTHING_ALPHA = 0.5
 PACK_N = 32  # output channels per block of the fused kernel's packed weight
@@ -68,7 +69,7 @@ class Int8Linear:
         self._vectors = (F.pad(self.col_scale, pad), F.pad(self.col_sum, pad),
                          padded.sum(1, dtype=torch.int32) * 128,  # taken back out of the unsigned codes' sums
                          None if self.bias is None else F.pad(self.bias, pad))
-        return padded.view(pn // PACK_N, PACK_N, pk // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return place(padded.view(pn // PACK_N, PACK_N, pk // 4, 4).permute(0, 2, 1, 3).contiguous())  # 2 MiB pages
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] float32 or bfloat16 -> [T, out] of x's dtype, plus `residual` [T, out] when given (one pass

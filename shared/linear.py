@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import native
+from pdserve.shared.huge_pages import place
 from pdserve.shared.matmul_choice import (PROBE_ROWS, PROBE_SHAPES, MatmulChoice, Timing, cache_key,
                                           load_or_measure, time_pair)
 
@@ -146,14 +147,13 @@ class FixedOrderMatmul:
     construction. Its weight is packed once in the kernel's layout; bf16 or fp32 results, or fp32 from bf16."""
 
     def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        n, k = weight.shape
-        self._kernel = lib.dense_linear
-        pair = lib.dense_pair(weight)
+        (n, k), self._kernel, pair = weight.shape, lib.dense_linear, lib.dense_pair(weight)
         pn, pk = -(-n // DENSE_BLOCK) * DENSE_BLOCK, -(-k // pair) * pair
         padded = weight.new_zeros(pn, pk)
         padded[:n, :k] = weight
         self.shape = (n, k)
-        self.packed = padded.view(pn // DENSE_BLOCK, DENSE_BLOCK, pk // pair, pair).permute(0, 2, 1, 3).contiguous()
+        blocked = padded.view(pn // DENSE_BLOCK, DENSE_BLOCK, pk // pair, pair).permute(0, 2, 1, 3)
+        self.packed = place(blocked.contiguous())  # in 2 MiB pages (shared/huge_pages.py)
         self.bias = None if bias is None else F.pad(bias.float(), (0, pn - n)).contiguous()
 
     @classmethod
@@ -196,8 +196,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain weight the native GEMV reads, where it can run: CPU; bf16 on AVX512-BF16, bf16 or fp32 on an AVX2
-    build (gemv_supported says which)."""
+    """The plain weight the native GEMV reads, in 2 MiB pages, where this build has a path for it (gemv_supported)."""
     if weight.device.type != "cpu" or weight.dtype not in GEMV_MAX_ROWS:
         return None
     try:
@@ -205,7 +204,7 @@ def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
     except native.NativeUnavailable:
         return None
     weight = weight.contiguous()
-    return weight if lib.gemv_supported(weight) else None
+    return place(weight) if lib.gemv_supported(weight) else None
 
 
 class Bf16MatmulLinear:

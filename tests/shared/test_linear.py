@@ -279,7 +279,8 @@ def test_the_matmul_kernel_choice_can_be_forced_and_a_bf16_layer_follows_it(monk
         monkeypatch.setenv("PDSERVE_CPU_MATMUL", choice)
         assert linear.fixed_order_pays() is fixed and linear.fixed_order_head_pays() is fixed
         assert (Linear(weight)._fixed is not None) is (fixed and native_available())
-        assert (Linear(weight, fp32_output=True)._fixed is not None) is (fixed and native_available())
+        head = Linear(weight, fp32_output=True)  # past HEAD_FIXED_ROWS rows: as forced; decode rows read bf16
+        assert (head._fixed is not None and head._fixed_rows is None) is (fixed and native_available())
         assert Linear(weight.float())._fixed is None  # fp32 layers keep oneDNN: the probe times bf16 only
     monkeypatch.setattr(linear, "_matmul_choice", None)
     monkeypatch.setenv("PDSERVE_CPU_MATMUL", "mkl")
