@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="send each level from N client processes, each with 1/N of the streams: one Python "
                              "process reads some tens of thousands of events per second at most, and past that it "
                              "would be what the figures measure (default: 1; no progress bars with N > 1)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="instead of the sweep, replay this trace (Azure CSV, Mooncake JSONL, BurstGPT CSV) at its "
+                             "arrival times, prompts and outputs of its exact token counts, through /completions")
+    parser.add_argument("--trace-time-scale", type=float, default=1.0,
+                        help="multiply the trace's arrival times by this (0.5: twice its rate)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help='more fields for every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
 
@@ -138,6 +143,8 @@ async def _bench(args: argparse.Namespace) -> int:
           f"{rate}, concurrency {','.join(map(str, concurrencies))}", flush=True)
     if args.chain:
         return await _chain(args, target, load, concurrencies[0])
+    if args.trace:
+        return await _trace(args, target, load)
     show = (sys.stderr.isatty() if args.progress is None else args.progress) and args.client_processes == 1
     bars = ProgressBars() if show else None
     summaries = await run_sweep(target, load, concurrencies, args.num_requests, args.warmup,
@@ -168,6 +175,23 @@ async def _chain(args: argparse.Namespace, target: Target, load: Load, conversat
         with open(args.json, "w") as f:
             json.dump({**report(target, load, []), "chain": [asdict(t) for t in turns]}, f, indent=2)
     return 0 if all(t.completed == conversations for t in turns) else 1
+
+
+async def _trace(args: argparse.Namespace, target: Target, load: Load) -> int:
+    from pdserve.benchclient.replay import replay
+    from pdserve.planning.traces import read_trace
+
+    trace = read_trace(args.trace, time_scale=args.trace_time_scale)
+    print(f"[bench] trace {args.trace} ({trace.format}): {len(trace)} requests over {trace.duration_s:.1f} s",
+          flush=True)
+    summary = await replay(target, load, trace.requests, ErrorReporter())
+    print(format_table([summary], label_header="replay", labels=["trace"]))
+    if errors := format_errors([summary]):
+        print(errors)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report(target, load, [summary]), "trace": args.trace}, f, indent=2)
+    return 0 if summary.completed == summary.requests else 1
 
 
 class ProgressBars:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
+from pdserve.benchclient.completions import completions_body
 from pdserve.benchclient.messages import messages_body, messages_chunk
 from pdserve.benchclient.responses import responses_body, responses_chunk
 from pdserve.benchclient.report import LevelSummary, RequestResult, redact, summarize
@@ -205,6 +206,8 @@ class BenchApi:
 # `pdserve bench --api` chooses among these; chat is the default.
 APIS: dict[str, BenchApi] = {
     "chat": BenchApi("/chat/completions", chat_body),
+    "completions": BenchApi("/completions", lambda target, load, prompt, model: completions_body(
+        model or target.model, prompt, load.output_len, load.temperature, dict(load.extra_body))),
     "messages": BenchApi("/messages", lambda target, load, prompt, model: messages_body(
         model or target.model, prompt, load.output_len, load.temperature, dict(load.extra_body)), messages_chunk),
     "responses": BenchApi("/responses", lambda target, load, prompt, model: responses_body(

@@ -41,7 +41,7 @@ def summarize(result: SimResult, ttft_slo_s: float, itl_slo_s: float) -> dict:
         "ttft_met": float(ttft_ok.mean()) if reqs else 0.0,
         "itl_met": float(itl_ok.mean()) if reqs else 0.0,
         "ttft_slo_s": ttft_slo_s, "itl_slo_s": itl_slo_s,
-        "cached_token_share": (sum(r.cached_tokens for r in reqs) / max(1, sum(1 for _ in reqs))),
+        "cached_tokens_mean": sum(r.cached_tokens for r in reqs) / max(1, len(reqs)),
         "utilisation": result.utilisation,
         "steps": result.steps,
     }
