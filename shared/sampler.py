@@ -6,8 +6,8 @@ Per row, in this order (a grammar's mask, when the request has one, is applied b
   1. penalties on the logits: repetition over prompt + output tokens (positive logits divided, negative
      multiplied, as in HF and vLLM), then frequency (count in output * frequency_penalty) and presence
      ((count > 0) * presence_penalty) subtracted;
-  2. while the output is shorter than min_new_tokens, stop_token_ids and eos (unless ignore_eos, where eos
-     ends nothing) are banned;
+  2. bans (`BANS`: each parameter that forbids tokens brings its rule): while the output is shorter than
+     min_new_tokens, stop_token_ids and eos (unless ignore_eos, where eos ends nothing);
   3. greedy rows take the argmax. Other rows sample from p = softmax(logits / temperature) over the tokens
      that pass top_k, top_p and min_p, each judged on p itself (SGLang's joint filtering, so the filters
      commute): top_k keeps a token when fewer than k tokens are more likely; top_p when the more likely
@@ -21,6 +21,9 @@ seed (the global torch generator otherwise), seeded for each output position (sh
 row's draws thus depend only on its seed, position and logits, never on its neighbours or on the worker.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -51,7 +54,7 @@ class Sampler:
         x = logits
         penalised = [i for i, p in enumerate(params) if p.has_penalty]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        bans = _bans(params, output_ids, eos_token_ids)
+        bans = _bans(params, prompt_ids, output_ids, eos_token_ids)
         if penalised or bans or biased:
             x = logits.to(torch.float32, copy=True)  # [B, V]
             if biased:
@@ -124,14 +127,45 @@ def _index(values, device: torch.device) -> torch.Tensor:
     return upload(values, torch.int64, device)
 
 
-def _bans(params: list[SamplingParams], output_ids: list[list[int]],
+@dataclass(frozen=True)
+class Ban:
+    """A rule that forbids a row some tokens at its next output position, from its params and its tokens so far.
+
+    `tokens(params, prompt_ids, output_ids, eos_token_ids)`: the ids forbidden now. `steady(params, output_ids)`:
+    True when the rule forbids the same ids whatever the row samples next (for any number of tokens), so that
+    positions can be sampled side by side as if the output had one length (speculative.py samples a greedy
+    draft ahead that way). A parameter that forbids tokens adds its rule to BANS, and nothing else in the runtime
+    changes for it."""
+
+    tokens: Callable[[SamplingParams, list[int], list[int], tuple[int, ...]], Iterable[int]]
+    steady: Callable[[SamplingParams, list[int]], bool]
+
+
+def _min_new_tokens(p: SamplingParams, prompt: list[int], out: list[int],
+                    eos_token_ids: tuple[int, ...]) -> Iterable[int]:
+    if len(out) >= p.min_new_tokens:
+        return ()
+    return set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+
+
+BANS: list[Ban] = [
+    Ban(_min_new_tokens, steady=lambda p, out: len(out) >= p.min_new_tokens),  # no end before min_new_tokens
+]
+
+
+def row_wise(p: SamplingParams, output_ids: list[int]) -> bool:
+    """The row's token at each of its next positions is a function of that position's logits alone: greedy, no
+    penalty (penalties read the tokens before), and every ban steady. Speculative verification asks this."""
+    return p.is_greedy and not p.has_penalty and all(ban.steady(p, output_ids) for ban in BANS)
+
+
+def _bans(params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
           eos_token_ids: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(row, token) pairs that min_new_tokens forbids this step."""
+    """(row, token) pairs that the rules of BANS forbid this step."""
     bans = []
-    for row, (p, out) in enumerate(zip(params, output_ids)):
-        if len(out) < p.min_new_tokens:
-            banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
-            bans.extend((row, t) for t in sorted(banned))
+    for row, (p, prompt, out) in enumerate(zip(params, prompt_ids, output_ids)):
+        for ban in BANS:
+            bans.extend((row, t) for t in sorted(ban.tokens(p, prompt, out, eos_token_ids)))
     return bans
 
 

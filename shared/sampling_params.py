@@ -10,7 +10,8 @@ whether it is a penalty (and its neutral value), and whether a request using it 
 mid-stream. `validate`, `has_penalty` and the gateway's migration read those; none of them names a field.
 
 Adding a parameter is three edits: its field here, declared with `param`; the same name in proto/worker.proto's
-SamplingParams (the codec converts by name); and the sampler's code. The gateway's API fields are generated from
+SamplingParams (the codec converts by name); and the sampler's code (a ban is a `Ban` in shared/sampler.py's
+BANS, which speculative verification reads too; tests/shared/test_new_sampling_param.py adds a toy one). The gateway's API fields are generated from
 these, under each API's names (services/gateway/intake/dialects.py). tests/shared/test_param_definitions.py fails
 until the proto agrees, and shows a field declared in a subclass being validated, marked and reaching every API.
 """

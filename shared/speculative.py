@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from pdserve.shared.config import SpeculativeConfig
 from pdserve.shared.outputs import acceptance
 from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.sampler import row_wise
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.step_ops import StepOps
 
@@ -245,10 +246,9 @@ class Speculator:
 
     def _sample_ahead(self, batch: Batch, logits: torch.Tensor, offsets: list[int]) -> dict[int, list[int]]:
         """The tokens of every position at once (by batch index) for the requests whose choice at a position does
-        not depend on the tokens chosen before it in this step: greedy, no penalty, no min_tokens ban left, no
-        grammar, no logprobs. One sampler call for all their rows, where position by position took one per
-        position; the same function of each row's logits either way."""
-        chosen = [i for i, (req, draft) in enumerate(zip(batch.reqs, batch.drafts)) if draft and _row_wise(req)]
+        not depend on the tokens chosen before it in this step (`_ahead`). One sampler call for all their rows,
+        where position by position took one per position; the same function of each row's logits either way."""
+        chosen = [i for i, (req, draft) in enumerate(zip(batch.reqs, batch.drafts)) if draft and _ahead(req)]
         if not chosen:
             return {}
         rows = [offsets[i] + j for i in chosen for j in range(batch.extend_lens[i])]
@@ -268,9 +268,10 @@ class Speculator:
                 "spec_accepted_tokens": self.accepted_tokens}
 
 
-
-def _row_wise(req: Req) -> bool:
-    """Its token at a position is a function of that position's logits alone (see `_sample_ahead`)."""
+def _ahead(req: Req) -> bool:
+    """Its draft's positions can be sampled at once (see `_sample_ahead`): the sampler says its token at a position
+    depends on that position's logits alone, no grammar's state moves between them, and no logprobs are asked
+    (tokens sampled ahead come without)."""
     p = req.params
-    return (p.is_greedy and not p.has_penalty and req.grammar is None and len(req.output_ids) >= p.min_new_tokens
-            and not p.return_logprob and not p.top_logprobs_num)
+    return (req.grammar is None and row_wise(p, req.output_ids) and not p.return_logprob
+            and not p.top_logprobs_num)
