@@ -1,5 +1,5 @@
 """The KV tiers' figures: TierCounts (KVTiers' own), and `tier_stats`, every tier's running totals as one flat dict
-of numbers (KVTiers.stats: what the worker's /metrics, services/worker/tier_metrics.py, and its stats read).
+of numbers (KVTiers.stats: what the worker's /metrics, services/worker/engine/tier_metrics.py, and its stats read).
 """
 from __future__ import annotations
 

@@ -189,11 +189,11 @@ def edges() -> list[Edge]:
 def test_the_scan_sees_the_package(edges):
     """Guards the scan itself: a test that found no modules or no imports would pass whatever the code did."""
     modules = find_modules()
-    assert {"pdserve.cli", "pdserve.shared.engine", "pdserve.services.worker.app", "pdserve.kernels.rmsnorm",
+    assert {"pdserve.cli", "pdserve.shared.engine", "pdserve.services.worker.front.app", "pdserve.kernels.rmsnorm",
             "pdserve.proto.codec", "benchmarks.bench_serving"} <= set(modules)
     pairs = {(e.source, e.target) for e in edges}
-    assert ("pdserve.services.worker.engine_calls", "pdserve.shared.engine") in pairs  # a plain top-level import
-    assert ("pdserve.services.worker.app", "pdserve.proto.worker_pb2") in pairs  # `from package import module`
+    assert ("pdserve.services.worker.engine.engine_worker", "pdserve.shared.engine") in pairs  # a plain top-level import
+    assert ("pdserve.services.worker.front.app", "pdserve.proto.worker_pb2") in pairs  # `from package import module`
     assert ("benchmarks.bench_lora", "benchmarks.servers") in pairs  # a script importing its sibling
     assert any(e.lazy for e in edges) and any(e.type_only for e in edges)
 
@@ -256,3 +256,28 @@ def test_the_bench_client_and_the_server_stand_apart(edges):
     wrong = [f"{e.source} -> {e.target}  [{e.where}]" for e in edges
              if {layer(e.source), layer(e.target)} in ({"benchclient", s} for s in SERVER)]
     assert not wrong, "the bench client and the server import each other:\n" + "\n".join(wrong)
+
+
+WORKER_ROOMS = ("front", "engine", "channel")  # services/worker/<room>/; the modules beside them: cli, encoder_*
+
+
+def worker_room(module: str) -> str | None:
+    """The room of a module of the worker ("top": cli.py and the encoder worker, which assemble the rooms)."""
+    prefix = "pdserve.services.worker."
+    if not module.startswith(prefix):
+        return None
+    first = module[len(prefix):].split(".")[0]
+    return first if first in WORKER_ROOMS else "top"
+
+
+def test_the_workers_rooms_import_one_way(edges):
+    """The worker's front (gRPC, HTTP, peers, the link) and its engine process (the engine, each role's
+    handlers) meet only in the channel room (the wire, the message types, the start settings): neither imports
+    the other, the channel neither, and no room imports the modules that assemble them (cli, the encoder
+    worker). Lazy and typing-only imports count: the front must never load the engine's torch."""
+    assert {worker_room(e.source) for e in edges} >= set(WORKER_ROOMS), "the scan saw no worker room"
+    allowed = {"front": {"front", "channel"}, "engine": {"engine", "channel"}, "channel": {"channel"}}
+    wrong = [f"{e.source} -> {e.target}  [{e.where}]" for e in edges
+             if worker_room(e.source) in allowed and worker_room(e.target) is not None
+             and worker_room(e.target) not in allowed[worker_room(e.source)]]
+    assert not wrong, "the worker's rooms import against their direction:\n" + "\n".join(wrong)

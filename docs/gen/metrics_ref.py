@@ -16,7 +16,8 @@ from mdtable import code, table, text
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("Counter", "Gauge", "Histogram", "Summary")
-CLASS_MODULES = {"services/gateway/metrics.py", "services/worker/metrics.py", "services/worker/tier_metrics.py",
+CLASS_MODULES = {"services/gateway/metrics.py", "services/worker/engine/worker_metrics.py",
+                 "services/worker/engine/tier_metrics.py",
                  "services/worker/encoder_metrics.py", "services/jobs/metrics.py"}  # instantiated below
 
 
@@ -44,7 +45,7 @@ def gateway() -> list[Series]:
 
 
 def worker(lora: bool = False, host: bool = False, storage: bool = False) -> list[Series]:
-    from pdserve.services.worker.metrics import WorkerMetrics
+    from pdserve.services.worker.engine.worker_metrics import WorkerMetrics
 
     metrics = WorkerMetrics("MODEL", page_size=16, num_pages=64, max_lora=8 if lora else None)
     if host or storage:

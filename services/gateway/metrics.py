@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway, on a registry of its own (served at /metrics, without the API key).
 
-The workers export SGLang's names (services/worker/metrics.py); these are the gateway's own view: routing
-(requests by route and status, retries and migrations to another worker), worker health, and latencies as
+The workers export SGLang's names (services/worker/engine/worker_metrics.py); these are the gateway's own view:
+routing (requests by route and status, retries and migrations to another worker), worker health, and latencies as
 clients see them.
 
 Request counts by route and status come from a middleware; latencies and token counts from each

@@ -6,10 +6,10 @@ import asyncio
 import logging
 import sys
 
-from pdserve.services.worker.settings import (add_expert_arguments, add_lora_arguments, add_speculative_arguments,
-                                              add_tp_arguments, positive_int, runtime_config, serve_node,
-                                              set_torch_threads, tp_nodes)
-from pdserve.services.worker.tier_flags import add_tier_arguments
+from pdserve.services.worker.channel.settings import (add_expert_arguments, add_lora_arguments,
+                                                      add_speculative_arguments, add_tp_arguments, positive_int,
+                                                      runtime_config, serve_node, set_torch_threads, tp_nodes)
+from pdserve.services.worker.channel.tier_flags import add_tier_arguments
 from pdserve.shared.config import ENCODER_MODEL_TYPES, CacheConfig, Role, RuntimeConfig, SchedulerConfig
 from pdserve.shared.logs import add_log_arguments, setup_logging
 from pdserve.services.tracing import add_trace_flags, on_dropped, setup_tracing, shutdown_tracing
@@ -144,14 +144,14 @@ def main(args: argparse.Namespace, command: str) -> int:
             return 1
     if nodes is not None and nodes.rank > 0:  # this machine's ranks only: node 0 runs the worker's endpoints
         try:
-            from pdserve.services.worker.engine_process import engine_role  # this node computes: torch is fine
+            from pdserve.services.worker.engine.engine_process import engine_role  # this node computes: torch is fine
 
             return serve_node(args, config, Role(command), engine_role(Role(command)).transfer_spec)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     # A generative worker's front: gRPC and HTTP here, the model in the engine process it starts (no torch here).
-    from pdserve.services.worker.app import WorkerApp
+    from pdserve.services.worker.front.app import WorkerApp
 
     app = WorkerApp(Role(command), args, model_path)
     if setup_tracing(args, f"pdserve-{command}"):

@@ -17,9 +17,9 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.encoder_metrics import EncoderMetrics
-from pdserve.services.worker.peers import GRPC_OPTIONS
-from pdserve.services.worker.channel import RemoteError, error_kind
-from pdserve.services.worker.pooling import PoolingService
+from pdserve.services.worker.front.peers import GRPC_OPTIONS
+from pdserve.services.worker.channel.wire import RemoteError, error_kind
+from pdserve.services.worker.front.pooling import PoolingService
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.encoder import Encoder
@@ -87,7 +87,7 @@ class EncoderWorkerApp:
 
     async def _encode(self, seqs: list[list[int]], types: list[list[int]] | None, labels: list[int],
                       timeout_s: float = 120.0) -> dict:
-        """Queued on the Encoder, batched with whatever else is queued; failures by kind (channel.error_kind)."""
+        """Queued on the Encoder, batched with whatever else is queued; failures by kind (wire.error_kind)."""
         try:
             if labels:
                 raise ValueError("this worker serves an embedding model: scoring label tokens needs a generative "

@@ -1,15 +1,15 @@
 """EncoderMetrics: an embedding worker's Prometheus metrics (GET /metrics), on a registry of its own.
 
-SGLang's names where the generative workers (services/worker/metrics.py) use them for the same thing, so one
-dashboard reads both; what only an encoder has is `pdserve_worker_encoder_*`. Counts and latencies come from
-the Encoder's thread as each request completes or fails; the queue gauges are read when scraped.
+SGLang's names where the generative workers (services/worker/engine/worker_metrics.py) use them for the same
+thing, so one dashboard reads both; what only an encoder has is `pdserve_worker_encoder_*`. Counts and latencies
+come from the Encoder's thread as each request completes or fails; the queue gauges are read when scraped.
 """
 from __future__ import annotations
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.services.worker.metrics import NAME
+from pdserve.services.worker.engine.worker_metrics import NAME
 from pdserve.shared.encoder import Encoder
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

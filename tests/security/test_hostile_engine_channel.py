@@ -20,17 +20,17 @@ import msgpack
 import pytest
 
 from fixtures import make_tiny_model
-from pdserve.services.worker import channel
-from pdserve.services.worker.channel import RemoteError
+from pdserve.services.worker.channel import wire
+from pdserve.services.worker.channel.wire import RemoteError
 from pdserve.services.worker.cli import add_arguments
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import Generate, PoolStats
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import Generate, PoolStats
 from pdserve.proto.codec import params_to_proto
 from pdserve.shared.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 SAMPLING = params_to_proto(SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)).SerializeToString()
-OVERSIZED = channel.MAX_FRAME_BYTES + (1 << 20)
+OVERSIZED = wire.MAX_FRAME_BYTES + (1 << 20)
 
 # Connects to the front's two sockets as soon as they exist: takes what the front sends its engine, and sends
 # what an engine would (a forged "ready", a forged reply). Prints each frame it took.
@@ -167,8 +167,8 @@ print("sent", flush=True)
 print("heard", back.poll(1000), flush=True)
 """], stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)  # bound
-    engine = subprocess.Popen([sys.executable, "-m", "pdserve.services.worker.engine_process"], text=True,
-                              env={**os.environ, channel.CHANNEL_ENV: str(directory)}, stderr=subprocess.PIPE)
+    engine = subprocess.Popen([sys.executable, "-m", "pdserve.services.worker.engine.engine_process"], text=True,
+                              env={**os.environ, wire.CHANNEL_ENV: str(directory)}, stderr=subprocess.PIPE)
     try:
         lines = []
         deadline = time.monotonic() + 60

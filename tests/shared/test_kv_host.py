@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.services.worker.tier_metrics import TierMetrics
+from pdserve.services.worker.engine.tier_metrics import TierMetrics
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.kv_events import DEVICE, HOST, CacheEvents, prefix_hashes
@@ -18,8 +18,8 @@ from pdserve.shared.kv_host import HostPages, copy_pages
 from pdserve.shared.kv_pool import KVLayout, KVPool
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
-from pdserve.services.worker.engine_calls import trace_of
-from pdserve.services.worker.spans import ReqTrace, prompt_attributes
+from pdserve.services.worker.engine.engine_calls import trace_of
+from pdserve.services.worker.front.spans import ReqTrace, prompt_attributes
 from pdserve.shared.kv_tiers import host_pages
 from test_kv_tiers import PAGE, PROMPT, engine_for, run, settle, stored_files
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.services.worker.tier_metrics import TierMetrics
+from pdserve.services.worker.engine.tier_metrics import TierMetrics
 from pdserve.shared import kv_tiers
 from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig, TierConfig
 from pdserve.shared.engine import Engine

@@ -12,7 +12,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.multiplex import serve_many
+from pdserve.services.worker.front.multiplex import serve_many
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.services.worker import channel
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import Load, OutputRecord
+from pdserve.services.worker.channel import wire
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import Load, OutputRecord
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -20,11 +20,11 @@ KINDS = frozenset({"step", "reply"})
 
 def test_frames_that_are_too_large_malformed_or_of_no_known_kind_are_refused_and_logged(monkeypatch, caplog):
     caplog.set_level(logging.ERROR)
-    assert channel.unpack(channel.pack(("reply", 1, True, [1, 2])), KINDS, "front") == ["reply", 1, True, [1, 2]]
-    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 64)
-    for frame in (channel.pack(("reply", 1, True, list(range(100)))), b"\xc1\xc1 not msgpack",
-                  channel.pack(("hello", 1)), channel.pack({"reply": 1}), channel.pack([]), b""):
-        assert channel.unpack(frame, KINDS, "front") is None
+    assert wire.unpack(wire.pack(("reply", 1, True, [1, 2])), KINDS, "front") == ["reply", 1, True, [1, 2]]
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64)
+    for frame in (wire.pack(("reply", 1, True, list(range(100)))), b"\xc1\xc1 not msgpack",
+                  wire.pack(("hello", 1)), wire.pack({"reply": 1}), wire.pack([]), b""):
+        assert wire.unpack(frame, KINDS, "front") is None
     assert len(caplog.records) == 6
     assert "-byte frame" in caplog.records[0].getMessage() and "limit 64" in caplog.records[0].getMessage()
 
@@ -33,17 +33,20 @@ def test_an_output_crosses_the_channel_unchanged():
     out = ReqOutput("r1", 2, [5, 6], [TokenLogprobs(-0.5, [5, 7], [-0.5, -1.25]), TokenLogprobs(-0.1)], "stop", 6,
                     prompt_tokens=9, cached_tokens=4, input_logprobs=[TokenLogprobs(-2.0, [3], [-2.0])], queue_s=0.25,
                     compute_s=0.5, first_token_time=12.5, arrival=11.0)
-    wire = channel.unpack(channel.pack(("step", [OutputRecord.of(out)], [])), KINDS, "front")
-    assert OutputRecord(*wire[1][0]).output() == out
+    message = wire.unpack(wire.pack(("step", [OutputRecord.of(out)], [])), KINDS, "front")
+    assert OutputRecord(*message[1][0]).output() == out
 
 
-FRONT_MODULES = ("app", "cli", "rpc", "admin_rpc", "prefill_rpc", "kv_pull", "pooling", "peers", "multiplex",
-                 "weights_rpc", "spans", "engine_link", "channel", "engine_messages", "settings")
+WORKER = ROOT / "services" / "worker"
 
 
 def test_a_workers_front_loads_neither_torch_nor_the_runtime():
-    modules = [f"pdserve.services.worker.{m}" for m in FRONT_MODULES]
-    heavy = ("torch", "pdserve.shared.engine", "pdserve.shared.model_runner", "pdserve.services.worker.engine_calls")
+    """Every module of the front room and the channel room, and the CLI that starts them."""
+    modules = ["pdserve.services.worker.cli"] + [
+        f"pdserve.services.worker.{room}.{path.stem}" for room in ("front", "channel")
+        for path in sorted((WORKER / room).glob("*.py")) if path.stem != "__init__"]
+    assert len(modules) > 20
+    heavy = ("torch", "pdserve.shared.engine", "pdserve.shared.model_runner", "pdserve.services.worker.engine")
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n" \
            f"print(' '.join(m for m in {heavy!r} if m in sys.modules) or 'none')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -62,8 +65,8 @@ async def test_the_engine_process_refuses_what_it_cannot_read_and_keeps_serving(
     info = await link.start()
     try:
         assert info["generates"] and link._dir is None  # the socket files went once the engine connected
-        for frame in (b"\xc1 not msgpack", channel.pack(("hello",)),
-                      channel.pack(("batch", [("call", 1, "no_such_call", {}), ("bogus",), 5,
+        for frame in (b"\xc1 not msgpack", wire.pack(("hello",)),
+                      wire.pack(("batch", [("call", 1, "no_such_call", {}), ("bogus",), 5,
                                               ("call", 2, "Load", "not a dict")]))):
             await link._to_engine.send(frame)
         load = await link.call(Load(), 30)
@@ -76,11 +79,11 @@ async def test_the_engine_process_refuses_what_it_cannot_read_and_keeps_serving(
 
 
 def test_a_batch_too_large_for_one_frame_is_split_and_a_call_too_large_for_any_is_handed_back(monkeypatch):
-    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 200)
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 200)
     items = [["call", i, "x", {"a": "y" * 60}] for i in range(5)] + [["call", 9, "big", {"a": "z" * 300}]]
-    frames, too_large = channel.pack_batches(items)
+    frames, too_large = wire.pack_batches(items)
     assert len(frames) > 1 and all(len(frame) <= 200 for frame in frames)
-    unpacked = [channel.unpack(frame, frozenset({"batch"}), "engine") for frame in frames]
+    unpacked = [wire.unpack(frame, frozenset({"batch"}), "engine") for frame in frames]
     assert [item for message in unpacked for item in message[1]] == items[:5]  # in order, none lost
     assert too_large == items[5:]
 
@@ -91,7 +94,7 @@ def test_the_gate_admits_one_process_of_this_user_only():
     import zmq
 
     context = zmq.Context()
-    gate = channel.PeerGate(context, "test", pid=4242)
+    gate = wire.PeerGate(context, "test", pid=4242)
     try:
         uid = os.getuid()
         assert gate.admits(f"localhost:{uid}:0:4242")

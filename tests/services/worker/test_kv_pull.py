@@ -6,8 +6,8 @@ import asyncio
 import time
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.worker.engine_messages import Abort, Call, KVSettle, PagesReserved
-from pdserve.services.worker.kv_pull import KVPull
+from pdserve.services.worker.channel.messages import Abort, Call, KVSettle, PagesReserved
+from pdserve.services.worker.front.kv_pull import KVPull
 from pdserve.shared.transfer.fence import PeerClock
 
 

@@ -9,9 +9,9 @@ import asyncio
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto
-from pdserve.services.worker.engine_messages import AddPeer, Call, RemovePeer
-from pdserve.services.worker.prefill_rpc import PrefillService
-from pdserve.services.worker.rpc import Timeouts
+from pdserve.services.worker.channel.messages import AddPeer, Call, RemovePeer
+from pdserve.services.worker.front.prefill_rpc import PrefillService
+from pdserve.services.worker.front.rpc import Timeouts
 from pdserve.shared.compat import Compat
 
 COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.peers import RECONNECT_WAIT_S, PeerError, PrefillPeers
+from pdserve.services.worker.front.peers import RECONNECT_WAIT_S, PeerError, PrefillPeers
 from pdserve.shared.compat import Compat
 from procs import free_port
 

@@ -1,8 +1,8 @@
-"""What a prompt's span says of its cached tokens (services/worker/spans.py): how many, and from which tier of the
+"""What a prompt's span says of its cached tokens (services/worker/front/spans.py): how many, and from which tier of the
 cache each came, so that a trace tells a device hit from a prefix read back from host memory or storage."""
 from __future__ import annotations
 
-from pdserve.services.worker.spans import ReqTrace, prompt_attributes
+from pdserve.services.worker.front.spans import ReqTrace, prompt_attributes
 
 
 def trace(prompt_tokens: int, cached: int, tier_tokens: dict) -> ReqTrace:

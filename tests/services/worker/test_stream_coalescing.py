@@ -11,7 +11,7 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
-from pdserve.services.worker.rpc import next_outputs
+from pdserve.services.worker.front.rpc import next_outputs
 from pdserve.shared.outputs import ReqOutput, TokenLogprobs, coalesce
 from pdserve.shared.sampling_params import SamplingParams
 from procs import start_worker

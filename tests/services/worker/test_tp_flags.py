@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from pdserve.services.worker.cli import add_arguments, runtime_config
-from pdserve.services.worker.settings import tp_ranks
+from pdserve.services.worker.channel.settings import tp_ranks
 
 
 def parse(command: str, *argv: str) -> argparse.Namespace:

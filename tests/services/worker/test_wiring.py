@@ -1,8 +1,9 @@
-"""Each worker role is said in its own modules: its front's wiring (`services/worker/colocated.py`, `prefill.py`,
-`decode.py`: what it serves, how it takes a Generate call) and its engine side (`colocated_engine.py`,
-`prefill_engine.py`, `decode_engine.py`: which side of KV transfers it holds, the calls only it serves). Every
-call across the engine channel is a declared type with one handler marked with that type. The modules every role
-runs through keep no role checks, and nothing finds a handler by a name string."""
+"""Each worker role is said in its own modules: its front's wiring (`services/worker/front/colocated.py`,
+`prefill.py`, `decode.py`: what it serves, how it takes a Generate call) and, beside it in the engine room, its
+engine side (`engine/colocated_engine.py`, `prefill_engine.py`, `decode_engine.py`: which side of KV transfers it
+holds, the calls only it serves). Every call across the engine channel is a declared type with one handler marked
+with that type. The modules every role runs through keep no role checks, and nothing finds a handler by a name
+string."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +14,14 @@ from pathlib import Path
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.worker import engine_messages
-from pdserve.services.worker.app import wiring_for
-from pdserve.services.worker.engine_admin_calls import AdminCalls
-from pdserve.services.worker.engine_calls import GenerationCalls
-from pdserve.services.worker.engine_messages import (AddPeer, Fence, KVAnswered, KVSettle, Prefill, RemovePeer,
+from pdserve.services.worker.channel import messages
+from pdserve.services.worker.front.app import wiring_for
+from pdserve.services.worker.engine.engine_admin_calls import AdminCalls
+from pdserve.services.worker.engine.engine_calls import GenerationCalls
+from pdserve.services.worker.channel.messages import (AddPeer, Fence, KVAnswered, KVSettle, Prefill, RemovePeer,
                                                      TransferMetadata)
-from pdserve.services.worker.engine_process import engine_role
-from pdserve.services.worker.engine_worker import handlers_of
+from pdserve.services.worker.engine.engine_process import engine_role
+from pdserve.services.worker.engine.engine_worker import handlers_of
 from pdserve.shared.config import Role
 
 WORKER = Path(__file__).resolve().parents[3] / "services" / "worker"
@@ -56,7 +57,7 @@ def test_each_role_says_what_it_serves_and_which_transfer_side_it_holds():
 
 def test_every_call_has_one_handler_marked_with_its_type_and_each_role_serves_its_own():
     tables = {r: handlers_of(GenerationCalls(None), AdminCalls(None), engine_role(r)(None)) for r in ROLES}
-    calls = set(engine_messages.KNOWN["call"].values())
+    calls = set(messages.KNOWN["call"].values())
     common = set.intersection(*(set(t) for t in tables.values()))
     for role, table in tables.items():
         assert set(table) == common | ONLY[role], role

@@ -14,10 +14,10 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
-from pdserve.services.worker.engine_messages import Abort, Call, Generate
-from pdserve.services.worker.rpc import Calls, WorkerService
+from pdserve.services.worker.channel.messages import Abort, Call, Generate
+from pdserve.services.worker.front.rpc import Calls, WorkerService
 from pdserve.shared.compat import Compat
-from pdserve.services.worker.colocated import Colocated
+from pdserve.services.worker.front.colocated import Colocated
 from pdserve.shared.sampling_params import SamplingParams
 
 COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,

@@ -2,9 +2,9 @@
 next turns among them (it prefills those itself), and a prefill worker's requests count as done once prefilled."""
 from __future__ import annotations
 
-from pdserve.services.worker.decode_engine import DecodeEngine
-from pdserve.services.worker.metrics import WorkerMetrics
-from pdserve.services.worker.prefill_engine import PrefillEngine
+from pdserve.services.worker.engine.decode_engine import DecodeEngine
+from pdserve.services.worker.engine.worker_metrics import WorkerMetrics
+from pdserve.services.worker.engine.prefill_engine import PrefillEngine
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams
 

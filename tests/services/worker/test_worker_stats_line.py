@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.services.worker.app import StatsLine
-from pdserve.services.worker.engine_messages import StatsSample
+from pdserve.services.worker.front.app import StatsLine
+from pdserve.services.worker.channel.messages import StatsSample
 from pdserve.shared.observer import StepStats
 
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
-from pdserve.services.worker.channel import RemoteError
-from pdserve.services.worker.engine_messages import Weights
+from pdserve.services.worker.channel.wire import RemoteError
+from pdserve.services.worker.channel.messages import Weights
 from pdserve.shared.compat import WeightsVersion
 
 log = logging.getLogger(__name__)

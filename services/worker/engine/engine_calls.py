@@ -3,7 +3,7 @@
 `decode_engine.py`), what operators ask in `engine_admin_calls.py`.
 
 Each handler is marked with the call type it takes (`handles`); the channel's host finds it by that type. Results
-are plain data (msgpack); a failure reaches the front as its kind and message (`channel.error_kind`).
+are plain data (msgpack); a failure reaches the front as its kind and message (`wire.error_kind`).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from concurrent.futures import Future
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import params_from_proto
-from pdserve.services.worker.engine_messages import Abort, Encode, Generate, Stop, Trace
-from pdserve.services.worker.engine_worker import WorkerEngine, handles
+from pdserve.services.worker.channel.messages import Abort, Encode, Generate, Stop, Trace
+from pdserve.services.worker.engine.engine_worker import WorkerEngine, handles
 from pdserve.shared.outputs import TokenLogprobs
 from pdserve.shared.req import Req
 from pdserve.shared.sampling_params import SamplingParams

@@ -15,9 +15,9 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker import spans
-from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.services.worker.engine_messages import Encode
+from pdserve.services.worker.front import spans
+from pdserve.services.worker.channel.wire import EngineGone, RemoteError
+from pdserve.services.worker.channel.messages import Encode
 
 # (sequences, their segment ids or None, label token ids) -> {"vectors", "prompt_tokens", "cached_tokens"};
 # failures as RemoteError, by kind.

@@ -21,24 +21,24 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import output_to_proto, prompt_logprobs_to_proto
 from pdserve.services import tracing
-from pdserve.services.worker import spans
-from pdserve.services.worker.admin_rpc import AdminRpcs
-from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import Abort, Call, Generate, Trace
-from pdserve.services.worker.kv_events import KVEventsRpc
-from pdserve.services.worker.multiplex import StepSink, serve_many
-from pdserve.services.worker.weights_rpc import WeightUpdates
+from pdserve.services.worker.front import spans
+from pdserve.services.worker.front.admin_rpc import AdminRpcs
+from pdserve.services.worker.channel.wire import EngineGone, RemoteError
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import Abort, Call, Generate, Trace
+from pdserve.services.worker.front.kv_events import KVEventsRpc
+from pdserve.services.worker.front.multiplex import StepSink, serve_many
+from pdserve.services.worker.front.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import ReqOutput, coalesce
 
 if TYPE_CHECKING:
-    from pdserve.services.worker.wiring import Wiring
+    from pdserve.services.worker.front.wiring import Wiring
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_SEQUENCES = 1024  # Generate sequences a worker holds beyond its --max-running-requests
-# How the front answers an engine call that failed, by the failure's kind (channel.error_kind).
+# How the front answers an engine call that failed, by the failure's kind (wire.error_kind).
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
          "precondition": grpc.StatusCode.FAILED_PRECONDITION, "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
          "unavailable": grpc.StatusCode.UNAVAILABLE, "not_found": grpc.StatusCode.NOT_FOUND,
@@ -172,7 +172,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
 
     async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
         """Generate for each call on one stream, every call's messages of one engine step in one message
-        (pdserve.services.worker.multiplex): what the gateway uses."""
+        (pdserve.services.worker.front.multiplex): what the gateway uses."""
         async with contextlib.aclosing(serve_many(self._generate_posting, calls, context)) as events:
             async for message in events:
                 yield message

@@ -27,9 +27,9 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import first_token_from_proto
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import Abort, KVAnswered, KVSettle, PagesReserved
-from pdserve.services.worker.peers import PrefillPeers
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import Abort, KVAnswered, KVSettle, PagesReserved
+from pdserve.services.worker.front.peers import PrefillPeers
 from pdserve.shared.transfer.fence import WRITE_BOUND_S, Lease
 
 log = logging.getLogger(__name__)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdserve.services.worker.colocated_engine import ColocatedEngine, rank_agent
-from pdserve.services.worker.engine_calls import lps
-from pdserve.services.worker.engine_messages import KVAnswered, KVSettle, PagesReserved, TransferMetadata
-from pdserve.services.worker.engine_worker import handles
-from pdserve.services.worker.settings import transfer_backend
+from pdserve.services.worker.engine.colocated_engine import ColocatedEngine, rank_agent
+from pdserve.services.worker.engine.engine_calls import lps
+from pdserve.services.worker.channel.messages import KVAnswered, KVSettle, PagesReserved, TransferMetadata
+from pdserve.services.worker.engine.engine_worker import handles
+from pdserve.services.worker.channel.settings import transfer_backend
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken
 from pdserve.shared.req import Req

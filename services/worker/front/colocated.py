@@ -2,7 +2,7 @@
 no KV transfer. The defaults of `wiring.Wiring` are exactly this."""
 from __future__ import annotations
 
-from pdserve.services.worker.wiring import Wiring
+from pdserve.services.worker.front.wiring import Wiring
 
 
 class Colocated(Wiring):

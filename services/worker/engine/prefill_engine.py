@@ -10,11 +10,11 @@ import os
 import time
 from concurrent.futures import Future
 
-from pdserve.services.worker.colocated_engine import ColocatedEngine, rank_agent
-from pdserve.services.worker.engine_calls import params_of, trace_of, wire_lps
-from pdserve.services.worker.engine_messages import AddPeer, Fence, Prefill, RemovePeer
-from pdserve.services.worker.engine_worker import handles
-from pdserve.services.worker.settings import transfer_backend
+from pdserve.services.worker.engine.colocated_engine import ColocatedEngine, rank_agent
+from pdserve.services.worker.engine.engine_calls import params_of, trace_of, wire_lps
+from pdserve.services.worker.channel.messages import AddPeer, Fence, Prefill, RemovePeer
+from pdserve.services.worker.engine.engine_worker import handles
+from pdserve.services.worker.channel.settings import transfer_backend
 from pdserve.shared.config import Role
 from pdserve.shared.req import Req, TransferTarget
 from pdserve.shared.transfer.fence import Fence as WriteFence

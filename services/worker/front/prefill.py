@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.prefill_rpc import PrefillService
-from pdserve.services.worker.wiring import Wiring
+from pdserve.services.worker.front.prefill_rpc import PrefillService
+from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.config import Role
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.services.worker.engine_messages import PagesReserved, TransferMetadata
-from pdserve.services.worker.kv_pull import KVPull
-from pdserve.services.worker.peers import PrefillPeers
-from pdserve.services.worker.wiring import Wiring
+from pdserve.services.worker.channel.messages import PagesReserved, TransferMetadata
+from pdserve.services.worker.front.kv_pull import KVPull
+from pdserve.services.worker.front.peers import PrefillPeers
+from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.config import Role
 

@@ -18,7 +18,7 @@ from pdserve.shared.config import Role
 from pdserve.shared.req import Req
 
 if TYPE_CHECKING:
-    from pdserve.services.worker.engine_worker import WorkerEngine
+    from pdserve.services.worker.engine.engine_worker import WorkerEngine
 
 
 class ColocatedEngine:

@@ -19,11 +19,11 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_from_proto, first_token_to_proto, prompt_logprobs_to_proto
-from pdserve.services.worker import spans
-from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import Abort, AddPeer, Fence, Prefill, RemovePeer
-from pdserve.services.worker.rpc import CODES, Calls, Timeouts
+from pdserve.services.worker.front import spans
+from pdserve.services.worker.channel.wire import EngineGone, RemoteError
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import Abort, AddPeer, Fence, Prefill, RemovePeer
+from pdserve.services.worker.front.rpc import CODES, Calls, Timeouts
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import FirstToken, TokenLogprobs
 from pdserve.shared.transfer.fence import WRITE_BOUND_S

@@ -15,10 +15,10 @@ dropped, never raised (a bug must not bring the worker down).
 
 Front -> engine: ("start", command, args) once, then ("batch", [("call", id, name, fields) | ("cast", name,
 fields), ...]): every call the front's event loop made in one turn, in one frame; each call a type declared in
-`engine_messages.py`, named with its fields.
+`channel/messages.py`, named with its fields.
 Engine -> front: ("ready", info) or ("failed", message) once; ("reply", id, ok, value | (kind, message)); and
 one ("step", outputs, events) per engine loop iteration that produced any: every output of that step (each an
-`engine_messages.OutputRecord`) and its events (each a declared type too, named with its fields).
+`messages.OutputRecord`) and its events (each a declared type too, named with its fields).
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from dataclasses import asdict
 
 from prometheus_client import generate_latest
 
-from pdserve.services.worker.engine_messages import (Adapters, Experts, FlushCache, Load, LoadAdapter, Metrics,
+from pdserve.services.worker.channel.messages import (Adapters, Experts, FlushCache, Load, LoadAdapter, Metrics,
                                                      PoolStats, StatsSample, UnloadAdapter, Weights)
-from pdserve.services.worker.engine_worker import WorkerEngine, handles
+from pdserve.services.worker.engine.engine_worker import WorkerEngine, handles
 from pdserve.shared.compat import WeightsVersion
 from pdserve.shared.config import CACHE_TIERS
 from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir

@@ -10,7 +10,7 @@ import uuid
 
 from pathlib import Path
 
-from pdserve.services.worker.tier_flags import tier_config
+from pdserve.services.worker.channel.tier_flags import tier_config
 from pdserve.shared.config import CacheConfig, LoraConfig, Role, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.shared.expert_recorder import MODES as EXPERT_RECORD_MODES
 from pdserve.shared.expert_recorder import RecordSettings

@@ -1,6 +1,6 @@
 """EngineLink: a worker front's side of its engine process (started, called, watched) over the local channel.
 
-`call(Prefill(...))` runs the engine's handler of that call type (`engine_messages.py`: each call a declared
+`call(Prefill(...))` runs the engine's handler of that call type (`channel/messages.py`: each call a declared
 type, its handler marked with it) and returns its result (RemoteError with the kind and message of a failure;
 EngineGone once the process exited; TimeoutError past `timeout`). Calls made in one turn of the event loop leave
 in one frame. A generation's outputs reach the sink registered for its rid (`watch`), all of one engine step's
@@ -24,9 +24,9 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from pdserve.services.worker import channel
-from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.services.worker.engine_messages import Call, Event, OutputRecord, Stop, from_wire
+from pdserve.services.worker.channel import wire
+from pdserve.services.worker.channel.wire import EngineGone, RemoteError
+from pdserve.services.worker.channel.messages import Call, Event, OutputRecord, Stop, from_wire
 from pdserve.shared.outputs import ReqOutput
 
 log = logging.getLogger("pdserve.worker")
@@ -63,23 +63,23 @@ class EngineLink:
         self._ready = loop.create_future()
         self._dir = tempfile.mkdtemp(prefix="pdserve-engine-")  # mode 0700: this user's only
         self._context = zmq.asyncio.Context(1)
-        gate = channel.PeerGate(self._context, "front")  # the engine process only, once started
+        gate = wire.PeerGate(self._context, "front")  # the engine process only, once started
         self._to_engine = self._context.socket(zmq.PUSH)
         gate.guard(self._to_engine)
         self._to_engine.setsockopt(zmq.LINGER, 0)
-        self._to_engine.bind(channel.address(self._dir, channel.TO_ENGINE))
+        self._to_engine.bind(wire.address(self._dir, wire.TO_ENGINE))
         self._from_engine = self._context.socket(zmq.PULL)
         gate.guard(self._from_engine)
-        self._from_engine.bind(channel.address(self._dir, channel.TO_FRONT))
+        self._from_engine.bind(wire.address(self._dir, wire.TO_FRONT))
         # A session of its own: a Ctrl-C at the terminal reaches the front alone, which drains, then stops it.
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve.services.worker.engine_process", stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, channel.CHANNEL_ENV: self._dir}, start_new_session=True)
+            sys.executable, "-m", "pdserve.services.worker.engine.engine_process", stdin=asyncio.subprocess.DEVNULL,
+            env={**os.environ, wire.CHANNEL_ENV: self._dir}, start_new_session=True)
         gate.expect(self._proc.pid)
         self.alive = True
         self._tasks = [asyncio.create_task(self._read(), name="engine-channel"),
                        asyncio.create_task(self._watch(), name="engine-process")]
-        self._to_engine.send(channel.pack(("start", self.command, self.flags))).add_done_callback(_sent)
+        self._to_engine.send(wire.pack(("start", self.command, self.flags))).add_done_callback(_sent)
         try:
             self.info = await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
         finally:
@@ -154,12 +154,12 @@ class EngineLink:
         items, self._outbox = self._outbox, []
         if not items or not self.alive:
             return
-        frames, too_large = channel.pack_batches(items)
+        frames, too_large = wire.pack_batches(items)
         for frame in frames:
             self._to_engine.send(frame, copy=False).add_done_callback(_sent)
         for item in too_large:
             error = f"the call {item[-2]!r} is larger than the engine channel's frame limit " \
-                    f"({channel.MAX_FRAME_BYTES} bytes)"
+                    f"({wire.MAX_FRAME_BYTES} bytes)"
             future = self._pending.get(item[1]) if item[0] == "call" else None
             if future is not None and not future.done():
                 future.set_exception(RemoteError("invalid", error))
@@ -169,7 +169,7 @@ class EngineLink:
     # ------------------------------------------------------------ what comes back
     async def _read(self) -> None:
         while True:
-            message = channel.unpack(await self._from_engine.recv(copy=True), ENGINE_KINDS, "front")
+            message = wire.unpack(await self._from_engine.recv(copy=True), ENGINE_KINDS, "front")
             if message is None:
                 continue
             try:

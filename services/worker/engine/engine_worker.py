@@ -19,9 +19,9 @@ from dataclasses import asdict
 
 import torch
 
-from pdserve.services.worker.engine_messages import CacheChanged, CacheDomain, Event, OutputRecord, TransferHealth
-from pdserve.services.worker.metrics import WorkerMetrics
-from pdserve.services.worker.settings import expert_settings, runtime_config, set_torch_threads, tp_ranks
+from pdserve.services.worker.channel.messages import CacheChanged, CacheDomain, Event, OutputRecord, TransferHealth
+from pdserve.services.worker.engine.worker_metrics import WorkerMetrics
+from pdserve.services.worker.channel.settings import expert_settings, runtime_config, set_torch_threads, tp_ranks
 from pdserve.shared.compat import Compat
 from pdserve.shared.compute_thread import ComputeThread
 from pdserve.shared.config import ModelConfig
@@ -40,7 +40,7 @@ GRAMMAR_TIMEOUT_S = 30.0
 
 
 def handles(call: type, where: str = "engine"):
-    """Marks the method that handles `call` (a type of engine_messages), and where it runs."""
+    """Marks the method that handles `call` (a type of channel/messages.py), and where it runs."""
     def mark(fn):
         fn.handles, fn.where = call, where
         return fn

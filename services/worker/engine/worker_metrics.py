@@ -19,7 +19,7 @@ from collections import deque
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.services.worker.tier_metrics import TierMetrics
+from pdserve.services.worker.engine.tier_metrics import TierMetrics
 from pdserve.shared.engine import Engine
 from pdserve.shared.observer import RequestObserver
 from pdserve.shared.req import Req, ReqStatus

@@ -3,8 +3,8 @@ KV transfer agent, and nothing of gRPC, protobuf or asyncio, so that the front's
 interpreter lock from a step.
 
 Started by the front (`engine_link.EngineLink`) with the channel's directory in its environment; it reads its
-flags from the first frame, builds everything, says ("ready", info) and serves the channel (`channel.py`):
-- calls, each a declared type (`engine_messages.py`) run by the one handler marked for that type: the
+flags from the first frame, builds everything, says ("ready", info) and serves the channel (`wire.py`):
+- calls, each a declared type (`channel/messages.py`) run by the one handler marked for that type: the
   generations' and pooling's (`engine_calls.py`), the operators' (`engine_admin_calls.py`) and the role's own
   (`colocated_engine.py`, `prefill_engine.py`, `decode_engine.py`); each where it belongs: on the engine thread
   between steps (`engine.call`), or on a host thread when it would block (compiling a grammar, connecting a peer,
@@ -31,14 +31,14 @@ from concurrent.futures import Future
 
 import zmq
 
-from pdserve.services.worker import channel
-from pdserve.services.worker.colocated_engine import ColocatedEngine
-from pdserve.services.worker.decode_engine import DecodeEngine
-from pdserve.services.worker.engine_admin_calls import AdminCalls
-from pdserve.services.worker.engine_calls import GenerationCalls
-from pdserve.services.worker.engine_messages import Call, OutputRecord, from_wire
-from pdserve.services.worker.engine_worker import WorkerEngine, handlers_of
-from pdserve.services.worker.prefill_engine import PrefillEngine
+from pdserve.services.worker.channel import wire
+from pdserve.services.worker.engine.colocated_engine import ColocatedEngine
+from pdserve.services.worker.engine.decode_engine import DecodeEngine
+from pdserve.services.worker.engine.engine_admin_calls import AdminCalls
+from pdserve.services.worker.engine.engine_calls import GenerationCalls
+from pdserve.services.worker.channel.messages import Call, OutputRecord, from_wire
+from pdserve.services.worker.engine.engine_worker import WorkerEngine, handlers_of
+from pdserve.services.worker.engine.prefill_engine import PrefillEngine
 from pdserve.shared.config import Role
 from pdserve.shared.logs import setup_logging
 
@@ -53,14 +53,14 @@ class Pipe:
 
     def __init__(self, directory: str) -> None:
         self.context = zmq.Context(1)
-        self.gate = channel.PeerGate(self.context, "engine", os.getppid())  # the front that started it, only
+        self.gate = wire.PeerGate(self.context, "engine", os.getppid())  # the front that started it, only
         self.inbox = self.context.socket(zmq.PULL)
         self.gate.guard(self.inbox)
-        self.inbox.connect(channel.address(directory, channel.TO_ENGINE))
+        self.inbox.connect(wire.address(directory, wire.TO_ENGINE))
         self.outbox = self.context.socket(zmq.PUSH)
         self.gate.guard(self.outbox)
         self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(channel.address(directory, channel.TO_FRONT))
+        self.outbox.connect(wire.address(directory, wire.TO_FRONT))
         self._lock = threading.Lock()
         # Once the directory is gone a lost connection cannot come back (ZMQ drops one whose peer sent a frame over
         # `maxmsgsize`, and never connects again): a worker that can no longer hear or answer its front ends.
@@ -77,10 +77,10 @@ class Pipe:
 
     def send(self, message: list | tuple) -> bool:
         """False (logged) when the message is too large for a frame: nothing was sent."""
-        frame = channel.pack(message)
-        if len(frame) > channel.MAX_FRAME_BYTES:
+        frame = wire.pack(message)
+        if len(frame) > wire.MAX_FRAME_BYTES:
             log.error("engine: a %s message of %d bytes is over the channel's frame limit (%d): not sent",
-                      message[0], len(frame), channel.MAX_FRAME_BYTES)
+                      message[0], len(frame), wire.MAX_FRAME_BYTES)
             return False
         with self._lock:
             self.outbox.send(frame, copy=False)
@@ -89,7 +89,7 @@ class Pipe:
     def recv(self, timeout_s: float) -> list | None:
         if not self.inbox.poll(int(timeout_s * 1000)):
             return None
-        return channel.unpack(self.inbox.recv(copy=True), FRONT_KINDS, "engine")
+        return wire.unpack(self.inbox.recv(copy=True), FRONT_KINDS, "engine")
 
     def close(self) -> None:
         for sock, monitor in zip((self.inbox, self.outbox), self._monitors):
@@ -194,10 +194,10 @@ class EngineHost:
         try:
             value = future.result()
         except Exception as exc:
-            if call_id is None or channel.error_kind(exc) == "internal":
-                log.warning("engine call %s failed: %r", name, exc, exc_info=channel.error_kind(exc) == "internal")
+            if call_id is None or wire.error_kind(exc) == "internal":
+                log.warning("engine call %s failed: %r", name, exc, exc_info=wire.error_kind(exc) == "internal")
             if call_id is not None:
-                self.pipe.send(("reply", call_id, False, (channel.error_kind(exc), str(exc))))
+                self.pipe.send(("reply", call_id, False, (wire.error_kind(exc), str(exc))))
             return
         if isinstance(value, Future):  # a call answered when its request is done (a prefill)
             value.add_done_callback(lambda f: self._reply(call_id, name, f))
@@ -243,7 +243,7 @@ class Stop:
 def _remove_channel_dir() -> None:
     """The front removes the channel's directory once the engine is ready; an engine that ends before (its
     front died meanwhile, or it could not start) removes it itself."""
-    shutil.rmtree(os.environ.get(channel.CHANNEL_ENV, ""), ignore_errors=True)
+    shutil.rmtree(os.environ.get(wire.CHANNEL_ENV, ""), ignore_errors=True)
 
 
 def _start(message: list | None) -> tuple[str, argparse.Namespace] | None:
@@ -262,7 +262,7 @@ def main() -> int:
     stop = Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    pipe = Pipe(os.environ[channel.CHANNEL_ENV])
+    pipe = Pipe(os.environ[wire.CHANNEL_ENV])
     started = time.monotonic()
     start = None
     while start is None and time.monotonic() - started < START_TIMEOUT_S:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 
 from pdserve.proto import worker_pb2 as pb
-from pdserve.services.worker.channel import RemoteError
-from pdserve.services.worker.engine_messages import (Adapters, Call, Experts, FlushCache, Load, LoadAdapter,
+from pdserve.services.worker.channel.wire import RemoteError
+from pdserve.services.worker.channel.messages import (Adapters, Call, Experts, FlushCache, Load, LoadAdapter,
                                                      PoolStats, UnloadAdapter)
 
 

@@ -22,18 +22,18 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.signals import install_signal_handlers
-from pdserve.services.worker.channel import EngineGone, RemoteError
-from pdserve.services.worker.colocated import Colocated
-from pdserve.services.worker.decode import Decode
-from pdserve.services.worker.engine_link import EngineLink
-from pdserve.services.worker.engine_messages import CacheChanged, CacheDomain, Metrics, StatsSample, TransferHealth
-from pdserve.services.worker.kv_events import KVFeed
-from pdserve.services.worker.peers import SERVER_OPTIONS, PeerError
-from pdserve.services.worker.pooling import PoolingService, engine_encode
-from pdserve.services.worker.rpc import Calls, Timeouts, WorkerService
-from pdserve.services.worker.prefill import Prefill
-from pdserve.services.worker.settings import worker_name
-from pdserve.services.worker.wiring import Wiring
+from pdserve.services.worker.channel.wire import EngineGone, RemoteError
+from pdserve.services.worker.front.colocated import Colocated
+from pdserve.services.worker.front.decode import Decode
+from pdserve.services.worker.front.engine_link import EngineLink
+from pdserve.services.worker.channel.messages import CacheChanged, CacheDomain, Metrics, StatsSample, TransferHealth
+from pdserve.services.worker.front.kv_events import KVFeed
+from pdserve.services.worker.front.peers import SERVER_OPTIONS, PeerError
+from pdserve.services.worker.front.pooling import PoolingService, engine_encode
+from pdserve.services.worker.front.rpc import Calls, Timeouts, WorkerService
+from pdserve.services.worker.front.prefill import Prefill
+from pdserve.services.worker.channel.settings import worker_name
+from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.compat import Compat, WeightsVersion
 from pdserve.shared.config import Role
