@@ -20,10 +20,11 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
 from pdserve.services import tracing
-from pdserve.services.gateway.apis import classify, jobs_proxy, native, openai_routes, openapi, pooling, status_page
+from pdserve.services.gateway.apis import jobs_proxy, native, openai_routes, openapi, status_page
 from pdserve.services.gateway.apis.admin import experts, lora, weights
 from pdserve.services.gateway.apis.context import ADMIN_CALLER, GATEWAY, Gateway
 from pdserve.services.gateway.apis.messages import routes as messages_routes
+from pdserve.services.gateway.apis.pooling import classify, embeddings
 from pdserve.services.gateway.apis.responses import routes as responses_routes
 from pdserve.services.gateway.apis.responses.store import ResponseStore
 from pdserve.services.gateway import body_encoding
@@ -284,7 +285,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     lora.add_routes(app)
     experts.add_routes(app)
     weights.add_routes(app)
-    pooling.add_routes(app, list(extra_models))
+    embeddings.add_routes(app, list(extra_models))
     classify.add_routes(app)
     jobs_proxy.add_routes(app)
     status_page.add_routes(app)

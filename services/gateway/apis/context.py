@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.services.gateway.cpu_pool import OFFLOAD_CHARS, CpuPool
@@ -24,6 +25,13 @@ from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenize
 from pdserve.services.gateway.workers.adapters import UnknownModel, adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.workers.backend import Backend
 from pdserve.services.gateway.workers.pool import Worker
+
+
+# What /get_model_info reports as `weight_version`: the label is the weights admin route's state (an update
+# changes it), so that route installs its reader here and the route reporting it imports no other route.
+WEIGHT_VERSION: web.AppKey[Callable[[], str]] = web.AppKey("weight_version")
+# The HTTP client session to the jobs service (jobs_proxy.py opens and closes it; the status page reads through it).
+JOBS_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("jobs_session", aiohttp.ClientSession)
 
 
 @dataclass

@@ -18,10 +18,9 @@ from opentelemetry.trace import get_current_span as current_span
 from yarl import URL
 
 from pdserve.services import tracing
-from pdserve.services.gateway.apis.context import GATEWAY
+from pdserve.services.gateway.apis.context import GATEWAY, JOBS_SESSION
 from pdserve.services.gateway.errors import ApiError
 
-JOBS_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("jobs_session", aiohttp.ClientSession)
 FORWARDED_REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "OpenAI-Beta", "Idempotency-Key")
 FORWARDED_REPLY_HEADERS = ("Content-Type", "Content-Disposition")
 

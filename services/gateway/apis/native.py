@@ -7,8 +7,7 @@ import contextlib
 from aiohttp import web
 
 from pdserve.services.gateway import intake
-from pdserve.services.gateway.apis.admin.weights import weight_version
-from pdserve.services.gateway.apis.context import GATEWAY, SSE, Gateway, json_answer, new_id
+from pdserve.services.gateway.apis.context import GATEWAY, SSE, WEIGHT_VERSION, Gateway, json_answer, new_id
 from pdserve.services.gateway.apis.native_logprobs import output_logprob_meta, prompt_logprob_meta, token_ids_logprob
 from pdserve.services.gateway.apis.served_models import GENERATE, MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
@@ -170,7 +169,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response({
         "model_path": gw.model_path, "tokenizer_path": gw.tokenizer_path,
         "is_generation": request.app[MODELS].primary.kind == GENERATE,
-        "preferred_sampling_params": None, "weight_version": weight_version(request.app),
+        "preferred_sampling_params": None, "weight_version": request.app[WEIGHT_VERSION](),
         "has_image_understanding": False,
         "has_audio_understanding": False, "model_type": gw.model_config.model_type,
         "architectures": gw.model_config.architectures or None})

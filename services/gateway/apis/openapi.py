@@ -14,11 +14,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pdserve.services.gateway.apis.admin.lora import LoadLoraRequest, UnloadLoraRequest
-from pdserve.services.gateway.apis.classify import RerankRequest
+from pdserve.services.gateway.apis.pooling.classify import RerankRequest
 from pdserve.services.gateway.apis.context import GATEWAY
 from pdserve.services.gateway.apis.messages.protocol import CountTokensRequest, MessagesRequest
 from pdserve.services.gateway.apis.native import VERSION
-from pdserve.services.gateway.apis.pooling import EmbeddingRequest, NativeEncodeRequest, ScoreRequest
+from pdserve.services.gateway.apis.pooling.embeddings import EmbeddingRequest, NativeEncodeRequest, ScoreRequest
 from pdserve.services.gateway.apis.responses.items import ResponsesRequest
 from pdserve.services.gateway.intake.protocol import (AbortRequestBody, ChatCompletionRequest, CompletionRequest,
                                                       DetokenizeRequest, GenerateRequest, TokenizeRequest)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway
+from pdserve.services.gateway.apis.openai_format import model_card
 from pdserve.services.gateway.errors import ApiError, parse_body
-from pdserve.services.gateway.workers.adapters import lora_enabled, refresh_adapters
+from pdserve.services.gateway.workers.adapters import loaded_adapters, lora_enabled, refresh_adapters
 from pdserve.shared.config import ENCODER_MODEL_TYPES
 
 GENERATE, EMBED, CLASSIFY = "generate", "embed", "classify"
@@ -109,9 +110,6 @@ class ServedModels:
 
     async def cards(self) -> list[dict]:
         """/v1/models entries, the primary first, with the adapters its workers hold now."""
-        from pdserve.services.gateway.apis.admin.lora import adapter_cards
-        from pdserve.services.gateway.apis.openai_format import model_card
-
         backend = self.primary.gateway.backend
         if lora_enabled(backend.serving_workers()):
             await refresh_adapters(backend.serving_workers(), backend.settings.rpc_timeout_s)
@@ -189,3 +187,12 @@ def install(app: web.Application, extra: list[Gateway]) -> ServedModels:
     if extra:
         app.cleanup_ctx.append(pools)
     return models
+
+
+def adapter_cards(gw: Gateway) -> list[dict]:
+    """/v1/models entries of the loaded adapters: each with its base model as `parent`."""
+    cards = []
+    for name, adapter in sorted(loaded_adapters(gw.backend.serving_workers()).items()):
+        card = model_card(name, gw.created, gw.backend.context_length())
+        cards.append({**card, "root": adapter.path, "parent": gw.served_model_name})
+    return cards

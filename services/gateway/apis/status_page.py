@@ -21,8 +21,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 from aiohttp import web
 
-from pdserve.services.gateway.apis import jobs_proxy
-from pdserve.services.gateway.apis.context import GATEWAY, sees_other_clients
+from pdserve.services.gateway.apis.context import GATEWAY, JOBS_SESSION, sees_other_clients
 from pdserve.services.gateway.errors import ApiError
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.timelines import RECENT, SLOWEST
@@ -136,7 +135,7 @@ async def batches_in_flight(request: web.Request) -> dict | None:
         return None
     headers = {h: request.headers[h] for h in ("Authorization",) if h in request.headers}
     try:
-        async with request.app[jobs_proxy.JOBS_SESSION].get(jobs_url.rstrip("/") + "/v1/batches?limit=100",
+        async with request.app[JOBS_SESSION].get(jobs_url.rstrip("/") + "/v1/batches?limit=100",
                                                             headers=headers, timeout=JOBS_TIMEOUT) as reply:
             if reply.status != 200:
                 return {"error": f"the jobs service answered {reply.status}"}

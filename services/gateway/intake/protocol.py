@@ -70,12 +70,14 @@ def parse(model: type[BaseModel], body: dict, prefix: str = "") -> Any:
         raise from_validation_error(exc, prefix) from None
 
 
-class _Schema(BaseModel):
+class RequestModel(BaseModel):
+    """The base of every request body's model, in every room: fields it does not know are ignored (as SGLang)."""
+
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
 # ---------------------------------------------------------------- shared sampling fields
-_OpenAISamplingFields = create_model("_OpenAISamplingFields", __base__=_Schema, **sampling_fields(OPENAI_CHAT))
+_OpenAISamplingFields = create_model("_OpenAISamplingFields", __base__=RequestModel, **sampling_fields(OPENAI_CHAT))
 
 
 class OpenAISampling(_OpenAISamplingFields):
@@ -118,14 +120,14 @@ class OpenAISampling(_OpenAISamplingFields):
                     and self.stream_options.continuous_usage_stats)
 
 
-class JsonSchemaFormat(_Schema):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Schema):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # structural_tag: SGLang's begin/schema/end structures with their triggers, or xgrammar's `format` object.
@@ -134,18 +136,18 @@ class ResponseFormat(_Schema):
     format: dict[str, Any] | None = None
 
 
-class StreamOptions(_Schema):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 # ---------------------------------------------------------------- chat
-class TextPart(_Schema):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Schema):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
@@ -262,7 +264,7 @@ SamplingParamsField = Annotated[dict[str, Any] | list[dict[str, Any]] | None, Wi
     {"anyOf": [_SAMPLING_SCHEMA, {"type": "array", "items": _SAMPLING_SCHEMA}, {"type": "null"}]})]
 
 
-class GenerateRequest(_Schema):
+class GenerateRequest(RequestModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsField = None
@@ -289,7 +291,7 @@ class GenerateRequest(_Schema):
         return [list(ids)], False
 
 
-class TokenizeRequest(_Schema):
+class TokenizeRequest(RequestModel):
     """SGLang's /tokenize: a `prompt` (text or texts), or chat `messages` (with the chat request's `tools`,
     `tool_choice` and template options, read by ChatCompletionRequest) rendered by the chat template."""
     prompt: str | list[str] | None = None
@@ -298,13 +300,13 @@ class TokenizeRequest(_Schema):
     model: str | None = None
 
 
-class DetokenizeRequest(_Schema):
+class DetokenizeRequest(RequestModel):
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = True
     model: str | None = None
 
 
-class AbortRequestBody(_Schema):
+class AbortRequestBody(RequestModel):
     rid: str = ""
     abort_all: bool = False
 

@@ -1,5 +1,5 @@
 """Encode: token sequences in, one vector per sequence out, on a worker that holds the model's prefix cache
-(colocated, or prefill in PD mode), for the pooling and classification routes (apis/pooling.py, classify.py).
+(colocated, or prefill in PD mode), for the pooling and classification routes (apis/pooling/).
 
 One call holds one admission place of the backend meanwhile (429 when the workers are full). It goes to the
 least loaded worker; a worker that fails as if down is probed and left out of the next try (as a generation's

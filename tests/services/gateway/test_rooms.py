@@ -75,3 +75,32 @@ def test_only_the_workers_room_speaks_to_workers():
                   if isinstance(n, ast.Attribute) and n.attr == "stub"]
     assert not wrong, "\n".join(wrong)
 
+
+
+# Inside apis/: the modules every route family may use (the shared state, the served-model table, OpenAI's
+# output shapes, the native logprob fields), and openapi.py, which documents every family's request types.
+APIS_SHARED = {"context", "served_models", "openai_format", "native_logprobs"}
+APIS_INDEX = {"openapi"}
+
+
+def family(module: str) -> str | None:
+    """The route family of a module under apis/ (its module or subpackage there), else None."""
+    prefix = "pdserve.services.gateway.apis."
+    return module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+
+def test_route_families_import_no_other_family():
+    """A route family (a module or subpackage of apis/) builds on the shared modules and the rooms below, never on
+    another family: what two families share moves into a shared module (or they are one family, one package)."""
+    wrong = []
+    for path, module in modules():
+        mine = family(module)
+        if mine is None or mine in APIS_SHARED | APIS_INDEX:
+            continue
+        for target in imports(path, module):
+            theirs = family(target)
+            if theirs in (None, mine) or theirs in APIS_SHARED:
+                continue
+            if (ROOT / "apis" / theirs).is_dir() or (ROOT / "apis" / f"{theirs}.py").exists():
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(wrong)

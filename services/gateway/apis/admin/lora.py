@@ -1,4 +1,4 @@
-"""SGLang's endpoints that load and unload LoRA adapters while serving, and the adapters' /v1/models cards.
+"""SGLang's endpoints that load and unload LoRA adapters while serving (their /v1/models cards: served_models.py).
 
 POST /load_lora_adapter {"lora_name", "lora_path"} loads on every worker or, if any refuses, unloads it from
 the others again: nothing stays loaded half-way. POST /unload_lora_adapter {"lora_name"} is refused while
@@ -12,7 +12,7 @@ from pydantic import Field
 
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.intake.protocol import _Schema, parse
+from pdserve.services.gateway.intake.protocol import RequestModel, parse
 from pdserve.services.gateway.workers.adapters import loaded_adapters, refresh_adapters
 from pdserve.services.gateway.workers.admin import load_adapter, unload_adapter
 from pdserve.services.gateway.workers.pool import Worker
@@ -20,25 +20,14 @@ from pdserve.services.gateway.workers.pool import Worker
 RPC_TIMEOUT_S = 60.0  # an adapter load reads and checks its files on the worker's engine thread
 
 
-class LoadLoraRequest(_Schema):
+class LoadLoraRequest(RequestModel):
     lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False  # SGLang's: keep it in a slot; accepted, every adapter stays loaded until unloaded here
 
 
-class UnloadLoraRequest(_Schema):
+class UnloadLoraRequest(RequestModel):
     lora_name: str = Field(min_length=1, max_length=200)
-
-
-def adapter_cards(gw: Gateway) -> list[dict]:
-    """/v1/models entries of the loaded adapters: each with its base model as `parent`."""
-    from pdserve.services.gateway.apis.openai_format import model_card
-
-    cards = []
-    for name, adapter in sorted(loaded_adapters(gw.backend.serving_workers()).items()):
-        card = model_card(name, gw.created, gw.backend.context_length())
-        cards.append({**card, "root": adapter.path, "parent": gw.served_model_name})
-    return cards
 
 
 # ---------------------------------------------------------------- load / unload

@@ -39,9 +39,9 @@ import aiohttp
 from aiohttp import web
 from pydantic import Field
 
-from pdserve.services.gateway.apis.context import GATEWAY, Gateway
+from pdserve.services.gateway.apis.context import GATEWAY, WEIGHT_VERSION, Gateway
 from pdserve.services.gateway.errors import read_json
-from pdserve.services.gateway.intake.protocol import _Schema, parse
+from pdserve.services.gateway.intake.protocol import RequestModel, parse
 from pdserve.services.gateway.siblings import SIBLINGS, LockTimeout, Siblings
 from pdserve.services.gateway.workers.admin import (WEIGHTS_COMMIT, WEIGHTS_DISCARD, WEIGHTS_PREPARE, Outcome,
                                                     weights_step)
@@ -68,7 +68,7 @@ class SiblingSilent(Exception):
     """Another process of the gateway did not answer before the commit: the update changes nothing."""
 
 
-class UpdateWeightsRequest(_Schema):
+class UpdateWeightsRequest(RequestModel):
     model_path: str = Field(min_length=1, max_length=4096)
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -124,11 +124,6 @@ class UpdateGate:
 
 
 GATE: web.AppKey[UpdateGate] = web.AppKey("update_gate", UpdateGate)
-
-
-def weight_version(app: web.Application) -> str:
-    """The label /get_model_info reports as `weight_version`."""
-    return app[GATE].weight_version
 
 
 # ---------------------------------------------------------------- the endpoint
@@ -355,6 +350,7 @@ def _answer_siblings(gw: Gateway, gate: UpdateGate, siblings: Siblings) -> None:
 
 def add_routes(app: web.Application) -> None:
     gate = app[GATE] = UpdateGate(app[GATEWAY].backend.door, app.get(SIBLINGS))
+    app[WEIGHT_VERSION] = lambda: gate.weight_version
     app[GATEWAY].backend.admit_workers_with(CatchUp(app[GATEWAY], gate))
     if gate.siblings is not None:
         _answer_siblings(app[GATEWAY], gate, gate.siblings)

@@ -18,7 +18,7 @@ from pydantic import Field, create_model, field_validator
 from pdserve.services.gateway.apis.responses.store import new_item_id
 from pdserve.services.gateway.errors import ApiError, unsupported
 from pdserve.services.gateway.intake.dialects import OPENAI_RESPONSES, sampling_fields
-from pdserve.services.gateway.intake.protocol import (JsonSchemaFormat, ResponseFormat, StopField, _Schema,
+from pdserve.services.gateway.intake.protocol import (JsonSchemaFormat, ResponseFormat, StopField, RequestModel,
                                                       check_stop_count)
 from pdserve.services.gateway.intake.tool_calls import ToolPlan, plan_tools
 
@@ -29,7 +29,7 @@ MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 ITEM_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
 
-class TextFormat(_Schema):
+class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -37,17 +37,17 @@ class TextFormat(_Schema):
     description: str | None = None
 
 
-class TextConfig(_Schema):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(_Schema):
+class ReasoningConfig(RequestModel):
     effort: str | None = None
     summary: str | None = None
 
 
-_ResponsesSamplingFields = create_model("_ResponsesSamplingFields", __base__=_Schema,
+_ResponsesSamplingFields = create_model("_ResponsesSamplingFields", __base__=RequestModel,
                                         **sampling_fields(OPENAI_RESPONSES))
 
 

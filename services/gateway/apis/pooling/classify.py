@@ -13,14 +13,14 @@ import math
 from aiohttp import web
 
 from pdserve.services.gateway.apis.context import GATEWAY, new_id
-from pdserve.services.gateway.apis.pooling import TRUNCATE_HINT, Schema, answer_native, truncation
+from pdserve.services.gateway.apis.pooling.embeddings import TRUNCATE_HINT, answer_native, truncation
 from pdserve.services.gateway.apis.served_models import CLASSIFY, MODELS
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.intake.protocol import parse
+from pdserve.services.gateway.intake.protocol import RequestModel, parse
 from pdserve.services.gateway.workers.encoding import encode
 
 
-class RerankRequest(Schema):
+class RerankRequest(RequestModel):
     model: str | None = None
     query: str
     documents: list[str]

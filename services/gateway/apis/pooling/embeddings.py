@@ -4,7 +4,7 @@ Each request becomes one `Pooling.Encode` call: token sequences in, one vector p
 log-probabilities for a score, the pooled embedding otherwise). It goes to a worker that holds the model's
 prefix cache (colocated, or prefill in PD mode): no decode worker is involved and no KV moves. The request's
 `model` picks the served model (`served_models`); one of the wrong kind is a 400 naming it, before any worker
-is asked. /v1/rerank and /classify live in `classify` and share the helpers here.
+is asked. /v1/rerank and /classify live in `classify`, beside this module, and share the helpers here.
 """
 from __future__ import annotations
 
@@ -14,23 +14,18 @@ import struct
 import time
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict
 
 from pdserve.services.gateway.apis.context import GATEWAY, Gateway, new_id
 from pdserve.services.gateway.apis.served_models import EMBED, GENERATE, MODELS, ServedModel, install
 from pdserve.services.gateway.errors import ApiError, read_json
-from pdserve.services.gateway.intake.protocol import parse
+from pdserve.services.gateway.intake.protocol import RequestModel, parse
 from pdserve.services.gateway.workers.encoding import encode
 
 ENCODING_FORMATS = ("float", "base64")
 
 
 # ---------------------------------------------------------------- schemas
-class Schema(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-class ScoreRequest(Schema):
+class ScoreRequest(RequestModel):
     model: str | None = None
     query: str | list[int] | None = None
     items: str | list[str] | list[list[int]] | None = None
@@ -39,7 +34,7 @@ class ScoreRequest(Schema):
     item_first: bool = False
 
 
-class EmbeddingRequest(Schema):
+class EmbeddingRequest(RequestModel):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: str = "float"
@@ -48,7 +43,7 @@ class EmbeddingRequest(Schema):
     truncate_prompt_tokens: int | None = None  # keep the first k tokens of each input; -1: the context length
 
 
-class NativeEncodeRequest(Schema):
+class NativeEncodeRequest(RequestModel):
     model: str | None = None
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
