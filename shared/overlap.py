@@ -25,7 +25,7 @@ import torch
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.logprobs import HostCopy
 from pdserve.shared.req import Req, ReqStatus
-from pdserve.shared.roles import ColocatedRole
+from pdserve.shared.roles import EngineRole
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.step_ops import StepOps
 
@@ -49,7 +49,7 @@ class InFlight:
 
 
 class Overlap:
-    def __init__(self, ops: StepOps, role: ColocatedRole, enabled: bool) -> None:
+    def __init__(self, ops: StepOps, role: EngineRole, enabled: bool) -> None:
         """`enabled` False: every step is read at once, and nothing is ever in flight (the engine's choice:
         speculation reads each step's tokens to draft the next; a model without an LM head samples nothing)."""
         self.ops = ops

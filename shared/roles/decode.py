@@ -22,12 +22,12 @@ from typing import Callable
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken
 from pdserve.shared.req import Req, ReqStatus
-from pdserve.shared.roles.colocated import ColocatedRole
+from pdserve.shared.roles.engine_role import EngineRole
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.step_ops import StepOps
 
 
-class DecodeRole(ColocatedRole):
+class DecodeRole(EngineRole):
     kind = Role.DECODE
 
     def __init__(self, ops: StepOps, poll_fn: Callable[[], None] | None) -> None:

@@ -16,7 +16,7 @@ from typing import Callable
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken, PrefillResult, TokenLogprobs
 from pdserve.shared.req import Req, ReqStatus
-from pdserve.shared.roles.colocated import ColocatedRole
+from pdserve.shared.roles.engine_role import EngineRole
 from pdserve.shared.sampler import make_generator
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.step_ops import Sampled, StepOps
@@ -32,7 +32,7 @@ TransferFn = Callable[[Req], float]
 AddFn = Callable[[Req, str | None, str | None], None]
 
 
-class PrefillRole(ColocatedRole):
+class PrefillRole(EngineRole):
     kind = Role.PREFILL
 
     def __init__(self, ops: StepOps, add_request: AddFn, transfer_fn: TransferFn | None) -> None:
