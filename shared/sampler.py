@@ -165,7 +165,9 @@ def _bans(params: list[SamplingParams], prompt_ids: list[list[int]], output_ids:
     bans = []
     for row, (p, prompt, out) in enumerate(zip(params, prompt_ids, output_ids)):
         for ban in BANS:
-            bans.extend((row, t) for t in sorted(ban.tokens(p, prompt, out, eos_token_ids)))
+            banned = ban.tokens(p, prompt, out, eos_token_ids)
+            if banned:  # most rows: nothing, and no sort or list is built for them (this runs every step)
+                bans.extend((row, t) for t in sorted(banned))
     return bans
 
 
