@@ -154,22 +154,26 @@ template <int64_t Q, typename Out>
 void linear(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias,
             const Out* residual, Out* out) {
   constexpr int NB = 2;  // weight rows per pass: two rows' sums in flight per row of x
+  constexpr int64_t MC = 8;  // rows of x per sweep over the weight rows: their fp32 copy stays in the near cache
   const int64_t row_bytes = k / QK * block_bytes(Q);
   at::parallel_for(0, (n + NB - 1) / NB, 16, [&](int64_t g0, int64_t g1) {
-    std::vector<float> sums(m * NB);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * NB, nb = std::min<int64_t>(NB, n - n0);
-      if (nb == NB) {
-        rows<Q, NB>(x, m, k, w + n0 * row_bytes, row_bytes, sums.data());
-      } else {
-        rows<Q, 1>(x, m, k, w + n0 * row_bytes, row_bytes, sums.data());
-      }
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = 0; j < nb; ++j) {
-          float v = sums[r * nb + j] + (bias ? bias[n0 + j] : 0.0f);
-          if (residual) v += to_f32(residual[r * n + n0 + j]);
-          out[r * n + n0 + j] = from_f32<Out>(v);
+    float sums[MC * NB];
+    for (int64_t r0 = 0; r0 < m; r0 += MC) {
+      const int64_t mc = std::min(MC, m - r0);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * NB, nb = std::min<int64_t>(NB, n - n0);
+        if (nb == NB) {
+          rows<Q, NB>(x + r0 * k, mc, k, w + n0 * row_bytes, row_bytes, sums);
+        } else {
+          rows<Q, 1>(x + r0 * k, mc, k, w + n0 * row_bytes, row_bytes, sums);
         }
+        for (int64_t r = r0; r < r0 + mc; ++r)
+          for (int64_t j = 0; j < nb; ++j) {
+            float v = sums[(r - r0) * nb + j] + (bias ? bias[n0 + j] : 0.0f);
+            if (residual) v += to_f32(residual[r * n + n0 + j]);
+            out[r * n + n0 + j] = from_f32<Out>(v);
+          }
+      }
     }
   });
 }
