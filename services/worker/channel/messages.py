@@ -251,7 +251,8 @@ class TransferHealth(Event):
 
 # ------------------------------------------------------------ outputs
 class OutputRecord(NamedTuple):
-    """One ReqOutput as it crosses (a NamedTuple packs as a plain array: no field names per token)."""
+    """One ReqOutput as it crosses (a NamedTuple packs as a plain array: no field names per token). Its fields,
+    in this order, are the wire's; `output` reads a record back by the same names."""
     rid: str
     index: int
     token_ids: list[int]
@@ -270,15 +271,22 @@ class OutputRecord(NamedTuple):
 
     @classmethod
     def of(cls, o: ReqOutput) -> OutputRecord:
-        return cls(o.rid, o.index, o.token_ids, _logprobs(o.logprobs), o.finish_reason, o.matched_stop_token,
-                   o.prompt_tokens, o.cached_tokens, o.error, _logprobs(o.input_logprobs), o.queue_s, o.compute_s,
-                   o.first_token_time, o.arrival, o.tier_tokens)
+        return _tuple(cls, (o.rid, o.index, o.token_ids, _logprobs(o.logprobs), o.finish_reason,
+                            o.matched_stop_token, o.prompt_tokens, o.cached_tokens, o.error,
+                            _logprobs(o.input_logprobs), o.queue_s, o.compute_s, o.first_token_time, o.arrival,
+                            o.tier_tokens))
 
-    def output(self) -> ReqOutput:
-        return ReqOutput(self.rid, self.index, list(self.token_ids), _from_logprobs(self.logprobs),
-                         self.finish_reason, self.matched_stop_token, self.prompt_tokens, self.cached_tokens,
-                         self.error, _from_logprobs(self.input_logprobs), self.queue_s, self.compute_s,
-                         self.first_token_time, self.arrival, dict(self.tier_tokens))
+    @staticmethod
+    def output(record) -> ReqOutput:
+        """The ReqOutput of a record as it arrived (a list in the record's order)."""
+        (rid, index, token_ids, logprobs, finish_reason, matched_stop_token, prompt_tokens, cached_tokens, error,
+         input_logprobs, queue_s, compute_s, first_token_time, arrival, tier_tokens) = record
+        return ReqOutput(rid, index, list(token_ids), _from_logprobs(logprobs), finish_reason, matched_stop_token,
+                         prompt_tokens, cached_tokens, error, _from_logprobs(input_logprobs), queue_s, compute_s,
+                         first_token_time, arrival, dict(tier_tokens))
+
+
+_tuple = tuple.__new__  # a record built without the generated __new__'s keyword handling: it runs per token
 
 
 def _logprobs(lps: list[TokenLogprobs] | None) -> list | None:

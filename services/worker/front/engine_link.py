@@ -183,7 +183,7 @@ class EngineLink:
             _, outputs, events = message
             by_rid: dict[str, list[ReqOutput]] = {}
             for item in outputs:
-                out = OutputRecord(*item).output()
+                out = OutputRecord.output(item)
                 by_rid.setdefault(out.rid, []).append(out)
             for rid, outs in by_rid.items():
                 sink = self._sinks.get(rid)

@@ -2,6 +2,7 @@
 the front never loads."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def test_an_output_crosses_the_channel_unchanged():
                     prompt_tokens=9, cached_tokens=4, input_logprobs=[TokenLogprobs(-2.0, [3], [-2.0])], queue_s=0.25,
                     compute_s=0.5, first_token_time=12.5, arrival=11.0)
     message = wire.unpack(wire.pack(("step", [OutputRecord.of(out)], [])), KINDS, "front")
-    assert OutputRecord(*message[1][0]).output() == out
+    assert OutputRecord.output(message[1][0]) == out
+    assert OutputRecord.of(out)._fields == tuple(f.name for f in dataclasses.fields(ReqOutput))  # by name
 
 
 WORKER = ROOT / "services" / "worker"
