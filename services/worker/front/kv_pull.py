@@ -1,20 +1,27 @@
-"""Decode side of a PD request: ask a prefill worker to fill the pages the engine reserved, and settle them.
+"""The decode side of a PD request, from its reservation to its first token: one coroutine per request (`_pull`)
+holds every step, wait, timeout and abort of it.
 
-Lifecycle of one request: the front expects it (`expect`, before the engine has it) -> the engine process
-reserved the prompt's pages and opened the transfer window on them under a fresh fence (the "reserved" event,
-`reserved`) -> a Prefill call to the named prefill worker, carrying the fence and its lease -> on its answer the
-engine closes the window and takes the first tokens (`kv_answered`: `DecodeRole.kv_ready`) -> the fence is
-settled and `kv_settle` frees the pages of a request aborted meanwhile. Until then they stay quarantined. A
-request whose KV is no longer asked for is dropped by the engine before its fence is settled (`abort`), so that
-the settle finds its pages in quarantine rather than held by a request still waiting for them.
+    expect (the Generate call; the engine has the request from now on)
+      -> wait for the engine's reservation (`PagesReserved`: pages and a fresh fence, their window open) -- no
+         limit of its own: a request that never needs one (its prompt computed here from the cache) or whose
+         Generate call ends is cancelled by `abort`
+      -> Prefill call to the named prefill worker, carrying the pages, the fence and its lease (`deadline_s`)
+      -> KVAnswered: the engine closes the window, then takes the first tokens (its first output follows)
+      -> settle: KVSettle gives the pages of a request aborted meanwhile back to the pool; until then they stay
+         quarantined.
+
+`abort(rid)` cancels the coroutine wherever it is. Reserved but not answered, it first tells the engine to drop
+the request (the caller's own abort may have reached the engine before the request did, and a request left
+waiting for KV that never comes would hold its pages for good); the drop puts the pages in quarantine, and the
+settle that follows frees them. A reservation whose request is no longer expected (its Generate call ended
+first) is dropped and settled at once.
 
 The fence is settled (shared/transfer/fence.py) by the Prefill call's answer (the prefill worker answers after
 its last write), or else by a Fence call the prefill worker answers once no write of it can start or is under
 way (tried again every FENCE_RETRY_S), or, where no answer comes, once the lease has surely run out in the
 prefill worker's clock. Where every write passes the receiver's check (TCP's socket), closing the window is
-enough (`kv_settle` does, waiting out a write already landing). The end of the Prefill call alone proves
-nothing: a call that this side cancelled or that hit its deadline ends here while the prefill worker may still
-be writing. So `abort` cancels the Prefill call at once, and the pages come back as soon as the fence is settled.
+enough (KVSettle does, waiting out a write already landing). The end of the Prefill call alone proves nothing:
+a call that this side cancelled or that hit its deadline ends here while the prefill worker may still be writing.
 """
 from __future__ import annotations
 
@@ -27,8 +34,8 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.codec import first_token_from_proto
-from pdserve.services.worker.front.engine_link import EngineLink
 from pdserve.services.worker.channel.messages import Abort, KVAnswered, KVSettle, PagesReserved
+from pdserve.services.worker.front.engine_link import EngineLink
 from pdserve.services.worker.front.peers import PrefillPeers
 from pdserve.shared.transfer.fence import WRITE_BOUND_S, Lease
 
@@ -45,52 +52,49 @@ class KVPull:
         self.call_timeout_s = call_timeout_s  # for one small call (a Fence call, beyond the write it waits out)
         # Longer than the prefill worker's own limits, so that it is the one that answers.
         self.deadline_s = call_timeout_s + prefill_timeout_s + 10.0
-        self.requests: dict[str, pb.GenerateRequest] = {}  # rid -> its Generate request, until its pages come
-        self.calls: dict[str, asyncio.Task] = {}  # rid -> its Prefill call
+        self.pulls: dict[str, asyncio.Task] = {}  # rid -> its pull, from `expect` until its pages are taken
+        self.reservations: dict[str, asyncio.Future] = {}  # rid -> its reservation, while the pull waits for it
         # rid -> the reply (its timings) and the call's own: [sent, answered, transfer window closed], monotonic;
         # until its first output
         self.replies: dict[str, tuple[pb.PrefillReply, list[float]]] = {}
         self.settling: set[asyncio.Task] = set()  # Fence calls whose answers the pages wait for
 
+    # ------------------------------------------------------------ what the front and the engine tell it
     def expect(self, rid: str, request: pb.GenerateRequest) -> None:
-        self.requests[rid] = request
+        """A Generate call hands `rid` to the engine: its pull waits for the pages."""
+        self.reservations[rid] = asyncio.get_running_loop().create_future()
+        pull = self.pulls[rid] = asyncio.ensure_future(self._pull(rid, request))
+        pull.add_done_callback(lambda _: self._drop_unasked(rid))
 
     def reserved(self, event: PagesReserved) -> None:
         """The engine reserved the pages of `event.rid` and opened their window under its fence."""
-        rid, pages = event.rid, event.pages
-        request = self.requests.pop(rid, None)
-        if request is None:  # the Generate call is gone already: drop the request, free the pages
-            self.link.cast(Abort([rid]))
-            self.link.cast(KVSettle(rid, pages, closed=False))
+        waiter = self.reservations.get(event.rid)
+        if waiter is None or waiter.done():  # its Generate call is gone already: drop the request, free the pages
+            self.link.cast(Abort([event.rid]))
+            self.link.cast(KVSettle(event.rid, event.pages, closed=False))
             return
-        call = self.calls[rid] = asyncio.ensure_future(self._pull(rid, request, pages, event.lora_version,
-                                                                  event.fence, event.checked))
-        call.add_done_callback(lambda _: self._never_started(rid, call, pages))
-
-    def _never_started(self, rid: str, call: asyncio.Task, pages: list[int]) -> None:
-        """A call cancelled before its first step never ran its `finally`: nothing was sent, the pages go back."""
-        if self.calls.get(rid) is call:
-            del self.calls[rid]
-            self.link.cast(KVSettle(rid, pages, closed=False))
-
-    def take_reply(self, rid: str) -> tuple[pb.PrefillReply, list[float]] | None:
-        return self.replies.pop(rid, None)
+        waiter.set_result(event)
 
     def abort(self, rid: str) -> None:
-        """Stop asking for `rid`'s KV: its Prefill call is cancelled, and the fence settled before the pages go.
+        """Stop asking for `rid`'s KV, wherever its pull is."""
+        pull = self.pulls.pop(rid, None)
+        if pull is not None:
+            pull.cancel()
 
-        The engine is told to drop the request here, before the settle: the caller's own abort may have reached
-        the engine before the request did (an Abort sent beside its Generate finds nothing there), and a request
-        left waiting for the KV of a cancelled call would hold its pages for good. Its pages were reserved, so the
-        engine has it by now; the drop puts them in quarantine, and the settle that follows frees them."""
-        self.requests.pop(rid, None)
-        call = self.calls.get(rid)
-        if call is not None:
-            self.link.cast(Abort([rid]))
-            call.cancel()
+    def take_reply(self, rid: str) -> tuple[pb.PrefillReply, list[float]] | None:
+        """The request's first output came (or its call ended): the prefill worker's reply with its timings, if
+        its prompt came from one. A pull still waiting then is for a prompt computed here (from the cache): it
+        ends, as no reservation will come."""
+        pull = self.pulls.get(rid)
+        if pull is not None and rid in self.reservations:
+            self.abort(rid)
+        return self.replies.pop(rid, None)
 
-    async def _pull(self, rid: str, request: pb.GenerateRequest, pages: list[int], lora_version: str,
-                    fence: int, checked: bool) -> None:
+    # ------------------------------------------------------------ one request
+    async def _pull(self, rid: str, request: pb.GenerateRequest) -> None:
+        event = await self.reservations[rid]
+        del self.reservations[rid]  # from here on this coroutine settles the pages, whatever ends it
+        pages, fence, checked = event.pages, event.fence, event.checked
         closed = answered = False
         lease = Lease(self.deadline_s)
         peer_name = self.peers.name
@@ -100,12 +104,12 @@ class KVPull:
             reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
-                                                         lora_version=lora_version,
+                                                         lora_version=event.lora_version,
                                                          weights_version=self.weights_label(),
                                                          traceparent=request.traceparent, fence=fence),
                                        timeout=self.deadline_s, lease=lease)
             answered = True  # after the prefill worker's last write: the fence is settled
-            self.calls.pop(rid, None)  # an abort from now on leaves the engine to drop the request
+            self.pulls.pop(rid, None)  # an abort from now on leaves the engine to drop the request
             # The engine closes the window before it takes the pages: caching them frees those that duplicate an
             # already cached prefix, and the next request reserved may get one at once; closing later would shut
             # that request's window on it.
@@ -116,6 +120,8 @@ class KVPull:
             timing[2] = await self.link.call(KVAnswered(rid, pages, firsts, reply.cached_tokens), self.deadline_s)
             closed = True
         except asyncio.CancelledError:
+            if not answered:  # the engine drops it before the settle below frees its pages
+                self.link.cast(Abort([rid]))
             raise
         except Exception as exc:
             detail = (exc.details() or exc.code().name) if isinstance(exc, grpc.aio.AioRpcError) else exc
@@ -124,7 +130,7 @@ class KVPull:
             self.replies.pop(rid, None)
             self.link.cast(Abort([rid], error))
         finally:
-            self.calls.pop(rid, None)
+            self.pulls.pop(rid, None)
             if answered or not lease.settled_by or checked:  # answered, never sent, or refused at landing
                 self.link.cast(KVSettle(rid, pages, closed))
             else:
@@ -156,3 +162,12 @@ class KVPull:
                 break
             await asyncio.sleep(min(FENCE_RETRY_S, left))
         self.link.cast(KVSettle(rid, pages, closed=False, lease_expired=expired))
+
+    def _drop_unasked(self, rid: str) -> None:
+        """A pull ended before it took its reservation (cancelled while it waited, or before its first step):
+        pages reserved meanwhile are dropped and settled here; none reserved, nothing is left to do."""
+        waiter = self.reservations.pop(rid, None)
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            event = waiter.result()
+            self.link.cast(Abort([rid]))
+            self.link.cast(KVSettle(rid, event.pages, closed=False))
