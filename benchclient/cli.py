@@ -138,13 +138,13 @@ async def _bench(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession() as session:
             model = await fetch_model(session, base_url, args.api_key)
     target = Target(base_url, model, args.api_key)
+    if args.trace:
+        return await _trace(args, target, load)
     rate = "closed loop" if math.isinf(load.request_rate) else f"{load.request_rate:g} req/s Poisson"
     print(f"[bench] {base_url} model {model}: {load.output_len} output tokens, ~{load.prompt_len}-token prompts, "
           f"{rate}, concurrency {','.join(map(str, concurrencies))}", flush=True)
     if args.chain:
         return await _chain(args, target, load, concurrencies[0])
-    if args.trace:
-        return await _trace(args, target, load)
     show = (sys.stderr.isatty() if args.progress is None else args.progress) and args.client_processes == 1
     bars = ProgressBars() if show else None
     summaries = await run_sweep(target, load, concurrencies, args.num_requests, args.warmup,
@@ -182,7 +182,8 @@ async def _trace(args: argparse.Namespace, target: Target, load: Load) -> int:
     from pdserve.planning.traces import read_trace
 
     trace = read_trace(args.trace, time_scale=args.trace_time_scale)
-    print(f"[bench] trace {args.trace} ({trace.format}): {len(trace)} requests over {trace.duration_s:.1f} s",
+    print(f"[bench] {target.base_url} model {target.model}: trace {args.trace} ({trace.format}), {len(trace)} "
+          f"requests over {trace.duration_s:.1f} s",
           flush=True)
     summary = await replay(target, load, trace.requests, ErrorReporter())
     print(format_table([summary], label_header="replay", labels=["trace"]))

@@ -28,7 +28,7 @@ LAYOUTS = {"pd": (["--prefill", "1", "--decode", "1"], []), "pd12": (["--prefill
            "colocated": (["--colocated", "1"], [])}
 
 
-def pdserve(*argv: str, timeout: float = 900) -> None:
+def pdserve(*argv: str, timeout: float = 3600) -> None:
     subprocess.run([sys.executable, "-m", "pdserve", *argv], check=True, timeout=timeout, cwd=REPO)
 
 

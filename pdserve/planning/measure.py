@@ -47,6 +47,8 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int = 6) -> 
     engine.flush_cache()
     shared = _ids(engine, max(1, context - 8), 10_000 + context)
     params = SamplingParams(temperature=0, max_new_tokens=steps + 2, ignore_eos=True)
+    # The prefix computed once and cached first: added together, every request of the batch would compute it.
+    _run(engine, [Req(rid=f"decode-prefix-{batch}", input_ids=shared, params=SamplingParams(max_new_tokens=1))])
     for i in range(batch):
         engine.add_request(Req(rid=f"decode-{batch}-{i}", input_ids=shared + _ids(engine, 8, 20_000 + i),
                                params=params))
