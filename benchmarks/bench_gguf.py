@@ -16,12 +16,21 @@ import os
 import statistics
 
 import torch
-from bench_int8 import QUESTIONS, decode_step_ms, first_difference, greedy, make_engine
+from bench_int8 import QUESTIONS, decode_step_ms, first_difference, greedy
 
+from pdserve.shared.config import CacheConfig, RuntimeConfig, SchedulerConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.model_files import default_gguf, resolve_model_path
 
 KINDS = (("bf16", None), ("w8a8_int8", "w8a8_int8"), ("gguf", "gguf"))
+
+
+def make_engine(model_dir: str, quantization: str | None) -> Engine:
+    """A bf16 engine with a pool for this load only: three of them live side by side."""
+    return Engine(RuntimeConfig(model_path=model_dir, dtype="bfloat16", quantization=quantization,
+                                cache=CacheConfig(page_size=16, max_total_tokens=4096),
+                                scheduler=SchedulerConfig(max_running_requests=64, chunked_prefill_size=2048,
+                                                          max_prefill_tokens=2048)))
 
 
 def weight_mb(engine: Engine) -> float:
@@ -41,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gguf = args.model_path or str(default_gguf())
     model_dir = str(resolve_model_path(gguf, quiet=True))
-    engines = {name: make_engine(model_dir, "bfloat16", quant) for name, quant in KINDS}
+    engines = {name: make_engine(model_dir, quant) for name, quant in KINDS}
     batches = [int(b) for b in args.batches.split(",")]
     steps: dict[tuple[str, int], list[float]] = {(name, b): [] for name, _ in KINDS for b in batches}
     loads = []
