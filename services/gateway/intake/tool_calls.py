@@ -143,9 +143,11 @@ class _Definitions:
             for name, sub in moved.pop(key).items():
                 owner, known = self.named[key].setdefault(name, (tool, sub))
                 if known != sub:
-                    raise ApiError(400, f"Invalid value for 'tools': tool_choice 'required' joins the tools' "
-                                        f"parameters into one schema, and tools {owner!r} and {tool!r} both define "
-                                        f"'{key}/{name}' differently; rename one of them.", "tools")
+                    # SGLang's sentence first: a client may match on it
+                    raise ApiError(400, f"Tool definition '{name}' has multiple schemas, which is not supported: "
+                                        f"tool_choice 'required' joins the tools' parameters into one schema, and "
+                                        f"tools {owner!r} and {tool!r} both define '{key}/{name}' differently; rename "
+                                        f"one of them.", "tools")
         return moved
 
     def root(self) -> dict:
