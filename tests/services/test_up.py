@@ -341,7 +341,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(run_up):
 
 def test_lora_flags_reach_every_generating_worker(tmp_path):
     from pdserve import cli
-    from pdserve.services.worker.cli import lora_config
+    from pdserve.services.worker.channel.settings import lora_config
 
     adapter = tmp_path / "sql"
     plan = up_plan.build_plan(parse("--lora-paths", f"sql={adapter}", "--max-lora-rank", "32",
