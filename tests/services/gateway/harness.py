@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+import openai
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -97,6 +98,18 @@ def pd_pair(model_dir, prefill_args: tuple[str, ...] = (), decode_args: tuple[st
         yield gw, prefill, decode, prefill_addr, decode_addr
     finally:
         system.stop()
+
+
+def answers_and_streams(gw) -> None:
+    """The default model behind `gw` answers the France question with Paris, and streams the same greedy text."""
+    client = openai.OpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=60)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="default", messages=question, max_tokens=16, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="default", messages=question, max_tokens=16, temperature=0,
+                                                 stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content  # same greedy tokens, streamed or not
 
 
 def worker_call(addr: str, method: str, timeout: float = 10.0):
