@@ -15,12 +15,15 @@ directly, so they work with any model and need no parser.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.services.gateway.errors import ApiError
@@ -209,7 +212,7 @@ def _functions(req: Any) -> tuple[list[FunctionDef], str]:
 
 def _checked(items: list[tuple[FunctionDef, str]]) -> list[FunctionDef]:
     seen: set[str] = set()
-    for fn, where in items:
+    for i, (fn, where) in enumerate(items):
         if not NAME_PATTERN.fullmatch(fn.name):
             raise ApiError(400, f"Invalid value for '{where}.name': function names are 1 to 64 letters, digits, "
                                 f"'_', '.' or '-', got {fn.name!r}.", f"{where}.name")
@@ -221,7 +224,23 @@ def _checked(items: list[tuple[FunctionDef, str]]) -> list[FunctionDef]:
         if kind != "object":
             raise ApiError(400, f"Invalid value for '{where}.parameters': the parameters must be a JSON schema "
                                 f"of type 'object', got type {kind!r}.", f"{where}.parameters")
+        # Every tool, whatever tool_choice says, as SGLang checks them (and in its words, which clients match on).
+        problem = _schema_problem(json.dumps(fn.parameters, sort_keys=True)) if fn.parameters else None
+        if problem is not None:
+            raise ApiError(400, f"Tool {i} function has invalid 'parameters' schema: {problem}",
+                           f"{where}.parameters")
     return [fn for fn, _ in items]
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str) -> str | None:
+    """Why a JSON schema is not one under draft 2020-12's metaschema, or None; cached because clients send the
+    same tools with every request."""
+    try:
+        Draft202012Validator.check_schema(json.loads(schema))
+    except SchemaError as exc:
+        return exc.message
+    return None
 
 
 def _choice(req: Any, functions: list[FunctionDef]) -> tuple[str, str | None, str]:

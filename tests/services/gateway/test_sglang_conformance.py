@@ -170,9 +170,10 @@ def test_responses_errors_come_in_openais_envelope(colocated):
 
 def test_score_refusals_carry_sglangs_error_type(colocated):
     r = post(colocated.open, "/v1/score", {"query": "The capital of France is", "items": [" Paris"],
-                                           "label_token_ids": [10**9]})
+                                           "label_token_ids": [999999]})
     assert r.status_code == 400 and r.json()["type"] == "BadRequestError", r.text
     assert r.json()["param"] == "label_token_ids"
+    assert r.json()["message"] == "Token ID 999999 is out of vocabulary (vocab size: 49152)"
 
 
 @pytest.mark.parametrize("extra, words", [

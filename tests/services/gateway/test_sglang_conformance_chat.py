@@ -1,8 +1,8 @@
 """Chat and Responses as a client written against SGLang sees them, with the official `openai` client on the
 shared colocated system (conftest.py): every streamed chat delta carries `content`, `reasoning_content` and
-`tool_calls`; tool_choice required takes tools whose parameters use `$defs`; a response cut by
-max_output_tokens ends with `response.completed` (and, with --responses-incomplete-status, OpenAI's
-`incomplete`), its usage in both sets of names."""
+`tool_calls`; tool_choice required takes tools whose parameters use `$defs`, and a tool whose parameters are
+no JSON schema is SGLang's 400; a response cut by max_output_tokens ends with `response.completed` (and, with
+--responses-incomplete-status, OpenAI's `incomplete`), its usage in both sets of names."""
 from __future__ import annotations
 
 import json
@@ -113,6 +113,18 @@ def test_two_tools_defining_one_name_differently_are_a_400_naming_both(colocated
                                                        tool_choice="required", max_tokens=80, temperature=0,
                                                        parallel_tool_calls=False)
     assert r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_tool_whose_parameters_are_no_json_schema_is_a_400_in_sglangs_words(colocated, choice):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "unknown_type"}}, "required": ["x"]}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client(colocated.open).chat.completions.create(model="default", messages=QUESTION, max_tokens=4,
+                                                       tools=[ship_tool(), bad], tool_choice=choice)
+    body = info.value.body
+    assert body["message"].startswith("Tool 1 function has invalid 'parameters' schema: ")
+    assert "unknown_type" in body["message"] and body["param"] == "tools.1.function.parameters"
 
 
 # ---------------------------------------------------------------- /v1/responses cut by max_output_tokens

@@ -140,8 +140,9 @@ async def _score(request: web.Request) -> web.Response:
         raise ApiError(400, "'label_token_ids' must hold at least one token id.", "label_token_ids")
     bad = next((t for t in req.label_token_ids if not 0 <= t < gw.tokenizer.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"Token id {bad} in 'label_token_ids' is outside the vocabulary "
-                            f"(size {gw.tokenizer.vocab_size}).", "label_token_ids")
+        # SGLang's words: a client matches on them.
+        raise ApiError(400, f"Token ID {bad} is out of vocabulary (vocab size: {gw.tokenizer.vocab_size})",
+                       "label_token_ids")
     items = [req.items] if isinstance(req.items, str) else req.items
     limit = gw.backend.context_length()
     # Each item is tokenized with the query: measured before the joined inputs are made.
