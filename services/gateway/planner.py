@@ -1,0 +1,177 @@
+"""The SLO planner's policy: from what the deployment showed over the last window, which side will miss its
+target, and whether giving it one worker of the other side fixes that without making the other side miss.
+
+Pure: no clock, no I/O. `Planner.decide(observation)` runs once per tick (the gateway's loop in
+workers/planning.py, or the simulator) and returns a `Decision`: a switch, or a hold, each with its reason.
+
+Pressure: each side's figures as a share of its target, 1.0 being exactly at it.
+
+    prefill   TTFT / TTFT SLO, prompts waiting per prefill worker / queue limit
+    decode    ITL / ITL SLO, KV pool use / pool limit, requests waiting per decode worker / queue limit
+
+In PD a prompt also waits for the decode worker's pages and slots before it is computed, so a TTFT miss while
+decode's queue or pool is past its limit is decode's, not prefill's. The prediction: one worker more or less
+spreads a side's load over n +- 1 workers, so its pressure scales by n / (n +- 1).
+
+What the planner guarantees:
+- it switches only when a side has been at or past `high` for `sustain` ticks in a row (one bad window is
+  noise), and the other side, one worker down, is predicted at or below `low` (hysteresis: `low < high`, so the
+  switch never leaves the other side calling for the worker back);
+- no role falls below `min_per_role` workers;
+- a worker that changed role keeps it for `dwell_s`, and after any switch none follows for `cooldown_s` (the
+  window must see the new split before it is judged).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode")
+REASONS = ("ttft", "prefill_queue", "itl", "kv_pool", "decode_queue")  # why a side is under pressure
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    ttft_slo_s: float
+    itl_slo_s: float
+    window_s: float = 30.0  # the figures a decision reads: the last window_s of requests
+    interval_s: float = 5.0  # between two decisions
+    high: float = 1.0  # a side at or past this pressure is predicted to miss its target
+    low: float = 0.8  # the giving side must be predicted at or below this after the switch
+    sustain: int = 2  # decisions in a row a side must be at `high` before it gets a worker
+    dwell_s: float = 60.0  # a worker keeps a new role at least this long
+    cooldown_s: float | None = None  # after any switch, none for this long (None: window_s)
+    min_per_role: int = 1
+    queue_limit: float = 4.0  # requests waiting per worker at which a side is at its target
+    pool_limit: float = 0.9  # decode's KV pool use at which it is at its target
+    dry_run: bool = False  # decide and say so, switch nothing
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be > 0, got {value}" for name, value in
+                    (("the TTFT SLO", self.ttft_slo_s), ("the ITL SLO", self.itl_slo_s),
+                     ("the planner's window", self.window_s), ("the planner's interval", self.interval_s),
+                     ("the queue limit", self.queue_limit), ("the pool limit", self.pool_limit)) if not value > 0]
+        if not 0 < self.low < self.high:
+            problems.append(f"the planner's thresholds need 0 < low < high, got low {self.low}, high {self.high}")
+        if self.sustain < 1 or self.min_per_role < 1 or self.dwell_s < 0 or (self.cooldown_s or 0) < 0:
+            problems.append("sustain and min_per_role must be >= 1, dwell and cooldown >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def cooldown(self) -> float:
+        return self.window_s if self.cooldown_s is None else self.cooldown_s
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    address: str
+    running: int = 0
+    waiting: int = 0
+    pool_use: float = 0.0  # share of its KV pool in use, 0..1
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float  # seconds, any monotonic origin
+    ttft_s: float | None  # the window's TTFT (p90), None without a first token in it
+    itl_s: float | None  # the window's mean inter-token latency, None without one
+    prefill: tuple[WorkerLoad, ...]
+    decode: tuple[WorkerLoad, ...]
+
+    def workers(self, role: str) -> tuple[WorkerLoad, ...]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class Pressure:
+    value: float
+    reason: str  # the figure that set it, one of REASONS
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "switch" or "hold"
+    reason: str  # switch: one of REASONS; hold: within_slo, sustaining, cooldown, dwell, floor, other_side_busy
+    detail: str  # one sentence with the figures
+    now: float
+    pressure: dict[str, float] = field(default_factory=dict)
+    source: str | None = None  # switch: the role the worker leaves
+    target: str | None = None
+    address: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"action": self.action, "reason": self.reason, "detail": self.detail, "from": self.source,
+                "to": self.target, "address": self.address, "pressure": self.pressure}
+
+
+def pressures(obs: Observation, s: PlannerSettings) -> dict[str, Pressure]:
+    """Each side's pressure and the figure behind it."""
+    def per_worker(workers: tuple[WorkerLoad, ...]) -> float:
+        return sum(w.waiting for w in workers) / max(1, len(workers)) / s.queue_limit
+
+    ttft = (obs.ttft_s or 0.0) / s.ttft_slo_s
+    pool = max((w.pool_use for w in obs.decode), default=0.0) / s.pool_limit
+    decode_queue = per_worker(obs.decode)
+    decode_bound = decode_queue >= s.high or pool >= s.high  # prompts wait for decode's slots or pages
+    prefill = [Pressure(per_worker(obs.prefill), "prefill_queue"), Pressure(0.0 if decode_bound else ttft, "ttft")]
+    bound = "kv_pool" if pool >= max(s.high, decode_queue) else "decode_queue"  # what the prompts wait for
+    decode = [Pressure((obs.itl_s or 0.0) / s.itl_slo_s, "itl"), Pressure(pool, "kv_pool"),
+              Pressure(decode_queue, "decode_queue"), Pressure(ttft if decode_bound else 0.0, bound)]
+    return {"prefill": max(prefill, key=lambda p: p.value), "decode": max(decode, key=lambda p: p.value)}
+
+
+def wanted(count: int, pressure: float, s: PlannerSettings) -> int:
+    """Workers of a side that would bring it to `low`: what an autoscaler adding pods would aim for."""
+    return max(s.min_per_role, math.ceil(count * pressure / s.low - 1e-9))
+
+
+class Planner:
+    def __init__(self, settings: PlannerSettings) -> None:
+        self.settings = settings
+        self.last_switch = -math.inf
+        self.changed: dict[str, float] = {}  # address -> when it took its present role
+        self.breaching: dict[str, int] = {role: 0 for role in ROLES}  # decisions in a row at `high`
+        self.desired: dict[str, int] = {}
+
+    def decide(self, obs: Observation) -> Decision:
+        s = self.settings
+        found = pressures(obs, s)
+        shown = {role: round(p.value, 3) for role, p in found.items()}
+        counts = {role: len(obs.workers(role)) for role in ROLES}
+        self.desired = {role: wanted(counts[role], found[role].value, s) for role in ROLES}
+        for role in ROLES:
+            self.breaching[role] = self.breaching[role] + 1 if found[role].value >= s.high else 0
+
+        def hold(reason: str, detail: str) -> Decision:
+            return Decision("hold", reason, detail, obs.now, shown)
+
+        needy = max(ROLES, key=lambda role: found[role].value)
+        if found[needy].value < s.high:
+            return hold("within_slo", f"both sides within target (prefill {shown['prefill']}, decode "
+                                      f"{shown['decode']})")
+        why = found[needy].reason
+        if self.breaching[needy] < s.sustain:
+            return hold("sustaining", f"{needy} at {shown[needy]} of its target ({why}) for "
+                                      f"{self.breaching[needy]} of {s.sustain} decisions")
+        if obs.now - self.last_switch < s.cooldown:
+            return hold("cooldown", f"{needy} at {shown[needy]} ({why}), but the last switch was "
+                                    f"{obs.now - self.last_switch:.0f} s ago (cooldown {s.cooldown:g} s)")
+        giver = "decode" if needy == "prefill" else "prefill"
+        if counts[giver] <= s.min_per_role:
+            return hold("floor", f"{needy} at {shown[needy]} ({why}), but {giver} has {counts[giver]} worker(s), "
+                                 f"the least it may have: more workers are needed")
+        after = found[giver].value * counts[giver] / (counts[giver] - 1)
+        if after > s.low:
+            return hold("other_side_busy", f"{needy} at {shown[needy]} ({why}), but {giver} one worker down would "
+                                           f"be at {after:.2f} (> {s.low:g}): more workers are needed")
+        free = [w for w in obs.workers(giver) if obs.now - self.changed.get(w.address, -math.inf) >= s.dwell_s]
+        if not free:
+            return hold("dwell", f"{needy} at {shown[needy]} ({why}), but every {giver} worker changed role less "
+                                 f"than {s.dwell_s:g} s ago")
+        chosen = min(free, key=lambda w: (w.running + w.waiting, w.pool_use, w.address))
+        self.last_switch = self.changed[chosen.address] = obs.now
+        self.breaching = {role: 0 for role in ROLES}
+        return Decision("switch", why, f"{needy} at {shown[needy]} of its target ({why}); {giver} predicted at "
+                                       f"{after:.2f} with one worker less: {chosen.address} {giver} -> {needy}",
+                        obs.now, shown, giver, needy, chosen.address)

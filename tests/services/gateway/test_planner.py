@@ -1,0 +1,120 @@
+"""The SLO planner's policy on observations made by hand (no processes): when it switches, which worker, why,
+and when it holds (hysteresis, dwell, cooldown, the floor of one worker per role)."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.services.gateway.planner import Observation, Planner, PlannerSettings, WorkerLoad
+
+SLO = dict(ttft_slo_s=1.0, itl_slo_s=0.05)
+
+
+def observe(now: float, ttft: float | None = 0.2, itl: float | None = 0.01, prefill: int = 1, decode: int = 2,
+            decode_waiting: int = 0, pool_use: float = 0.1, busy: dict[str, int] | None = None) -> Observation:
+    busy = busy or {}
+    return Observation(now, ttft, itl,
+                       tuple(WorkerLoad(f"p{i}", running=busy.get(f"p{i}", 0)) for i in range(prefill)),
+                       tuple(WorkerLoad(f"d{i}", running=busy.get(f"d{i}", 0), waiting=decode_waiting,
+                                        pool_use=pool_use) for i in range(decode)))
+
+
+def planner(**kw) -> Planner:
+    return Planner(PlannerSettings(**{**SLO, "sustain": 2, "dwell_s": 60, "cooldown_s": 20, **kw}))
+
+
+def test_within_target_it_holds_and_says_so():
+    d = planner().decide(observe(0))
+    assert (d.action, d.reason) == ("hold", "within_slo")
+    assert d.pressure == {"prefill": 0.2, "decode": 0.2}
+
+
+def test_a_sustained_ttft_miss_moves_the_least_busy_decode_worker_to_prefill():
+    p = planner()
+    first = p.decide(observe(0, ttft=1.5, busy={"d0": 5, "d1": 1}))
+    assert (first.action, first.reason) == ("hold", "sustaining")
+    d = p.decide(observe(5, ttft=1.5, busy={"d0": 5, "d1": 1}))
+    assert (d.action, d.reason, d.source, d.target, d.address) == ("switch", "ttft", "decode", "prefill", "d1")
+    assert "prefill at 1.5" in d.detail and "d1 decode -> prefill" in d.detail
+
+
+def test_an_itl_miss_moves_a_prefill_worker_to_decode():
+    p = planner()
+    obs = observe(0, ttft=0.1, itl=0.08, prefill=2, decode=1)
+    p.decide(obs)
+    d = p.decide(observe(5, ttft=0.1, itl=0.08, prefill=2, decode=1))
+    assert (d.action, d.reason, d.source, d.target) == ("switch", "itl", "prefill", "decode")
+
+
+def test_a_full_decode_pool_is_decodes_pressure_and_a_ttft_miss_behind_it_too():
+    p = planner()
+    for now in (0, 5):
+        d = p.decide(observe(now, ttft=3.0, prefill=2, decode=1, pool_use=0.95))
+    assert (d.action, d.reason, d.target) == ("switch", "kv_pool", "decode")
+    p = planner()
+    for now in (0, 5):
+        d = p.decide(observe(now, ttft=3.0, prefill=2, decode=1, decode_waiting=8))
+    assert (d.action, d.reason, d.target) == ("switch", "decode_queue", "decode")  # prompts wait for decode
+
+
+def test_no_flapping_a_pressure_around_the_threshold_switches_nothing():
+    p = planner()
+    decisions = [p.decide(observe(5 * i, ttft=1.1 if i % 2 else 0.9)) for i in range(20)]
+    assert {d.action for d in decisions} == {"hold"}
+
+
+def test_after_a_switch_the_other_side_is_not_given_the_worker_back_at_once():
+    p = planner(dwell_s=60, cooldown_s=20)
+    for now in (0, 5):
+        d = p.decide(observe(now, ttft=1.5, prefill=1, decode=3))
+    assert d.action == "switch" and d.address == "d0"
+    # Now decode misses ITL: the cooldown holds first, then d0's dwell keeps it in prefill while p0 may go.
+    held = [p.decide(observe(now, itl=0.1, prefill=2, decode=2)) for now in (10, 15)]
+    assert [h.reason for h in held] == ["sustaining", "cooldown"]
+    later = p.decide(observe(30, itl=0.1, prefill=2, decode=2))
+    assert later.action == "switch" and later.source == "prefill"
+    assert later.address == "p0"  # the least busy of the prefill workers, none of which changed role
+
+
+def test_dwell_keeps_a_worker_that_just_changed_role_where_it_is():
+    p = planner(dwell_s=100, cooldown_s=0, sustain=1)
+    w = WorkerLoad
+    assert p.decide(Observation(0, 2.0, 0.01, (w("p0"),), (w("d0"), w("d1"), w("d2")))).address == "d0"
+    assert p.decide(Observation(1, 2.0, 0.01, (w("p0"), w("d0")), (w("d1"), w("d2")))).address == "d1"
+    # Decode misses ITL now: d0 and d1 are idle but changed role a moment ago; p0, busy, is the one that goes.
+    back = p.decide(Observation(2, 0.1, 0.2, (w("p0", running=9), w("d0"), w("d1")), (w("d2"),)))
+    assert (back.action, back.address, back.target) == ("switch", "p0", "decode")
+    held = p.decide(Observation(3, 0.1, 0.2, (w("d0"), w("d1")), (w("d2"), w("p0"))))
+    assert (held.action, held.reason) == ("hold", "dwell")
+    assert p.decide(Observation(101, 0.1, 0.2, (w("d0"), w("d1")), (w("d2"), w("p0")))).address == "d0"
+
+
+def test_the_floor_one_worker_per_role_is_never_given_away():
+    p = planner(sustain=1)
+    d = p.decide(observe(0, ttft=5.0, prefill=1, decode=1))
+    assert (d.action, d.reason) == ("hold", "floor")
+    assert "more workers are needed" in d.detail
+    assert p.desired == {"prefill": 7, "decode": 1}  # 1 worker at 5.0 -> ceil(5 / 0.8)
+    p = planner(sustain=1, min_per_role=2)
+    assert p.decide(observe(0, ttft=5.0, prefill=1, decode=2)).reason == "floor"
+
+
+def test_a_busy_giver_keeps_its_worker():
+    p = planner(sustain=1)
+    d = p.decide(observe(0, ttft=2.0, itl=0.025, decode=2))  # decode at 0.5, one down: 1.0 > 0.8
+    assert (d.action, d.reason) == ("hold", "other_side_busy")
+    assert p.desired == {"prefill": 3, "decode": 2}
+
+
+def test_no_traffic_is_within_target():
+    d = planner().decide(observe(0, ttft=None, itl=None))
+    assert d.reason == "within_slo" and d.pressure == {"prefill": 0.0, "decode": 0.111}
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(ttft_slo_s=0), "the TTFT SLO must be > 0"),
+    (dict(low=1.2), "0 < low < high"),
+    (dict(min_per_role=0), "min_per_role must be >= 1"),
+])
+def test_bad_settings_are_refused_with_the_reason(bad, words):
+    with pytest.raises(ValueError, match=words):
+        PlannerSettings(**{**SLO, **bad})
