@@ -72,6 +72,23 @@ def _from_float32(value: float) -> float:
     return value
 
 
+# ------------------------------------------------------------------ a generation continued (migration)
+def resume_to_proto(outputs: dict[int, list[int]]) -> list[pb.ResumedChoice]:
+    """{choice index: its output so far} of the choices still running, as GenerateRequest.resume."""
+    return [pb.ResumedChoice(index=i, output_ids=ids) for i, ids in sorted(outputs.items())]
+
+
+def resume_from_proto(request: pb.GenerateRequest) -> list[tuple[int, list[int]]] | None:
+    """(choice index, its output so far) of each choice of a resumed generation; None for a fresh one (the
+    engine checks them: Engine.add_request)."""
+    return [(c.index, list(c.output_ids)) for c in request.resume] if request.resume else None
+
+
+def choices_of(request: pb.GenerateRequest) -> int:
+    """How many choices the worker runs for `request` (a resumed generation: those still running)."""
+    return len(request.resume) or max(1, request.sampling.n)
+
+
 # ------------------------------------------------------------------ outputs and first tokens
 def output_to_proto(out: ReqOutput) -> pb.ChoiceDelta:
     return pb.ChoiceDelta(

@@ -110,6 +110,16 @@ class WorkerStub:
                 request_serializer=worker__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=worker__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.Worker/SwitchRole',
+                request_serializer=worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=worker__pb2.SwitchRoleReply.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdserve.Worker/Migrate',
+                request_serializer=worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=worker__pb2.MigrateReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -207,6 +217,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +306,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.KVEvents,
                     request_deserializer=worker__pb2.KVEventsRequest.FromString,
                     response_serializer=worker__pb2.KVEventBatch.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=worker__pb2.SwitchRoleReply.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=worker__pb2.MigrateRequest.FromString,
+                    response_serializer=worker__pb2.MigrateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,6 +724,60 @@ class Worker:
             '/pdserve.Worker/KVEvents',
             worker__pb2.KVEventsRequest.SerializeToString,
             worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/SwitchRole',
+            worker__pb2.SwitchRoleRequest.SerializeToString,
+            worker__pb2.SwitchRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.Worker/Migrate',
+            worker__pb2.MigrateRequest.SerializeToString,
+            worker__pb2.MigrateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,7 @@ from pdserve.shared.overlap import Overlap, overlap_wanted
 from pdserve.shared.page_allocator import PageAllocator
 from pdserve.shared.radix_cache import RadixCache
 from pdserve.shared.req import Req, ReqStatus
+from pdserve.shared.resume import Resume, resumed_choices
 from pdserve.shared.roles import TransferFn, make_role
 from pdserve.shared.logprobs import prompt_logprobs
 from pdserve.shared.sampler import Sampler, make_generator
@@ -175,9 +176,11 @@ class Engine:
         return bool(s.waiting or s.running or s.chunked or self.overlap.pending or self.role.has_work())
 
     # ------------------------------------------------------------ requests (engine thread)
-    def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None) -> None:
+    def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None,
+                    resume: Resume | None = None) -> None:
         """Queue `req`; `lora` names its adapter (or the path it was loaded from), `lora_version` the version
-        the peer worker of a PD pair runs. Raises ValueError for anything the request cannot run with."""
+        the peer worker of a PD pair runs; `resume`: the choices it continues, with their output so far
+        (shared/resume.py). Raises ValueError for anything the request cannot run with."""
         req.params.validate(self.model_config.vocab_size)
         if lora:
             req.lora = self.adapters.registry(lora).resolve(lora, lora_version)
@@ -187,10 +190,12 @@ class Engine:
         if len(req.input_ids) >= limit:
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens, which is not shorter than the "
                              f"context length of {limit} tokens")
-        req.generator = make_generator(req.params.seed)
         if req.params.constraint is not None and req.grammar is None:  # callers that did not compile ahead
             req.grammar = Constraint.for_params(self.compile_grammar(req.params), req.params)
-        self.role.admit(req)
+        seed = req.params.seed
+        for choice in [req] if resume is None else resumed_choices(req, resume, self.model_config.vocab_size, limit):
+            choice.generator = make_generator(None if seed is None else seed + choice.index)
+            self.role.admit(choice)
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> bool:
         self.overlap.settle()  # its tokens first: outputs go out in order, and none stays a placeholder

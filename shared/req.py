@@ -73,6 +73,9 @@ class Req:
     finish_reason: str | None = None
     matched_stop_token: int | None = None
     num_sent: int = 0  # output tokens already reported through on_output
+    # A choice continued here where it stopped on another worker (migration): the output tokens it came with,
+    # already streamed (None: it started here). Its sampler state is what those tokens make it (resume.py).
+    resumed: int | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when its first prompt chunk ran: the end of its queue time
     first_token_time: float | None = None
@@ -91,7 +94,7 @@ class Req:
     @property
     def first_logit_row(self) -> int | None:
         """The first prompt position whose logits the request needs for its prompt logprobs (None: none)."""
-        if not self.params.wants_prompt_logprobs or self.output_ids:
+        if not self.params.wants_prompt_logprobs or self.output_ids or self.resumed is not None:
             return None
         return max(self.params.logprob_start_len, 1) - 1
 

@@ -81,10 +81,11 @@ class StepOps:
             if self.scheduler.chunked is req:
                 self.scheduler.chunked = None
             self.scheduler.cache_pages(req, lock=True)
-            if not req.output_ids:  # a fresh prompt, not the recompute of a retracted request
+            fresh = not req.output_ids and req.resumed is None  # not a retracted or resumed choice's recompute
+            if fresh:
                 self.observer.prefilled(req)
-            # A fresh prompt with n > 1 becomes n choices; a retracted request recomputed is one already.
-            for member in ([req] if req.output_ids else family(req)):
+            # A fresh prompt with n > 1 becomes n choices; a retracted or resumed request is one already.
+            for member in (family(req) if fresh else [req]):
                 rows.append(i)
                 reqs.append(member)
         return rows, reqs
@@ -164,7 +165,8 @@ class StepOps:
         if req.on_output is None:
             return
         new_ids = req.output_ids[req.num_sent:]
-        new_lps = req.output_logprobs[req.num_sent:] if req.output_logprobs else []
+        # A resumed choice holds the logprobs of its new tokens only.
+        new_lps = req.output_logprobs[req.num_sent - (req.resumed or 0):] if req.output_logprobs else []
         if not new_ids and finish_reason is None:
             return
         first = req.num_sent == 0

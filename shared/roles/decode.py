@@ -1,7 +1,8 @@
 """The decode role: reserve pages for a prompt, let a prefill worker fill them, then decode.
 
 A prompt whose prefix this worker's cache holds but for a few tokens (a conversation's next turn) is computed
-here instead, as a colocated worker computes it (`prefills_here`).
+here instead, as a colocated worker computes it (`prefills_here`); so is a choice resumed from another worker
+(migration, shared/resume.py), whose output so far no prefill worker holds.
 
 Lifecycle of one request: `queue` -> WAITING_FOR_PAGES (`reserving`) -> pages reserved, `on_pages_reserved`
 tells the worker service to call prefill -> WAITING_FOR_KV (`awaiting_kv`) -> `kv_ready` (the prefill call
@@ -43,7 +44,7 @@ class DecodeRole(EngineRole):
         return 0.002 if self.awaiting_kv else 0.05
 
     def queue(self, req: Req) -> None:
-        if self.prefills_here(req):
+        if req.resumed is not None or self.prefills_here(req):
             self.scheduler.add(req)  # computed here after its cached prefix, as a retracted request is
             return
         req.status = ReqStatus.WAITING_FOR_PAGES

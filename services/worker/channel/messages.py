@@ -70,6 +70,7 @@ class Generate(Call):
     arrival: float
     lora: str = ""
     traced: bool = False
+    resume: list | None = None  # [(choice index, its output so far)]: a migrated generation (shared/resume.py)
 
 
 @declared

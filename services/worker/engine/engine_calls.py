@@ -48,7 +48,8 @@ class GenerationCalls:
         w.role.admitting(req)
 
         def add() -> None:
-            w.engine.add_request(req, call.lora or None)
+            resume = None if call.resume is None else [(index, list(ids)) for index, ids in call.resume]
+            w.engine.add_request(req, call.lora or None, resume=resume)
             if call.traced:
                 w.traced[call.rid] = req
         return w.admit(req, add)

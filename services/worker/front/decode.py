@@ -21,8 +21,9 @@ class Decode(Wiring):
     refuses_pooling = "this is a decode worker: send prefill-only requests to a prefill or colocated worker"
 
     def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
-        return None if request.prefill_addr else (grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs "
-                                                                                     "prefill_addr")
+        if request.prefill_addr or request.resume:  # a resumed generation is computed here (shared/resume.py)
+            return None
+        return grpc.StatusCode.INVALID_ARGUMENT, "a decode worker needs prefill_addr"
 
     def first_output_wait(self, stall_s: float, prefill_s: float) -> float:
         return prefill_s + stall_s  # its prompt is filled elsewhere first

@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import output_to_proto, prompt_logprobs_to_proto
+from pdserve.proto.codec import choices_of, output_to_proto, prompt_logprobs_to_proto, resume_from_proto
 from pdserve.services import tracing
 from pdserve.services.worker.front import spans
 from pdserve.services.worker.front.admin_rpc import AdminRpcs
@@ -181,7 +181,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         """A GenerateMany call: as Generate, but each step's outputs become a message there and then (`StepSink`),
         without waking a coroutine per generation per step."""
         with self.calls.hold(await self._admit(request, context)):
-            sink = StepSink(max(1, request.sampling.n), self.stream_interval,
+            sink = StepSink(choices_of(request), self.stream_interval,
                             lambda ready, first: self._message(request, ready, first), post)
 
             def deliver(outs: list[ReqOutput]) -> None:
@@ -202,7 +202,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
     async def _admit(self, request: pb.GenerateRequest, context) -> int:
         """The sequences a generation holds: a bounded number in progress (RESOURCE_EXHAUSTED beyond it), and
         none new while the worker drains (UNAVAILABLE)."""
-        n = max(1, request.sampling.n)
+        n = choices_of(request)
         if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down: send the request to "
                                                              "another")
@@ -228,11 +228,12 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             self.traced[request.rid] = spans.Traced(span)
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         self.link.watch(request.rid, deliver)
-        self.prompts.expect(request.rid, request)
+        if not request.resume:  # a resumed generation is computed here, prompt and output so far
+            self.prompts.expect(request.rid, request)
         try:
             await self._call_or_abort(context, Generate(request.rid, list(request.input_ids),
                                                         request.sampling.SerializeToString(), arrived,
-                                                        request.lora, span is not None))
+                                                        request.lora, span is not None, resume_from_proto(request)))
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast(Abort([request.rid]))
             self.link.unwatch(request.rid)
@@ -242,7 +243,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                 asyncio.ensure_future(self._end_span(request.rid, traced, False, time.monotonic()))
             raise
         self.public_ids[request.rid] = request.public_id  # until `_end`
-        return max(1, request.sampling.n)
+        return choices_of(request)
 
     def _message(self, request: pb.GenerateRequest, ready: list[ReqOutput],
                  first: bool) -> tuple[pb.GenerateResponse, set[int]]:
