@@ -303,6 +303,8 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
         gateway.close()
 
     app.cleanup_ctx.append(pool_lifecycle)
+    if gateway.planner is not None:  # after the pool: it reads the workers' health
+        app.cleanup_ctx.append(gateway.planner.lifecycle)
     return app
 
 

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pdserve.services.gateway import limits as request_limits
+from pdserve.services.gateway import planner
 from pdserve.services.gateway.cpu_pool import DEFAULT_DEADLINE_S, DEFAULT_QUEUE, CpuPool
 from pdserve.services.gateway.intake.reasoning import PARSERS
 from pdserve.services.gateway.intake.tool_parsers import PARSERS as TOOL_PARSERS
@@ -115,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "is answered 503 with Retry-After, and its work stopped where it can be "
                              f"(default: {DEFAULT_DEADLINE_S:g})")
     request_limits.add_arguments(parser)
+    planner.add_arguments(parser)
     add_log_arguments(parser)
     add_trace_flags(parser)
     parser.add_argument("--log-requests", action="store_true",
@@ -143,6 +145,10 @@ def check(args: argparse.Namespace) -> str | None:
         return "--gateway-workers must be >= 1"
     if args.cpu_pool_queue < 0 or args.cpu_pool_deadline <= 0:
         return "--cpu-pool-queue must be >= 0 and --cpu-pool-deadline > 0"
+    try:
+        planner.from_args(args)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -262,6 +268,11 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
                       inflate_bodies=args.inflate_request_bodies,
                       responses_incomplete_status=args.responses_incomplete_status,
                       cpu=CpuPool(queue=args.cpu_pool_queue, deadline_s=args.cpu_pool_deadline))
+    settings = planner.from_args(args)
+    if settings is not None and (siblings is None or siblings.index == 1):  # one planner per gateway
+        from pdserve.services.gateway.workers.planning import PlannerLoop
+
+        gateway.planner = PlannerLoop(settings, pool, backend.metrics)
     from pdserve.services.gateway.apis.served_models import build_embedding_gateway
 
     extra = build_embedding_gateway(args, gateway)

@@ -15,6 +15,7 @@ over the processes, the request gauges too, and a worker's health is the view of
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -63,6 +64,18 @@ class GatewayMetrics:
                                              "--otlp-traces-content-max-size", registry=r)
         self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
                                   "mid-stream, continuing from the tokens already out", registry=r)
+        # The SLO planner's (--planner slo): what it did, what it would have done, and what it would want.
+        self.role_switches = Counter("pdserve_planner_role_switches", "workers the planner switched to another "
+                                     "role, by the role left, the role taken and why", ["from", "to", "reason"],
+                                     registry=r)
+        self.dry_run_switches = Counter("pdserve_planner_dry_run_switches", "switches the planner would have made "
+                                        "(--planner-dry-run)", ["from", "to", "reason"], registry=r)
+        self.desired_workers = Gauge("pdserve_planner_desired_workers", "workers of the role that would bring it "
+                                     "within its SLO: what an autoscaler (HPA, KEDA) would add pods for",
+                                     ["role"], registry=r, multiprocess_mode="mostrecent")
+        self.pressure = Gauge("pdserve_planner_pressure", "the role's figures as a share of its SLO (1: at it)",
+                              ["role"], registry=r, multiprocess_mode="mostrecent")
+        self.recent = RecentLatencies()
 
         # What /metrics shows: this registry, or every process's files read at each scrape.
         self.shown = r
@@ -77,6 +90,23 @@ class GatewayMetrics:
         """The samples of one of these metrics as /metrics shows them (with several processes, their sums)."""
         name = metric.describe()[0].name
         return next((family.samples for family in self.shown.collect() if family.name == name), [])
+
+
+class RecentLatencies:
+    """TTFTs and inter-token gaps of the last minutes, with when each was seen: the window the planner reads."""
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=keep)  # (when, seconds)
+        self.itl: deque[tuple[float, float, int]] = deque(maxlen=keep)  # (when, seconds per token, tokens)
+
+    def ttft_quantile(self, since: float, q: float = 0.9) -> float | None:
+        values = sorted(v for t, v in self.ttft if t >= since)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    def itl_mean(self, since: float) -> float | None:
+        gaps = [(gap * n, n) for t, gap, n in self.itl if t >= since]
+        tokens = sum(n for _, n in gaps)
+        return sum(g for g, _ in gaps) / tokens if tokens else None
 
 
 class TokenTimer:
@@ -94,8 +124,10 @@ class TokenTimer:
         self.metrics.generation_tokens.inc(n)
         if self.last is None:
             self.metrics.ttft.observe(now - self.start)
+            self.metrics.recent.ttft.append((now, now - self.start))
         else:
             gap = (now - self.last) / n  # several tokens in one message share the gap
             for _ in range(n):
                 self.metrics.itl.observe(gap)
+            self.metrics.recent.itl.append((now, gap, n))
         self.last = now

@@ -23,6 +23,7 @@ What the planner guarantees:
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -175,3 +176,32 @@ class Planner:
         return Decision("switch", why, f"{needy} at {shown[needy]} of its target ({why}); {giver} predicted at "
                                        f"{after:.2f} with one worker less: {chosen.address} {giver} -> {needy}",
                         obs.now, shown, giver, needy, chosen.address)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--planner", default="off", choices=["off", "slo"],
+                        help="slo: move workers between prefill and decode (live role switch) to keep TTFT within "
+                             "--ttft-slo-ms and ITL within --itl-slo-ms; every decision is logged, counted "
+                             "(pdserve_planner_*) and shown on the status page")
+    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="the planner's time-to-first-token target")
+    parser.add_argument("--itl-slo-ms", type=float, default=None, help="the planner's inter-token latency target")
+    parser.add_argument("--planner-dry-run", action="store_true",
+                        help="the planner decides and logs what it would switch, and switches nothing")
+    parser.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between two decisions")
+    parser.add_argument("--planner-window-s", type=float, default=30.0,
+                        help="the seconds of TTFT and ITL a decision reads; after a switch none follows for as long")
+    parser.add_argument("--planner-dwell-s", type=float, default=60.0,
+                        help="a worker keeps a role the planner gave it at least this long")
+    parser.add_argument("--planner-min-per-role", type=int, default=1, help="workers of each role the planner "
+                        "always leaves")
+
+
+def from_args(args: argparse.Namespace) -> PlannerSettings | None:
+    """The planner's settings (None with --planner off); ValueError naming the flag for what cannot work."""
+    if args.planner == "off":
+        return None
+    if args.ttft_slo_ms is None or args.itl_slo_ms is None:
+        raise ValueError("--planner slo needs --ttft-slo-ms and --itl-slo-ms")
+    return PlannerSettings(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, window_s=args.planner_window_s,
+                           interval_s=args.planner_interval_s, dwell_s=args.planner_dwell_s,
+                           min_per_role=args.planner_min_per_role, dry_run=args.planner_dry_run)

@@ -24,6 +24,7 @@ from pdserve.services.gateway.limits import Limits
 from pdserve.services.gateway.tokenization import ModelConfigInfo, ModelTokenizer
 from pdserve.services.gateway.workers.adapters import UnknownModel, adapter_of, lora_enabled, refresh_adapters
 from pdserve.services.gateway.workers.backend import Backend
+from pdserve.services.gateway.workers.planning import PlannerLoop
 from pdserve.services.gateway.workers.pool import Worker
 
 
@@ -65,6 +66,7 @@ class Gateway:
     # --responses-incomplete-status: a response cut by max_output_tokens is OpenAI's `incomplete`, not SGLang's
     # `completed` (responses/output.py `outcome`)
     responses_incomplete_status: bool = False
+    planner: PlannerLoop | None = None  # --planner slo (workers/planning.py): runs while the app does
     inputs: Inputs = field(init=False)
 
     def __post_init__(self) -> None:

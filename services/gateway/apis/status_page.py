@@ -10,6 +10,7 @@ with the app. With several gateway processes (--gateway-workers) the counters an
 summed over them, as /metrics shows them. Batches in flight come from the jobs service (its most recent 100 batches) when --jobs-url is set.
 With an API key and an admin key both set, the requests' timelines (/status.json's, and /debug/requests) are the
 admin key's: the API key is every client's, and they hold other clients' ids, timings and token counts.
+With --planner slo, the planner's targets, the worker counts it would want and its last decisions.
 """
 from __future__ import annotations
 
@@ -167,6 +168,7 @@ async def status_json(request: web.Request) -> web.Response:
             "timelines": {"recent": [t.as_dict() for t in list(backend.recorder.recent)[::-1][:SHOWN]],
                           "slowest": [t.as_dict() for t in backend.recorder.slowest[:SHOWN]]}
             if sees_other_clients(request) else None}
+    body["planner"] = gw.planner.describe() if gw.planner is not None else None
     batches = await batches_in_flight(request)
     if batches is not None:
         body["batches_in_flight"] = batches
@@ -240,6 +242,10 @@ svg { background: #fff; border: 1px solid #dde; border-radius: 6px; }
 <h2>Workers</h2>
 <table><thead><tr><th>role</th><th>address</th><th>health</th><th>running</th><th>queued</th>
   <th>in flight (this gateway)</th><th>KV use</th><th>speculation</th></tr></thead><tbody id="workers"></tbody></table>
+<h2>Planner</h2>
+<div class="muted" id="planner">–</div>
+<table id="planner-table"><thead><tr><th>time</th><th>decision</th><th>reason</th><th>pressure (prefill / decode)</th>
+  <th>detail</th><th>outcome</th></tr></thead><tbody id="decisions"></tbody></table>
 <h2>Last requests</h2>
 <table><thead><tr><th>started</th><th>request id</th><th>workers</th><th>TTFT ms</th><th>where the TTFT went (ms)</th>
   <th>total ms</th><th>tokens in / out</th><th>events</th></tr></thead><tbody id="timelines"></tbody></table>
@@ -326,6 +332,16 @@ function render(s) {
   const hidden = `<tr><td colspan="8" class="muted">other clients' requests: open the page with the admin key</td></tr>`;
   $("timelines").innerHTML = s.timelines ? timelineRows(s.timelines.recent) : hidden;
   $("slowest").innerHTML = s.timelines ? timelineRows(s.timelines.slowest) : hidden;
+  const pl = s.planner;
+  $("planner-table").style.display = pl ? "" : "none";
+  $("planner").textContent = pl ? `SLO: TTFT ${num(1000 * pl.ttft_slo_s)} ms, ITL ${num(1000 * pl.itl_slo_s)} ms` +
+      `${pl.dry_run ? " · dry run: switches nothing" : ""} · would want ${num(pl.desired.prefill)} prefill, ` +
+      `${num(pl.desired.decode)} decode` : "off (pdserve gateway --planner slo turns it on)";
+  $("decisions").innerHTML = pl ? pl.decisions.slice(0, 10).map((d) =>
+      `<tr><td>${new Date(d.time * 1000).toLocaleTimeString()}</td><td>${esc(d.action)}` +
+      `${d.address ? " " + esc(d.address) + " " + esc(d.from) + " → " + esc(d.to) : ""}</td><td>${esc(d.reason)}</td>` +
+      `<td>${num(d.pressure.prefill, 2)} / ${num(d.pressure.decode, 2)}</td><td>${esc(d.detail)}</td>` +
+      `<td>${esc(d.outcome || "–")}</td></tr>`).join("") : "";
   chart($("chart-throughput"), "Output tokens/s", s.samples.points, (p) => p.tokens_per_s, "tok/s");
   chart($("chart-ttft"), "TTFT p50 (ms)", s.samples.points,
         (p) => p.ttft_p50_s === null ? null : 1000 * p.ttft_p50_s, "ms");

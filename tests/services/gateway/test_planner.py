@@ -2,6 +2,8 @@
 and when it holds (hysteresis, dwell, cooldown, the floor of one worker per role)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.services.gateway.planner import Observation, Planner, PlannerSettings, WorkerLoad
@@ -118,3 +120,80 @@ def test_no_traffic_is_within_target():
 def test_bad_settings_are_refused_with_the_reason(bad, words):
     with pytest.raises(ValueError, match=words):
         PlannerSettings(**{**SLO, **bad})
+
+
+# ---------------------------------------------------------------- the gateway's loop around the policy
+def pd_pool(prefill: int, decode: int):
+    from pdserve.proto import worker_pb2 as pb
+    from pdserve.services.gateway.workers.pool import Worker, WorkerPool
+
+    specs = {"prefill": [f"10.0.0.1:{5000 + i}" for i in range(prefill)],
+             "decode": [f"10.0.0.2:{5000 + i}" for i in range(decode)]}
+    pool = WorkerPool(specs)
+    for role, addresses in specs.items():
+        for address in addresses:
+            pool.workers[address] = Worker(address, role, None, None, healthy=True, info=pb.InfoReply(),
+                                           load=pb.LoadReply(free_pages=90, total_pages=100))
+    return pool
+
+
+def samples(metrics, name: str) -> dict:
+    """{sorted labels: value} of a counter's samples."""
+    return {tuple(sorted(sample.labels.items())): sample.value for family in metrics.registry.collect()
+            if family.name == name for sample in family.samples if sample.name.endswith("_total")}
+
+
+async def test_the_loop_switches_through_the_role_switch_and_counts_it():
+    from pdserve.services.gateway.metrics import GatewayMetrics
+    from pdserve.services.gateway.workers.planning import PlannerLoop
+    from pdserve.services.gateway.workers.role_switch import SwitchRefused
+
+    calls, metrics, pool = [], GatewayMetrics(), pd_pool(1, 2)
+    answers = [SwitchRefused(503, "worker_lost", "Worker died during the switch."), 1.5]
+
+    async def switch(pool, address, role):
+        calls.append((address, role))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        pool.workers[address].role = role
+        return answer
+
+    loop = PlannerLoop(PlannerSettings(**SLO, sustain=1, cooldown_s=0, dwell_s=0), pool, metrics, switch)
+    metrics.recent.ttft.append((time.perf_counter(), 2.0))  # twice the TTFT target
+    first = await loop.tick()
+    assert first.action == "switch" and loop.decisions[-1]["outcome"].startswith("failed: Worker died")
+    assert samples(metrics, "pdserve_planner_role_switches") == {}
+    await loop.tick()
+    assert loop.decisions[-1]["outcome"] == "switched in 1.5 s" and len(calls) == 2
+    assert samples(metrics, "pdserve_planner_role_switches") == {
+        (("from", "decode"), ("reason", "ttft"), ("to", "prefill")): 1.0}
+    held = await loop.tick()  # one decode worker left: the floor
+    assert held.reason == "floor" and len(calls) == 2
+    assert loop.describe()["decisions"][0]["reason"] == "floor"
+
+
+async def test_dry_run_asks_the_switch_nothing_and_says_what_it_would_answer():
+    from pdserve.services.gateway.metrics import GatewayMetrics
+    from pdserve.services.gateway.workers.planning import PlannerLoop
+
+    async def switch(*_):
+        raise AssertionError("a dry run switched")
+
+    metrics, pool = GatewayMetrics(), pd_pool(1, 2)
+    loop = PlannerLoop(PlannerSettings(**SLO, sustain=1, dry_run=True), pool, metrics, switch)
+    metrics.recent.ttft.append((time.perf_counter(), 2.0))
+    d = await loop.tick()
+    assert d.action == "switch" and loop.decisions[-1]["outcome"] == "dry run: not switched"
+    assert samples(metrics, "pdserve_planner_dry_run_switches") == {
+        (("from", "decode"), ("reason", "ttft"), ("to", "prefill")): 1.0}
+    assert {w.role for w in pool.workers.values()} == {"prefill", "decode"}
+
+
+def test_the_loop_refuses_a_colocated_deployment():
+    from pdserve.services.gateway.metrics import GatewayMetrics
+    from pdserve.services.gateway.workers.planning import PlannerLoop
+    from pdserve.services.gateway.workers.pool import WorkerPool
+
+    with pytest.raises(ValueError, match="give --prefill and --decode workers"):
+        PlannerLoop(PlannerSettings(**SLO), WorkerPool({"colocated": ["10.0.0.1:1"]}), GatewayMetrics())
