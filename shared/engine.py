@@ -175,6 +175,22 @@ class Engine:
         s = self.scheduler
         return bool(s.waiting or s.running or s.chunked or self.overlap.pending or self.role.has_work())
 
+    def switch_role(self, kind: Role, transfer_fn: TransferFn | None = None,
+                    poll_fn: Callable[[], None] | None = None) -> bool:
+        """Engine thread: become a `kind` worker's engine, with the weights, pool, prefix cache and KV tiers as they
+        are; False (nothing changed) while a request is still held."""
+        if self.has_work() or not self.role.holds_nothing():
+            return False
+        if self.role in self.scheduler.holders:
+            self.scheduler.holders.remove(self.role)
+        self.role = self.overlap.role = make_role(kind, self.ops, self.add_request, transfer_fn, poll_fn)
+        speculates = self.config.speculative is not None and kind != Role.PREFILL and self.generates
+        if not speculates:
+            self.speculator = None
+        elif self.speculator is None:
+            self.speculator = Speculator(self.ops, self.config.speculative)
+        return True
+
     # ------------------------------------------------------------ requests (engine thread)
     def add_request(self, req: Req, lora: str | None = None, lora_version: str | None = None,
                     resume: Resume | None = None) -> None:

@@ -59,6 +59,10 @@ class EncoderWorkerService(pb_grpc.WorkerServicer):
     async def Stats(self, request, context):
         return pb.PoolStats(integrity_ok=True, integrity_message="an encoder keeps no KV pages")
 
+    async def SwitchRole(self, request, context):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "embedding_worker: an embedding or scoring model "
+                                                                 "has no prefill or decode role")
+
 
 class EncoderWorkerApp:
     def __init__(self, config: RuntimeConfig, args: argparse.Namespace) -> None:

@@ -75,6 +75,9 @@ class DecodeRole(EngineRole):
     def num_queued(self) -> int:
         return len(self.reserving)
 
+    def holds_nothing(self) -> bool:
+        return not (self.reserving or self.awaiting_kv or self.quarantine)
+
     def poll(self) -> None:
         if self.poll_fn is not None:
             self.poll_fn()

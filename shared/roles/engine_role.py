@@ -1,6 +1,6 @@
 """EngineRole: the points where a role plugs into the engine's step, and what every role does at them.
 
-A worker keeps one role for its lifetime. Its engine calls the role on the engine thread:
+A worker keeps one role until it is switched while it holds no request (`holds_nothing`). Its engine calls the role on the engine thread:
 
     admit(req)              a new, validated request: finish it at once (max_new_tokens 0, no logprobs to compute)
                             or queue it
@@ -63,6 +63,11 @@ class EngineRole:
     def has_work(self) -> bool:
         """Work beside the scheduler's queues."""
         return False
+
+    def holds_nothing(self) -> bool:
+        """No request of its own beside the scheduler's (none waits for KV or a settled fence): the worker may
+        take another role now (services/worker/front/role_switch.py)."""
+        return not self.has_work()
 
     def num_queued(self) -> int:
         """Requests waiting beside the scheduler's queue (for the load a worker reports)."""

@@ -56,7 +56,10 @@ class PrefillRole(EngineRole):
         return fut
 
     def admit(self, req: Req) -> None:
-        self.queue(req)  # even with max_new_tokens 0, decode needs the prompt's KV
+        self.queue(req)
+
+    def holds_nothing(self) -> bool:
+        return not (self._waiters or self.has_work())  # even with max_new_tokens 0, decode needs the prompt's KV
 
     def schedule(self) -> Batch | None:
         return self.scheduler.schedule_prefill()

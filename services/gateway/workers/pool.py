@@ -60,7 +60,8 @@ class Worker:
     load: pb.LoadReply | None = None
     in_flight: int = 0  # requests this gateway has on the worker now
     last_error: str = ""
-    draining: bool = False  # it said it is shutting down: no new requests, its own finish
+    draining: bool = False  # it said it is shutting down (or switching roles): no new requests, its own finish
+    switching: bool = False  # this gateway is switching its role (role_switch.py)
     # Requests in flight on this worker: each callback fails its request when the worker is taken out.
     on_out: set[Callable[[str], None]] = field(default_factory=set)
     generations: GenerateStream = field(init=False)  # this process's generations on the worker, one stream
@@ -175,6 +176,9 @@ class WorkerPool:
                 self._drain(worker)
                 return False
             worker.draining = False
+            if health.role and health.role != worker.role:  # switched live (role_switch.py): Info tells the rest
+                log.info("%s worker %s is a %s worker now", worker.role, worker.address, health.role)
+                worker.role, worker.info = health.role, None
             if not health.ok:
                 raise RuntimeError("worker reports it is not ready")
             if worker.info is None or not worker.healthy:  # (re)joining: it may have restarted differently
@@ -232,7 +236,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------ views
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.healthy]
+        return [w for w in self.workers.values() if w.role == role and w.healthy and not w.switching]
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]

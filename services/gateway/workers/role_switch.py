@@ -8,7 +8,6 @@ worker that has not finished switching, and the old role's requests stop reachin
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -50,12 +49,18 @@ async def switch_role(pool: WorkerPool, address: str, worker_type: str) -> float
     if refused is not None:
         raise refused
     started = time.monotonic()
-    worker.switching = True
+    worker.switching = True  # out of the pool's views at once: no new request of the old role goes to it
     try:
-        reply = await _ask(worker, role)
+        prefills = [w.address for w in pool.healthy("prefill")] if role == "decode" else []
+        try:
+            reply = await _ask(worker, role, prefills)
+        except SwitchRefused as refused:
+            if refused.reason == "worker_lost":
+                await pool.probe(worker)  # taken out at once if it is gone
+            raise
         # Known at once: the router picks the worker for its new role from the next request on.
-        worker.role = role
-        worker.info = reply.info if reply.HasField("info") else worker.info
+        worker.role, worker.info = role, reply.info
+        await pool.check(worker)
     finally:
         worker.switching = False
     return time.monotonic() - started
@@ -63,14 +68,11 @@ async def switch_role(pool: WorkerPool, address: str, worker_type: str) -> float
 
 def refusal(pool: WorkerPool, worker: Worker, role: str) -> SwitchRefused | None:
     """Why `worker` cannot switch to `role` now, or None."""
-    if getattr(worker, "switching", False):
+    if worker.switching:
         return SwitchRefused(409, "switch_in_progress", f"Worker {worker.address} is switching roles already.")
     if not worker.healthy or worker.info is None:
         return SwitchRefused(503, "worker_not_serving", f"Worker {worker.address} is not serving: "
                                                         f"{worker.last_error or 'not checked yet'}.")
-    if worker.info.is_embedding:
-        return SwitchRefused(400, "embedding_worker", f"Worker {worker.address} serves an embedding model, "
-                                                      "which has no prefill or decode role.")
     if worker.role == role:
         return SwitchRefused(400, "same_role", f"Worker {worker.address} is a {worker_type_of(worker)} worker "
                                                "already.", "worker_type")
@@ -90,15 +92,15 @@ def worker_type_of(worker: Worker) -> str:
     return worker_type(worker.role)
 
 
-async def _ask(worker: Worker, role: str) -> pb.SwitchRoleReply:
+async def _ask(worker: Worker, role: str, prefill_addrs: list[str]) -> pb.SwitchRoleReply:
     try:
-        reply = await worker.stub.SwitchRole(pb.SwitchRoleRequest(role=role), timeout=SWITCH_TIMEOUT_S)
+        reply = await worker.stub.SwitchRole(pb.SwitchRoleRequest(role=role, prefill_addrs=prefill_addrs),
+                                             timeout=SWITCH_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the worker refused: its details name the reason
             reason, _, message = (exc.details() or "refused: ").partition(": ")
-            raise SwitchRefused(409, reason, message or reason) from None
+            status = 409 if reason == "switch_in_progress" else 400
+            raise SwitchRefused(status, reason, f"Worker {worker.address}: {message or reason}.") from None
         raise SwitchRefused(503, "worker_lost", f"Worker {worker.address} failed during the switch: "
                                                 f"{exc.details() or exc.code().name}.") from None
-    except asyncio.CancelledError:
-        raise
     return reply

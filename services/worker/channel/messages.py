@@ -219,6 +219,13 @@ class Weights(Call):
     abort_reason: str | None = None
 
 
+@declared
+class SwitchRole(Call):
+    """Turn the engine into `role` once it holds no request (waiting up to `wait_s`); the engine's info after."""
+    role: str
+    wait_s: float
+
+
 # ------------------------------------------------------------ events, engine -> front
 @declared
 class PagesReserved(Event):

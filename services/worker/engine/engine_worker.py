@@ -136,6 +136,17 @@ class WorkerEngine:
         operation when rank 0's engine thread posts it (the only thread that posts to the ranks)."""
         return fn() if self.runner.tp is None else self.on_engine(fn)
 
+    def switch_to(self, side) -> bool:
+        """Engine thread: take the role whose engine side is `side` (a `ColocatedEngine` subclass) if the engine
+        holds no request; its transfer agent serves either direction, so nothing else changes (a tensor-parallel
+        worker's other ranks only follow rank 0's posts: they switch with it)."""
+        role = side(self)
+        if not self.engine.switch_role(side.role, **role.engine_hooks()):
+            return False
+        self.role = role
+        self.metrics.counts_at_prefill = side.ends_at_prefill
+        return True
+
     # ------------------------------------------------------------ admission (generate, prefill)
     def admit(self, req: Req, add) -> Future:
         """`add()` on the engine thread, after the request's grammar compiled on a thread of its own (the step loop

@@ -2,7 +2,7 @@
 unloading adapters, the expert distribution record, load and pool figures, flushing the prefix cache.
 
 Each is one engine call (`engine_admin_calls.AdminCalls` on the engine's side) whose answer becomes the reply;
-none touches a generation in progress. A mixin of `rpc.WorkerService`, over its `info` and two ways to call
+none touches a generation in progress, but SwitchRole (front/role_switch.py), which drains them first. A mixin of `rpc.WorkerService`, over its `info` and two ways to call
 the engine: `_engine` (failures raised) and `_call_or_abort` (a failure ends the gRPC call with its status).
 """
 from __future__ import annotations
@@ -71,6 +71,14 @@ class AdminRpcs:
         except RemoteError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION if exc.kind == "precondition"
                                 else grpc.StatusCode.INTERNAL, str(exc))
+
+
+    # ------------------------------------------------------------ live role switch
+    async def SwitchRole(self, request: pb.SwitchRoleRequest, context):
+        switch = getattr(self, "role_switch", None)  # front/role_switch.py, set by the app
+        if switch is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker does not switch roles")
+        return await switch(request, context)
 
 
 def adapter_info(adapter: dict) -> pb.LoraAdapterInfo:

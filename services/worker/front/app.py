@@ -2,7 +2,7 @@
 the stats line, over the engine process it starts (`engine_link.EngineLink`); it never loads torch.
 
 Lifecycle: start the engine process and wait until it is ready, (decode) register with the listed prefill
-workers, serve until SIGTERM/SIGINT, drain (not ready, no new Generate, those in progress finish: `_drain`), then
+workers, serve (a prefill or decode worker may switch roles meanwhile: `role_switch.py`) until SIGTERM/SIGINT, drain (not ready, no new Generate, those in progress finish: `_drain`), then
 stop everything. If the engine process dies, the worker reports unhealthy at once, its requests end with an error
 (a decode worker's migrate), and the front exits with an error so that its supervisor starts the worker again.
 """
@@ -32,6 +32,8 @@ from pdserve.services.worker.front.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.front.pooling import PoolingService, engine_encode
 from pdserve.services.worker.front.rpc import Calls, Timeouts, WorkerService
 from pdserve.services.worker.front.prefill import Prefill
+from pdserve.services.worker.front.prefill_rpc import PrefillGate
+from pdserve.services.worker.front.role_switch import RoleSwitch
 from pdserve.services.worker.channel.settings import worker_name
 from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.cluster_auth import server_interceptors
@@ -115,24 +117,27 @@ class WorkerApp:
             return 1
         server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=[*server_interceptors(self.args.host), RequestIdServerInterceptor()])
-        calls = Calls()
+        self.calls = calls = Calls()
         info = self.engine_info
-        wiring = self.wiring
-        await wiring.serve(self, server, calls)
+        await self.wiring.serve(self, server, calls)
+        if self.wiring.role != Role.COLOCATED:  # served in whichever role it holds now (role_switch.py)
+            pb_grpc.add_PrefillServicer_to_server(PrefillGate(lambda: getattr(self.wiring, "service", None)), server)
 
         def weights_changed(compat: Compat) -> None:
             self.compat = compat
-            wiring.weights_changed(compat)
+            self.wiring.weights_changed(compat)
 
-        worker = WorkerService(self.link, wiring, self.compat, self.info, self.timeouts, is_ready=self.healthy,
+        worker = WorkerService(self.link, self.wiring, self.compat, self.info, self.timeouts, is_ready=self.healthy,
                                on_weights=weights_changed, calls=calls, stream_interval=self.args.stream_interval,
                                generates=info["generates"])
         worker.kv_feed = self.kv_feed
         Gauge("pdserve_worker_traced_generations", "traced generations in progress: their spans open",
               ["model_name"], registry=self.registry).labels(self.args.served_model_name or self.model_path
                                                              ).set_function(lambda: len(worker.traced))
+        pooling = PoolingService(engine_encode(self.link), self.wiring.refuses_pooling)
+        worker.role_switch = RoleSwitch(self, worker, pooling, wiring_for)
         pb_grpc.add_WorkerServicer_to_server(worker, server)
-        pb_grpc.add_PoolingServicer_to_server(PoolingService(engine_encode(self.link), wiring.refuses_pooling), server)
+        pb_grpc.add_PoolingServicer_to_server(pooling, server)
         bound = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         if bound == 0:
             log.error("cannot listen on %s:%s (port in use? pass --port)", self.args.host, self.args.port)
@@ -146,12 +151,12 @@ class WorkerApp:
             return 1
         code = 0
         try:
-            await wiring.start(self)
+            await self.wiring.start(self)
             self.ready = self.link.alive
             spec = info["speculative_tokens"]
             weights = self.compat.dtype + (f" ({self.args.quantization})" if self.args.quantization else "")
             log.info("%s worker ready: gRPC %s:%d, HTTP %d, engine process %s, %s, kernels %s%s%s%s",
-                     wiring.role.value, self.args.host, self.args.port, self.http_port, self.link.pid, weights,
+                     self.wiring.role.value, self.args.host, self.args.port, self.http_port, self.link.pid, weights,
                      info["kernels"], f", tensor-parallel over {info['tp_size']} ranks" if info["tp_size"] > 1 else "",
                      f", speculative ngram (up to {spec} draft tokens)" if spec else "",
                      ", overlapped decode steps" if info["overlap"] else "")

@@ -5,14 +5,18 @@ the receiving side of KV transfers (`decode_engine.py`). A generation that fails
 gateway migrates."""
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from pdserve.services.worker.channel.messages import PagesReserved, TransferMetadata
 from pdserve.services.worker.front.kv_pull import KVPull
-from pdserve.services.worker.front.peers import PrefillPeers
+from pdserve.services.worker.front.peers import PeerError, PrefillPeers
 from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.config import Role
+
+log = logging.getLogger("pdserve.worker")
 
 
 class Decode(Wiring):
@@ -41,3 +45,12 @@ class Decode(Wiring):
 
     def weights_changed(self, compat) -> None:
         self.peers.compat = compat
+
+    async def register(self, prefill_addrs: list[str], deadline_s: float) -> None:
+        try:  # one not reached now is registered with at its first request
+            await self.peers.register_all(prefill_addrs, deadline_s)
+        except PeerError as exc:
+            log.warning("after the role switch: %s", exc)
+
+    async def stop(self) -> None:
+        await self.peers.close()

@@ -142,6 +142,10 @@ class EngineLink:
     def watch(self, rid: str, sink: Sink) -> None:
         self._sinks[rid] = sink
 
+    def watched(self) -> list[str]:
+        """The requests whose outputs are awaited now."""
+        return list(self._sinks)
+
     def unwatch(self, rid: str) -> None:
         self._sinks.pop(rid, None)
 

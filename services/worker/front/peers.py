@@ -158,6 +158,17 @@ class PrefillPeers:
                     raise
                 await asyncio.sleep(0.5)
 
+    async def close(self) -> None:
+        """Stop registering (the worker is no decode worker any more) and close every channel."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
+        channels, self._channels = list(self._channels.values()), {}
+        self._clients.clear()
+        self._answered_at.clear()
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
     # ------------------------------------------------------------ internals
     def _channel(self, addr: str) -> grpc.aio.Channel:
         # One channel per address for the worker's life: registering again must not open a connection each time.

@@ -147,3 +147,31 @@ class PrefillService(pb_grpc.PrefillServicer):
 
 def first_token(token_id: int, lp) -> pb.FirstToken:
     return first_token_to_proto(FirstToken(token_id, None if lp is None else TokenLogprobs.from_wire(lp)))
+
+
+class PrefillGate(pb_grpc.PrefillServicer):
+    """The Prefill service of a worker that may switch roles (front/role_switch.py): served while it is a prefill
+    worker (`current()` is its PrefillService), refused otherwise, so a decode worker that still has this address
+    learns at once that it is no prefill worker now."""
+
+    def __init__(self, current) -> None:
+        self.current = current
+
+    async def Register(self, request: pb.RegisterRequest, context):
+        service = self.current()
+        if service is None:
+            return pb.RegisterReply(ok=False, error="this worker is no prefill worker now (its role was switched)")
+        return await service.Register(request, context)
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        return await (await self._serving(context)).Prefill(request, context)
+
+    async def Fence(self, request: pb.FenceRequest, context):
+        return await (await self._serving(context)).Fence(request, context)
+
+    async def _serving(self, context) -> PrefillService:
+        service = self.current()
+        if service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is no prefill worker now (its role was "
+                                                             "switched)")
+        return service

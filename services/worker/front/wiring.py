@@ -43,10 +43,16 @@ class Wiring:
         return stall_s
 
     async def serve(self, app, server, calls) -> None:
-        """Add this role's own services to `server` (before it starts)."""
+        """Build this role's own parts (at start, or when the worker switches to this role: role_switch.py)."""
 
     async def start(self, app) -> None:
-        """Once serving, before ready."""
+        """Once serving, before ready (at start only)."""
+
+    async def register(self, prefill_addrs: list[str], deadline_s: float) -> None:
+        """Switched to this role: meet the prefill workers named (a decode worker registers with them)."""
+
+    async def stop(self) -> None:
+        """Switched away from this role: end what it runs in the background."""
 
     def weights_changed(self, compat) -> None:
         """This worker now serves other weights: what its peers are told changes."""
