@@ -84,11 +84,6 @@ def resume_from_proto(request: pb.GenerateRequest) -> list[tuple[int, list[int]]
     return [(c.index, list(c.output_ids)) for c in request.resume] if request.resume else None
 
 
-def choices_of(request: pb.GenerateRequest) -> int:
-    """How many choices the worker runs for `request` (a resumed generation: those still running)."""
-    return len(request.resume) or max(1, request.sampling.n)
-
-
 # ------------------------------------------------------------------ outputs and first tokens
 def output_to_proto(out: ReqOutput) -> pb.ChoiceDelta:
     return pb.ChoiceDelta(

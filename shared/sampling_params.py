@@ -39,7 +39,6 @@ MAX_CACHE_SALT = 1024  # characters of a cache_salt (vLLM suggests 43: 256 rando
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_UNMOVABLE_CONSTRAINT = "constrained (grammar) requests"
 
 
 class InvalidParam(ValueError):
@@ -63,9 +62,9 @@ class FieldSpec:
     neutral: float | None = None
     """Set for a penalty: the value that changes nothing. has_penalty: some penalty away from its neutral value."""
     unmovable: str | None = None
-    """Set where a request whose value is not the default cannot move to another worker pair mid-stream (the
-    continuation sends the output as prompt: what counts output tokens, or the worker's state, would be lost).
-    Names those requests, as "requests with n > 1"."""
+    """Set where a request whose value is not the default cannot move to another worker pair mid-stream: the
+    worker's state for it could not be rebuilt from the output so far, which is all a migration carries
+    (shared/resume.py). Names those requests, as "requests with n > 1". No field is so marked today."""
 
 
 _PLAIN = FieldSpec()
@@ -92,15 +91,12 @@ class SamplingParams:
     """Keep the tokens with fewer than top_k more likely tokens; -1 or 0 means no limit."""
     min_p: float = param(0.0, lo=0.0, hi=1.0)
     """Keep the tokens at least min_p times as likely as the most likely one; [0, 1]."""
-    frequency_penalty: float = param(0.0, lo=-2.0, hi=2.0, penalty=0.0,
-                                     unmovable="requests with frequency or presence penalties")
+    frequency_penalty: float = param(0.0, lo=-2.0, hi=2.0, penalty=0.0)
     """Subtracted from a token's logit once per time it occurs in the output; [-2, 2]."""
-    presence_penalty: float = param(0.0, lo=-2.0, hi=2.0, penalty=0.0,
-                                    unmovable="requests with frequency or presence penalties")
+    presence_penalty: float = param(0.0, lo=-2.0, hi=2.0, penalty=0.0)
     """Subtracted from the logit of every token present in the output; [-2, 2]."""
     repetition_penalty: float = param(1.0, lo=0.0, hi=2.0, lo_open=True, penalty=1.0)
-    """Logits of tokens in the prompt or output: positive ones divided by it, negative ones multiplied; (0, 2].
-    It counts no occurrences, so a continuation that resends the output as prompt penalises the same tokens."""
+    """Logits of tokens in the prompt or output: positive ones divided by it, negative ones multiplied; (0, 2]."""
     max_new_tokens: int = param(128, lo=0)
     """0 is allowed: the request ends at once with no tokens."""
     min_new_tokens: int = param(0, lo=0)
@@ -112,7 +108,7 @@ class SamplingParams:
     """Eos does not end the request."""
     seed: int | None = param(None, lo=_INT64_MIN, hi=_INT64_MAX)
     """Same seed, params and model: the same tokens, whatever else runs in the batch."""
-    n: int = param(1, lo=1, hi=MAX_N, unmovable="requests with n > 1")
+    n: int = param(1, lo=1, hi=MAX_N)
     """Number of choices sampled from one prompt; [1, 128]."""
     return_logprob: bool = False
     top_logprobs_num: int = param(0, lo=0, hi=MAX_TOP_LOGPROBS)
@@ -123,13 +119,13 @@ class SamplingParams:
     """With return_logprob: also report, at every position reported, the logprobs of these token ids."""
     logit_bias: tuple[tuple[int, float], ...] = param((), lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
     """(token id, bias) pairs, sorted: the bias is added to the token's logit before sampling; [-100, 100]."""
-    json_schema: str | None = param(None, unmovable=_UNMOVABLE_CONSTRAINT)
+    json_schema: str | None = param(None)
     """Constrain the output to JSON matching this schema (a JSON string)."""
-    regex: str | None = param(None, unmovable=_UNMOVABLE_CONSTRAINT)
+    regex: str | None = param(None)
     """Constrain the output to match this regular expression."""
-    ebnf: str | None = param(None, unmovable=_UNMOVABLE_CONSTRAINT)
+    ebnf: str | None = param(None)
     """Constrain the output to this EBNF grammar (GBNF dialect, `root` rule first)."""
-    structural_tag: str | None = param(None, unmovable=_UNMOVABLE_CONSTRAINT)
+    structural_tag: str | None = param(None)
     """Constrain the parts of the output between begin/end tags (a JSON string, SGLang's structural_tag)."""
     think_start_ids: tuple[int, ...] = ()
     think_end_ids: tuple[int, ...] = ()

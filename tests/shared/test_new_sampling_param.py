@@ -3,8 +3,8 @@ sampler. Here a toy one, `max_count` (no token may be sampled once the text, pro
 many times), is added the way such a change adds it: a field declared in a subclass, and a `Ban` appended to the
 sampler's BANS (the proto field only carries it between processes, tests/shared/test_param_definitions.py).
 Nothing else is edited, and the parameter holds in a colocated engine, under speculative decoding (whose verify
-step asks the sampler which rows it may sample ahead), across a prefill/decode pair and in the continuation that
-migration sends to another pair.
+step asks the sampler which rows it may sample ahead), across a prefill/decode pair and in a generation migration
+resumes on another worker (a decode worker, from the output so far).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import pytest
 
 from fixtures import make_tiny_model
-from pdserve.services.gateway.workers.migration import continuation, why_not_movable
+from pdserve.services.gateway.workers.migration import why_not_movable
 from pdserve.shared import sampler
 from pdserve.shared.config import CacheConfig, Role, RuntimeConfig, SpeculativeConfig
 from pdserve.shared.engine import Engine
@@ -62,9 +62,10 @@ def make_engine(model_dir, role: Role = Role.COLOCATED, speculative: bool = Fals
                                 speculative=SpeculativeConfig() if speculative else None), role=role)
 
 
-def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+def run(engine: Engine, prompt: list[int], params: SamplingParams, resume: list[int] | None = None) -> list[int]:
     tokens: list[int] = []
-    engine.add_request(Req(rid="r", input_ids=prompt, params=params, on_output=lambda o: tokens.extend(o.token_ids)))
+    engine.add_request(Req(rid="r", input_ids=prompt, params=params, on_output=lambda o: tokens.extend(o.token_ids)),
+                       resume=None if resume is None else [(0, resume)])
     while engine.has_work():
         engine.step()
     return tokens
@@ -108,10 +109,8 @@ def test_the_new_parameter_holds_colocated_speculative_and_pd(model_dir):
 
 
 def test_the_new_parameter_moves_with_a_migrated_request(model_dir):
-    """Migration sends prompt + output so far as the new prompt: a cap on the whole text holds across the move."""
-    first = run(make_engine(model_dir), PROMPT, PARAMS)[:10]
+    """Migration resumes the output so far on another worker: a cap on the whole text holds across the move."""
+    whole = run(make_engine(model_dir), PROMPT, PARAMS)
     assert why_not_movable(PARAMS) is None
-    moved = continuation(PROMPT, first, PARAMS)
-    assert moved.params.max_count == CAP
-    rest = run(make_engine(model_dir), moved.input_ids, moved.params)
-    assert len(first + rest) == MAX_NEW and capped(PROMPT + first + rest), first + rest
+    rest = run(make_engine(model_dir, Role.DECODE), PROMPT, PARAMS, resume=whole[:10])
+    assert whole[:10] + rest == whole and capped(PROMPT + whole), whole

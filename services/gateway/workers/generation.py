@@ -7,10 +7,10 @@ client went away), or when a worker of the pair is taken out (the prefill worker
 output: after that the decode worker needs it no more).
 
 When a worker of the pair turns out to be down, the generation goes on elsewhere: a failure before any
-output is retried from scratch on another pair; one after output migrates (migration.py: the prompt plus
-the tokens already out go to another pair, and its output continues the same choices), or, for what
-cannot migrate, starts over when nothing reached the client yet. Otherwise, or once the attempts are used
-up, or when no healthy pair is left, the generation ends with a 503.
+output is retried from scratch on another pair; one after output migrates (migration.py: another pair
+continues each running choice from its output so far), or, for what cannot migrate, starts over when
+nothing reached the client yet. Otherwise, or once the attempts are used up, or when no healthy pair is
+left, the generation ends with a 503.
 """
 from __future__ import annotations
 
@@ -233,19 +233,18 @@ class Generation:
         return None, f" ({why_not})"
 
     def _input_ids(self) -> list[int]:
-        """The prompt of the next attempt: the job's, then the output so far when it continues one."""
+        """What the next attempt computes first (its route's prefix affinity): the prompt, then the first choice's
+        output so far when it continues one."""
         if not self.produced:
             return self.job.input_ids
         return self.job.input_ids + self.choices[0].output_ids
 
     def _request(self, pair: Pair) -> pb.GenerateRequest:
-        job, input_ids, params = self.job, self.job.input_ids, self.job.params
-        if self.produced:
-            resumed = continuation(job.input_ids, self.choices[0].output_ids, params)
-            input_ids, params = resumed.input_ids, resumed.params
-        return pb.GenerateRequest(rid=self.worker_rid, input_ids=input_ids, sampling=params_to_proto(params),
+        job = self.job
+        resume = continuation([None if c.finished else c.output_ids for c in self.choices]) if self.produced else []
+        return pb.GenerateRequest(rid=self.worker_rid, input_ids=job.input_ids, sampling=params_to_proto(job.params),
                                   prefill_addr=pair.prefill.address if pair.prefill is not None else "",
-                                  lora=job.lora or "", public_id=job.public_id)
+                                  lora=job.lora or "", public_id=job.public_id, resume=resume)
 
     # ------------------------------------------------------------ one attempt on one pair
     async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:

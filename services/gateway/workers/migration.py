@@ -1,33 +1,27 @@
 """Request migration: a generation whose worker pair failed mid-stream continues on another pair.
 
-The new pair is sent the prompt followed by every token the choice has produced so far, as one longer prompt,
-and asked for what is left of the budget. The gateway keeps its own per-choice state (detokenizer, stop
-strings, the tokens counted for usage), so the client's stream goes on as if nothing happened: no token is
-repeated or missing. With greedy decoding on workers in deterministic mode the tokens are those of an
-uninterrupted run; a seeded sampled request continues with the same seed (its generator starts afresh, so the
-rest of its output is a different sample, as valid as the first).
+The new pair gets the original prompt and parameters, and the choices still running each with every token it has
+produced so far (GenerateRequest.resume). The worker restores from those tokens everything its sampler reads as
+if it had produced them itself (shared/resume.py): frequency and presence penalty counts, the min/max new-token
+budgets counted from the original start, the grammar matcher's state, the seeded draw position (a seeded
+choice's draws depend only on seed, choice index and output position), each of the n > 1 siblings its own
+output, the logprob settings (prompt logprobs were reported with the first output and are not computed again).
+It computes the KV of prompt + output (the recompute path: the KV is gone with the failed worker) and streams only
+new tokens. The gateway keeps its own per-choice state (detokenizer, stop strings, the tokens counted for usage),
+so the client's stream goes on as if nothing happened: no token is repeated or missing, and on workers in
+deterministic mode the text is that of an undisturbed run.
 
-What cannot be continued this way, and so ends with the failure as before (or starts over, when nothing
-has reached the client yet), is marked `unmovable` in the parameter's definition (shared/sampling_params.py):
-- n > 1: the choices share one worker request and each has its own tokens;
-- grammar constraints: the worker's grammar state would have to be rebuilt from the tokens already out;
-- frequency and presence penalties: they count output tokens only, and those tokens would now be prompt.
-The repetition penalty moves: it treats prompt and output alike.
+A parameter whose worker state could not be rebuilt from the output so far would be marked `unmovable` in its
+definition (shared/sampling_params.py): such a generation ends with the failure (or starts over, when nothing
+has reached the client yet), and the error names it. No parameter is so marked today.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto.codec import resume_to_proto
 from pdserve.shared.sampling_params import SamplingParams, spec_of
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """The worker request that picks a generation up where it stopped."""
-
-    input_ids: list[int]
-    params: SamplingParams
 
 
 def why_not_movable(params: SamplingParams) -> str | None:
@@ -40,12 +34,7 @@ def why_not_movable(params: SamplingParams) -> str | None:
     return None
 
 
-def continuation(input_ids: list[int], output_ids: list[int], params: SamplingParams) -> Continuation:
-    """Prompt + `output_ids` as the new prompt; the budgets reduced by what was produced.
-
-    Prompt logprobs were reported with the first output already, so they are not asked for again (the
-    output's own logprobs still are)."""
-    produced = len(output_ids)
-    rest = dataclasses.replace(params, max_new_tokens=max(0, params.max_new_tokens - produced),
-                               min_new_tokens=max(0, params.min_new_tokens - produced), logprob_start_len=-1)
-    return Continuation(input_ids + output_ids, rest)
+def continuation(outputs: list[list[int] | None]) -> list[pb.ResumedChoice]:
+    """GenerateRequest.resume of a generation whose choices have produced `outputs` (by choice index; None for a
+    choice that has ended, which does not run again)."""
+    return resume_to_proto({i: ids for i, ids in enumerate(outputs) if ids is not None})

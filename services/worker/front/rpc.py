@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.proto.codec import choices_of, output_to_proto, prompt_logprobs_to_proto, resume_from_proto
+from pdserve.proto.codec import output_to_proto, prompt_logprobs_to_proto, resume_from_proto
 from pdserve.services import tracing
 from pdserve.services.worker.front import spans
 from pdserve.services.worker.front.admin_rpc import AdminRpcs
@@ -43,6 +43,11 @@ CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "timeout": grpc.StatusCode
          "precondition": grpc.StatusCode.FAILED_PRECONDITION, "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
          "unavailable": grpc.StatusCode.UNAVAILABLE, "not_found": grpc.StatusCode.NOT_FOUND,
          "weights": grpc.StatusCode.INVALID_ARGUMENT, "internal": grpc.StatusCode.INTERNAL}
+
+
+def choices_of(request: pb.GenerateRequest) -> int:
+    """How many choices the worker runs for `request` (a resumed generation: those still running)."""
+    return len(request.resume) or max(1, request.sampling.n)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Migration over in-process gRPC workers that die mid-stream: the stream goes on elsewhere, exactly.
 
-The stand-in workers run a "model" whose next token is a function of the whole sequence so far, so a
-continuation sent the right prompt (the original plus what was already out) produces exactly the tokens an
-uninterrupted run would have: any repeated, missing or misplaced token changes the output.
+The stand-in workers run a "model" whose next token is a function of the choice and its whole sequence so far,
+so a continuation that resumes each choice from its output so far (GenerateRequest.resume) produces exactly the
+tokens an uninterrupted run would have: any repeated, missing or misplaced token changes the output.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_from_proto
 from pdserve.services.gateway.workers.backend import Backend, BackendSettings
 from pdserve.services.gateway.errors import ApiError
-from pdserve.services.gateway.workers.generation import Restart
 from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.workers.migration import continuation, why_not_movable
@@ -28,24 +27,25 @@ from pdserve.shared.sampling_params import SamplingParams
 from harness import Multiplexed
 
 
-def next_token(seq: list[int]) -> int:
-    return 300 + (sum(seq) * 31 + len(seq)) % 200
+def next_token(seq: list[int], index: int = 0) -> int:
+    return 300 + (sum(seq) * 31 + len(seq) + 7 * index) % 200
 
 
-def reference(prompt: list[int], count: int) -> list[int]:
+def reference(prompt: list[int], count: int, index: int = 0) -> list[int]:
     seq = list(prompt)
     for _ in range(count):
-        seq.append(next_token(seq))
+        seq.append(next_token(seq, index))
     return seq[len(prompt):]
 
 
 class ModelWorker(Multiplexed, pb_grpc.WorkerServicer):
     """Generates `next_token` one per message; dies (its whole server stops) after `die_after` messages."""
 
-    def __init__(self, die_after: int | None = None, delay: float = 0.005) -> None:
-        self.die_after, self.delay = die_after, delay
+    def __init__(self, die_after: int | None = None, delay: float = 0.005, role: str = "colocated") -> None:
+        self.die_after, self.delay, self.role = die_after, delay, role
         self.server: grpc.aio.Server | None = None
-        self.requests: list[tuple[list[int], SamplingParams]] = []
+        # (prompt, params, {choice: its output so far}) of each Generate call
+        self.requests: list[tuple[list[int], SamplingParams, dict[int, list[int]]]] = []
         self.rids: list[str] = []
         self.stopping: asyncio.Future | None = None
         self.draining = False  # shutting down: new calls refused, those in progress go on
@@ -54,24 +54,32 @@ class ModelWorker(Multiplexed, pb_grpc.WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
         params = params_from_proto(request.sampling)
-        self.requests.append((list(request.input_ids), params))
+        resume = {c.index: list(c.output_ids) for c in request.resume} or {i: [] for i in range(params.n)}
+        self.requests.append((list(request.input_ids), params, resume))
         self.rids.append(request.rid)
-        seq = list(request.input_ids)
+        seqs = {i: list(request.input_ids) + out for i, out in resume.items()}
         for i in range(params.max_new_tokens):
             if self.die_after is not None and i == self.die_after:
                 # The process is gone: its streams break, its port refuses. (Stopped from a task of its own:
                 # stopping cancels this handler.)
                 self.stopping = asyncio.ensure_future(self.server.stop(0))
                 await asyncio.sleep(10)
-            seq.append(next_token(seq))
-            last = i == params.max_new_tokens - 1
-            yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), cached_tokens=1, choices=[
-                pb.ChoiceDelta(index=0, token_ids=[seq[-1]], logprobs=[-0.5] if params.return_logprob else [],
-                               finish_reason="length" if last else "", matched_stop_token=-1)])
+            deltas = []
+            for index, seq in seqs.items():
+                if len(seq) - len(request.input_ids) >= params.max_new_tokens:
+                    continue
+                seq.append(next_token(seq, index))
+                last = len(seq) - len(request.input_ids) == params.max_new_tokens
+                deltas.append(pb.ChoiceDelta(index=index, token_ids=[seq[-1]],
+                                             logprobs=[-0.5] if params.return_logprob else [],
+                                             finish_reason="length" if last else "", matched_stop_token=-1))
+            if not deltas:
+                return
+            yield pb.GenerateResponse(prompt_tokens=len(request.input_ids), cached_tokens=1, choices=deltas)
             await asyncio.sleep(self.delay)
 
     async def Health(self, request, context):
-        return pb.HealthReply(ok=not self.draining, role="colocated", draining=self.draining)
+        return pb.HealthReply(ok=not self.draining, role=self.role, draining=self.draining)
 
     async def Load(self, request, context):
         return pb.LoadReply(free_pages=100, total_pages=100)
@@ -120,6 +128,11 @@ def job(tok, **params) -> Job:
                                                                    **params}))
 
 
+def total(counter) -> float:
+    """A counter's count over all its labels."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
 async def stream(gen) -> tuple[list[int], str, list]:
     ids, text, updates = [], "", []
     async for u in gen.updates():
@@ -130,22 +143,16 @@ async def stream(gen) -> tuple[list[int], str, list]:
 
 
 # ---------------------------------------------------------------- what a continuation asks for
-def test_a_continuation_sends_prompt_and_output_with_the_rest_of_the_budget():
-    params = SamplingParams(temperature=0.7, seed=5, max_new_tokens=100, min_new_tokens=30, return_logprob=True,
-                            logprob_start_len=0, stop_token_ids=(7,))
-    c = continuation([1, 2, 3], [9, 8], params)
-    assert c.input_ids == [1, 2, 3, 9, 8]
-    assert (c.params.max_new_tokens, c.params.min_new_tokens, c.params.logprob_start_len) == (98, 28, -1)
-    assert (c.params.seed, c.params.stop_token_ids, c.params.return_logprob) == (5, (7,), True)
-    assert continuation([1], list(range(40)), params).params.min_new_tokens == 0
+def test_a_continuation_resumes_each_running_choice_from_its_output():
+    resume = continuation([[9, 8], None, []])
+    assert [(c.index, list(c.output_ids)) for c in resume] == [(0, [9, 8]), (2, [])]  # choice 1 has ended
 
 
-@pytest.mark.parametrize("params, word", [(SamplingParams(n=2), "n > 1"), (SamplingParams(regex="a+"), "grammar"),
-                                          (SamplingParams(frequency_penalty=0.5), "penalties"),
-                                          (SamplingParams(presence_penalty=-1.0), "penalties")])
-def test_what_cannot_move_says_why(params, word):
-    assert word in why_not_movable(params)
-    assert why_not_movable(SamplingParams(repetition_penalty=1.3, seed=3, temperature=1.0)) is None
+@pytest.mark.parametrize("params", [SamplingParams(n=2), SamplingParams(regex="a+"),
+                                    SamplingParams(frequency_penalty=0.5), SamplingParams(presence_penalty=-1.0),
+                                    SamplingParams(repetition_penalty=1.3, seed=3, temperature=1.0)])
+def test_every_parameter_moves(params):
+    assert why_not_movable(params) is None
 
 
 # ---------------------------------------------------------------- streams that lose their worker
@@ -163,13 +170,13 @@ async def test_a_stream_whose_worker_dies_goes_on_elsewhere_token_for_token(tok,
         assert updates[-1].finish_reason == "length" and all(u.finish_reason is None for u in updates[:-1])
         assert len([lp for u in updates for lp in u.logprobs]) == 40  # new tokens' logprobs still come
         assert (gen.prompt_tokens, gen.completion_tokens) == (len(j.input_ids), 40)  # usage: the client's prompt
-        [(sent, params)] = spare.requests
-        assert sent == j.input_ids + expected[:12]
-        assert (params.max_new_tokens, params.min_new_tokens, params.logprob_start_len) == (28, 8, -1)
+        [(sent, params, resume)] = spare.requests
+        assert sent == j.input_ids and resume == {0: expected[:12]}  # the prompt, and the output to continue
+        assert params == j.params  # budgets count from the original start: the worker counts the resumed output
         # A new id for the new attempt: what a worker keeps of the old one (an abort remembered for a request
         # that had not reached it yet) cannot refuse the continuation.
         assert (dying.rids, spare.rids) == ([j.rid], [f"{j.rid}.1"])
-        assert backend.metrics.migrations._value.get() == 1 and backend.metrics.retries._value.get() == 0
+        assert total(backend.metrics.migrations) == 1 and backend.metrics.retries._value.get() == 0
         assert all(w.in_flight == 0 and not w.on_out for w in backend.pool.workers.values())
     finally:
         await backend.pool.close()
@@ -182,7 +189,7 @@ async def test_a_whole_answer_is_continued_too_not_started_over(tok, workers):
         with backend.generation(job(tok)) as gen:
             [result] = await gen.collect()
         assert result.token_ids == reference(gen.job.input_ids, 40) and result.finish_reason == "length"
-        assert backend.metrics.migrations._value.get() == 1
+        assert total(backend.metrics.migrations) == 1
     finally:
         await backend.pool.close()
 
@@ -195,7 +202,7 @@ async def test_migrations_are_bounded(tok, workers):
             with pytest.raises(ApiError) as info:
                 await stream(gen)
         assert info.value.status == 503 and "moved to another worker 2 times" in info.value.message
-        assert backend.metrics.migrations._value.get() == 2
+        assert total(backend.metrics.migrations) == 2
     finally:
         await backend.pool.close()
 
@@ -218,35 +225,29 @@ async def test_with_no_pair_left_the_stream_ends_with_a_clear_503_at_once(tok, w
         await backend.pool.close()
 
 
-async def test_what_cannot_move_fails_the_stream(tok, workers):
+async def test_n_choices_with_penalties_and_a_grammar_move_each_from_its_own_output(tok, workers):
     spare = ModelWorker()
-    addrs = [await workers.start(ModelWorker(die_after=4)), await workers.start(spare)]
+    addrs = [await workers.start(ModelWorker(die_after=9)), await workers.start(spare)]
     backend = await make_backend(tok, {"colocated": addrs})
+    j = job(tok, n=2, frequency_penalty=0.5, presence_penalty=0.3, regex="[a-z ]+", temperature=0.8, seed=3)
     try:
-        with backend.generation(job(tok, frequency_penalty=0.5)) as gen:
-            with pytest.raises(ApiError) as info:
-                await stream(gen)
-        assert info.value.status == 503 and "frequency or presence penalties" in info.value.message
-        assert not spare.requests and backend.metrics.migrations._value.get() == 0
-    finally:
-        await backend.pool.close()
-
-
-async def test_what_cannot_move_starts_over_while_nothing_reached_the_client(tok, workers):
-    addrs = [await workers.start(ModelWorker(die_after=4)), await workers.start(ModelWorker())]
-    backend = await make_backend(tok, {"colocated": addrs})
-    try:
-        with backend.generation(job(tok, frequency_penalty=0.5)) as gen:
-            restarts = [isinstance(u, Restart) async for u in gen.run(restartable=True)]
-        assert restarts.count(True) == 1 and gen.completion_tokens == 40
-        assert backend.metrics.migrations._value.get() == 0 and backend.metrics.retries._value.get() == 1
+        with backend.generation(j) as gen:
+            results = await gen.collect()
+        for index, result in enumerate(results):
+            assert result.token_ids == reference(j.input_ids, 40, index), index  # none repeated or missing
+            assert result.finish_reason == "length"
+        assert reference(j.input_ids, 40, 0) != reference(j.input_ids, 40, 1)
+        [(sent, params, resume)] = spare.requests
+        assert sent == j.input_ids and params == j.params
+        assert resume == {i: reference(j.input_ids, 9, i) for i in range(2)}
+        assert total(backend.metrics.migrations) == 1 and backend.metrics.retries._value.get() == 0
     finally:
         await backend.pool.close()
 
 
 async def test_a_prefill_worker_that_dies_after_the_first_output_leaves_decoding_streams_alone(tok, workers):
-    prefill = ModelWorker()
-    decode = ModelWorker(delay=0.02)
+    prefill = ModelWorker(role="prefill")
+    decode = ModelWorker(delay=0.02, role="decode")
     paddr, daddr = await workers.start(prefill), await workers.start(decode)
     backend = await make_backend(tok, {"prefill": [paddr], "decode": [daddr]})
     try:
@@ -258,7 +259,7 @@ async def test_a_prefill_worker_that_dies_after_the_first_output_leaves_decoding
             rest = [u async for u in updates]
         ids = [t for u in rest for t in u.token_ids]
         assert len(ids) == 39 and gen.completion_tokens == 40
-        assert backend.metrics.migrations._value.get() == 0
+        assert total(backend.metrics.migrations) == 0
         assert all(w.in_flight == 0 and not w.on_out for w in backend.pool.workers.values())
     finally:
         await backend.pool.close()
@@ -278,7 +279,7 @@ async def test_a_draining_worker_finishes_its_streams_and_gets_no_new_ones(tok, 
             assert not backend.pool.workers[addrs[busy]].healthy
             ids += [t async for u in updates for t in u.token_ids]
         assert ids == reference(gen.job.input_ids, 40)  # finished where it ran, untouched
-        assert len(models[busy].requests) == 1 and backend.metrics.migrations._value.get() == 0
+        assert len(models[busy].requests) == 1 and total(backend.metrics.migrations) == 0
         new = Job("r2", tok.encode("another prompt"), SamplingParams(temperature=0.0, max_new_tokens=5))
         for _ in range(2):  # round robin would pick the draining worker for one of them
             with backend.generation(new) as gen2:
