@@ -5,16 +5,24 @@ path from the root is the token prefix before it. Inner nodes hold full pages
 (`page_size` tokens). A leaf may also be a *tail*: the partly filled last page of
 a finished sequence, keyed by the tokens it holds (fewer than `page_size`), so
 that the next turn of a conversation, which extends that sequence, finds all of
-it rather than its whole pages only. A tail's page is shared by no one: the
-request that matches one takes a copy of it (the scheduler's `page_copies`),
-since it goes on writing into that page. A namespace (a LoRA adapter's) is part
+it rather than its whole pages only.
+
+A match is exact to the token: after its whole pages, the page (full or a tail)
+whose leading tokens continue the prompt furthest lends those tokens too. Such a
+page is shared by no one: the request takes a copy of it (the scheduler's
+`page_copies`) and writes its own tokens on into the copy, past the ones it
+shares, so a prompt that repeats a cached one, or leaves it inside a page,
+computes only what it does not share. A namespace (a LoRA adapter's) is part
 of the first page's key, so each namespace has its own subtree: KV computed
 under one adapter never matches a prompt under another, or the base.
 
 Invariants: a node with `lock_ref > 0` (some running request reads it, or a
 descendant) is never evicted; only unlocked leaves are evicted, least recently
 used first. Pages handed to `insert` are owned by the tree afterwards, except
-the duplicates it returns, which the caller frees.
+the duplicates it returns, which the caller frees. The leaves are kept as the
+tree changes (`_leaves`), so an eviction looks at the leaves alone, not at every
+page: a full pool evicts on most steps, and a walk of the whole tree each time
+was most of a fleet simulation's time.
 
 With `events` (kv_events.CacheEvents), every full page outside a namespace is
 named as the routers name it (`route_hash`) and its coming and going recorded.
@@ -36,6 +44,9 @@ class Node:
     page: int
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    # The children by the first token of their key (after the namespace, on a first page): the few a prompt
+    # that leaves a page part-way is compared with, where a root may hold thousands of children.
+    heads: dict[tuple, list[Node]] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = 0.0
     # The storage tier's (kv_tiers.py): the page's key there, once asked for, and whether it is stored.
@@ -48,8 +59,10 @@ class Node:
 class PrefixMatch:
     pages: list[int]  # the full pages matched
     node: Node  # deepest matched node (the root when nothing matched)
-    tail: Node | None = None  # a tail after them, whose tokens continue the match (with `max_tokens` only)
-    tail_tokens: int = 0  # the tokens it holds
+    # With `max_tokens` only: the page after them (a tail or a full page) whose first `tail_tokens` tokens
+    # continue the match; the request copies it rather than share it.
+    tail: Node | None = None
+    tail_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +83,7 @@ class RadixCache:
         self.events: CacheEvents | None = None
         self._num_pages = 0
         self._clock = itertools.count()
+        self._leaves: dict[Node, None] = {}  # every childless node but the root, in the order they became leaves
 
     @property
     def num_pages(self) -> int:
@@ -86,7 +100,7 @@ class RadixCache:
     def match_prefix(self, tokens: list[int], max_pages: int | None = None,
                      namespace: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
         """Longest cached page-aligned prefix of `tokens` (at most `max_pages` pages); with `max_tokens`, also the
-        longest tail after it that keeps the match within `max_tokens` tokens."""
+        page after it that continues the match furthest, within `max_tokens` tokens in all."""
         s = self.page_size
         n = len(tokens) // s
         if max_pages is not None:
@@ -104,13 +118,12 @@ class RadixCache:
         tail, length = None, 0
         if max_tokens is not None:
             start = len(pages) * s
-            prefix = (namespace,) if namespace is not None and not pages else ()
-            for length in range(min(s - 1, max_tokens - start, len(tokens) - start), 0, -1):
-                tail = node.children.get((*prefix, *tokens[start:start + length]))
-                if tail is not None:
-                    tail.last_access = now
-                    break
-        return PrefixMatch(pages, node, tail, length if tail is not None else 0)
+            want = tokens[start:start + min(s - 1, max_tokens - start)]
+            lead = (namespace,) if namespace is not None and not pages else ()
+            tail, length = _furthest_child(node, lead, want)
+            if tail is not None:
+                tail.last_access = now
+        return PrefixMatch(pages, node, tail, length)
 
     def insert(self, tokens: list[int], pages: list[int], namespace: str | None = None,
                tail: bool = False) -> InsertResult:
@@ -127,6 +140,9 @@ class RadixCache:
             if child is None:
                 child = Node(key=key, page=page, parent=node)
                 node.children[key] = child
+                node.heads.setdefault(_head(key), []).append(child)
+                self._leaves.pop(node, None)
+                self._leaves[child] = None
                 self._num_pages += 1
                 if self.events is not None and node.route_hash is not None and len(key) == self.page_size \
                         and not isinstance(key[0], str):
@@ -154,7 +170,7 @@ class RadixCache:
     def evict(self, num_pages: int, on_evict: Callable[[list[Node]], None] | None = None) -> list[int]:
         """Remove up to `num_pages` unlocked pages, least recently used leaves first; `on_evict` sees the nodes
         before their pages go (a lower tier keeps them)."""
-        heap = [(n.last_access, next(self._clock), n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(n.last_access, next(self._clock), n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         gone: list[Node] = []
@@ -163,10 +179,17 @@ class RadixCache:
             gone.append(node)
             parent = node.parent
             del parent.children[node.key]
+            siblings = parent.heads[_head(node.key)]
+            siblings.remove(node)
+            if not siblings:
+                del parent.heads[_head(node.key)]
+            del self._leaves[node]
             self._num_pages -= 1
             freed.append(node.page)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(self._clock), parent))
+            if parent is not self.root and not parent.children:
+                self._leaves[parent] = None
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, next(self._clock), parent))
         if on_evict is not None and gone:
             on_evict(gone)
         if self.events is not None:
@@ -182,6 +205,8 @@ class RadixCache:
             return None
         pages = [n.page for n in self._nodes()]
         self.root.children.clear()
+        self.root.heads.clear()
+        self._leaves.clear()
         self._num_pages = 0
         if self.events is not None:
             self.events.cleared(DEVICE)
@@ -209,5 +234,26 @@ class RadixCache:
             stack.extend(node.children.values())
             yield node
 
-    def _leaves(self):
-        return (n for n in self._nodes() if not n.children)
+
+def _head(key: tuple) -> tuple:
+    """The key's namespace (on a first page) and first token: what `Node.heads` files it under."""
+    return key[:2] if isinstance(key[0], str) else key[:1]
+
+
+def _furthest_child(node: Node, lead: tuple, want: list[int]) -> tuple[Node | None, int]:
+    """The child of `node` whose key, after `lead` (the namespace, on the first page), starts with the most of
+    `want`, and how many; (None, 0) when none starts with its first token."""
+    best, most, skip = None, 0, len(lead)
+    if not want:
+        return best, most
+    for child in node.heads.get((*lead, want[0]), ()):
+        n = 1
+        for a, b in zip(child.key[skip + 1:], want[1:]):
+            if a != b:
+                break
+            n += 1
+        if n > most:
+            best, most = child, n
+            if most == len(want):
+                break
+    return best, most

@@ -9,9 +9,10 @@ running ones for a whole step, and chunking keeps such steps short.
 Page ownership: a request's `pages[:num_cached_pages]` belong to the radix
 cache (kept alive by the request's lock on `prefix_node`), the rest belong to
 the request. `check_integrity` proves free + held + cached == total. A prompt
-that continues a cached partly filled page (a tail: the end of a finished
-sequence, such as a conversation's last turn) gets a copy of it as its first
-own page, made by the model runner before the step that computes the rest.
+that shares only the first tokens of a cached page (a tail: the end of a
+finished sequence, such as a conversation's last turn; or a full page it leaves
+part-way) gets a copy of it as its first own page, made by the model runner
+before the step that computes the rest, so a prefix hit counts to the token.
 
 LoRA slots are owned the same way: a request of an adapter holds one use of its
 adapter's slot from admission until it is released (finished, aborted or
@@ -52,8 +53,8 @@ class Batch:
     prompt_logits: torch.Tensor | None = None
     # The sampled tokens of the step still in flight (shared/overlap.py), which negative input ids stand for.
     in_flight: torch.Tensor | None = None
-    # (cached tail page, request's page): copies the model runner makes before the step, in order, so that a
-    # request continuing a cached partial page writes on into a page of its own (RadixCache's tails).
+    # (cached page, request's page): copies the model runner makes before the step, in order, so that a request
+    # sharing the first tokens of a cached page writes on into a page of its own (RadixCache.match_prefix).
     page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:

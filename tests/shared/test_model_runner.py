@@ -135,8 +135,8 @@ def test_greedy_tokens_match_transformers_chunked_and_cached(tiny_models, arch):
         while engine.has_work():
             engine.step()
         assert [outputs[f"{attempt}-{i}"] for i in range(len(PROMPTS))] == expected
-        if attempt == 1:  # every full page of each prompt came from the cache
-            assert [cached[f"1-{i}"] for i in range(len(PROMPTS))] == [len(p) // 4 * 4 for p in PROMPTS], cached
+        if attempt == 1:  # all of each prompt but its last token came from the cache, past its whole pages
+            assert [cached[f"1-{i}"] for i in range(len(PROMPTS))] == [len(p) - 1 for p in PROMPTS], cached
 
 
 @pytest.mark.parametrize("arch,experts,top_k,sparse,shared,renorm", [

@@ -1,5 +1,5 @@
-"""Radix cache and page allocator: matching, sharing, locking and eviction at page granularity, and the
-tails finished sequences leave."""
+"""Radix cache and page allocator: matching, sharing, locking and eviction at page granularity, the tails
+finished sequences leave, and matches exact to the token through the page a prompt leaves part-way."""
 from __future__ import annotations
 
 import pytest
@@ -73,11 +73,14 @@ def test_a_finished_sequence_leaves_its_partial_page_as_a_tail_that_its_continua
     following = turn + [8, 9, 20, 21]
     match = cache.match_prefix(following, max_tokens=len(following) - 1)
     assert match.pages == [10] and match.tail.page == 11 and match.tail_tokens == 3
-    # A tail matches whole or not at all, within max_tokens, and never without it (whole pages only).
-    assert cache.match_prefix(following, max_tokens=6).tail is None
+    # Within max_tokens, the tail lends what it shares; never without max_tokens (whole pages only).
+    short = cache.match_prefix(following, max_tokens=6)
+    assert short.tail.page == 11 and short.tail_tokens == 2
     assert cache.match_prefix(following).tail is None
-    # A prompt that diverges inside the tail's tokens finds a shorter tail only if one was left.
-    assert cache.match_prefix([1, 2, 3, 4, 5, 9, 9], max_tokens=6).tail is None
+    # A prompt that diverges inside the tail's tokens shares the tokens before it.
+    diverging = cache.match_prefix([1, 2, 3, 4, 5, 9, 9], max_tokens=6)
+    assert diverging.tail.page == 11 and diverging.tail_tokens == 1
+    assert cache.match_prefix([1, 2, 3, 4, 9, 9, 9], max_tokens=6).tail is None  # shares no token of it
     # Without `tail` an insert keeps whole pages only, as before.
     plain = RadixCache(4)
     assert plain.insert(turn, [10, 11]).pages == [10] and plain.num_pages == 1
@@ -89,7 +92,8 @@ def test_the_longest_tail_within_the_limit_wins_and_a_tail_never_takes_children(
     cache.insert([1, 2, 3, 4, 5, 6, 7], [0, 2], tail=True)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert cache.match_prefix(tokens, max_tokens=8).tail.page == 2
-    assert cache.match_prefix(tokens, max_tokens=6).tail.page == 1  # 2 tokens after the page at most
+    at_most_2 = cache.match_prefix(tokens, max_tokens=6)  # 2 tokens after the page at most: either lends 1 or 2
+    assert at_most_2.tail.page == 2 and at_most_2.tail_tokens == 2
     # A longer sequence over the same tokens adds a full page beside the tails.
     result = cache.insert(tokens, [0, 3, 4])
     assert result.pages == [0, 3] and cache.match_prefix(tokens, max_tokens=8).pages == [0, 3]
@@ -104,3 +108,51 @@ def test_tails_are_per_namespace_deduplicated_and_evicted_like_leaves():
     again = cache.insert([1, 2], [6], namespace="a", tail=True)
     assert again.pages == [5] and again.duplicates == [6]
     assert cache.evict(1) == [5] and cache.num_pages == 0
+
+
+def test_a_prompt_that_leaves_a_full_page_part_way_matches_to_the_token():
+    cache = RadixCache(4)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], [0, 1])
+    cache.insert([1, 2, 3, 4, 5, 6, 9, 9], [0, 2])
+    same = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=7)  # the same prompt: all but its last token
+    assert same.pages == [0] and same.tail.page == 1 and same.tail_tokens == 3
+    apart = cache.match_prefix([1, 2, 3, 4, 5, 6, 0, 0, 0], max_tokens=8)  # both pages share 2: either will do
+    assert apart.pages == [0] and apart.tail.page in (1, 2) and apart.tail_tokens == 2
+    # The first page too, and only within its namespace.
+    assert cache.match_prefix([1, 2, 7], max_tokens=2).tail_tokens == 2
+    assert cache.match_prefix([1, 2, 7], max_tokens=2, namespace="a").tail is None
+    cache.insert([1, 2, 3, 4], [3], namespace="a")
+    salted = cache.match_prefix([1, 2, 7], max_tokens=2, namespace="a")
+    assert salted.tail.page == 3 and salted.tail_tokens == 2
+    # An evicted or flushed page lends nothing any more.
+    assert sorted(cache.evict(4)) == [0, 1, 2, 3]
+    assert cache.match_prefix([1, 2, 7], max_tokens=2).tail is None
+    cache.insert([1, 2, 3, 4], [5])
+    assert cache.flush() == [5] and cache.match_prefix([1, 2, 7], max_tokens=2).tail is None
+
+
+def test_eviction_after_random_inserts_locks_and_evictions_takes_the_lru_unlocked_leaves():
+    """The tree keeps its leaves as it changes; what an eviction takes is what a walk of the whole tree would
+    pick: the least recently used unlocked leaves, then parents that became leaves."""
+    import random
+    rng = random.Random(7)
+    cache, next_page, locked = RadixCache(2), iter(range(1_000_000)), []
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.6:
+            tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]
+            result = cache.insert(tokens, [next(next_page) for _ in range(len(tokens) // 2)])
+            if rng.random() < 0.2:
+                cache.lock(result.node)
+                locked.append(result.node)
+        elif action < 0.7 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            leaves = {n for n in cache.nodes() if not n.children}
+            unlocked = [n for n in leaves if n.lock_ref == 0]
+            oldest = min((n.last_access for n in unlocked), default=None)
+            freed = cache.evict(1)
+            assert freed == [] if oldest is None else freed[0] in {n.page for n in unlocked if n.last_access == oldest}
+    evictable = cache.evictable_pages()
+    assert len(cache.evict(10**6)) == evictable
+    assert all(n.lock_ref > 0 for n in cache.nodes())

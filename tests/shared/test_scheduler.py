@@ -36,8 +36,10 @@ class CountingRunner:
         self.page_size = page_size
         self.context_length = context_length
         self.computed: list[tuple[str, int, int]] = []  # (rid, first position, count)
+        self.copies: list[tuple[int, int]] = []  # the page copies steps asked for (src, dst)
 
     def forward(self, batch):
+        self.copies += batch.page_copies
         rows = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             self.computed.append((req.rid, req.num_computed, n))
@@ -102,16 +104,34 @@ def test_batched_requests_of_mixed_lengths_get_exact_outputs(page_size):
 
 def test_prefix_cache_hit_skips_cached_tokens_and_reports_them():
     engine, outputs = make_engine(page_size=4), {}
-    prompt = list(range(1, 20))  # 19 tokens: four full pages
+    prompt = list(range(1, 20))  # 19 tokens: four full pages and 3 tokens of a fifth
     engine.add_request(make_req("a", prompt, outputs))
     run_until_idle(engine)
     engine.runner.computed.clear()
     engine.add_request(make_req("b", prompt + [50, 51], outputs))
     run_until_idle(engine)
     first = engine.runner.computed[0]
-    assert first[:2] == ("b", 16)  # only the tokens after the four cached pages were computed
-    assert finish_of(outputs, "b").cached_tokens == 16
+    assert first[:2] == ("b", 19)  # only the tokens after the shared 19 were computed
+    assert finish_of(outputs, "b").cached_tokens == 19
     assert tokens_of(outputs, "b")[0] == 52
+    assert_integrity(engine)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_a_prompt_leaving_a_cached_page_part_way_computes_on_a_copy_from_the_first_token_it_does_not_share(
+        page_size):
+    engine, outputs = make_engine(page_size=page_size), {}
+    engine.add_request(make_req("a", list(range(1, 3 * page_size + 1)), outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    shared = page_size + 2  # a whole page and 2 tokens of the next, which the cache holds full
+    engine.runner.computed.clear()
+    engine.add_request(make_req("b", list(range(1, shared + 1)) + [700, 701, 702], outputs, max_new_tokens=2))
+    run_until_idle(engine)
+    assert engine.runner.computed[0] == ("b", shared, 3) and finish_of(outputs, "b").cached_tokens == shared
+    assert tokens_of(outputs, "b") == [703, 704]
+    second_page = engine.cache.match_prefix(list(range(1, 2 * page_size + 1))).pages[1]
+    assert [src for src, _ in engine.runner.copies] == [second_page]  # copied, never written in place
+    assert engine.runner.copies[0][1] != second_page
     assert_integrity(engine)
 
 
@@ -140,7 +160,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     run_until_idle(engine)
     engine.add_request(make_req("b", prompt, outputs, max_new_tokens=1))
     run_until_idle(engine)
-    assert finish_of(outputs, "b").cached_tokens == 12
+    assert finish_of(outputs, "b").cached_tokens == 15  # all but the last, whose logits give the first token
     assert tokens_of(outputs, "b") == [17]
 
 
