@@ -33,6 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--prefill", type=int, default=0, metavar="N", help="prefill workers (PD)")
         parser.add_argument("--decode", type=int, default=0, metavar="M", help="decode workers (PD)")
         parser.add_argument("--colocated", type=int, default=0, metavar="K", help="colocated workers (instead of PD)")
+        parser.add_argument("--planner", default="off", choices=["off", "slo"],
+                            help="slo: the gateway's SLO planner moves workers between prefill and decode during the "
+                                 "run (the targets: --ttft-slo-ms, --itl-slo-ms)")
+        parser.add_argument("--planner-interval-s", type=float, default=5.0, help="seconds between two decisions")
+        parser.add_argument("--planner-window-s", type=float, default=30.0,
+                            help="seconds of TTFT and ITL a decision reads, and the pause after a switch")
+        parser.add_argument("--planner-dwell-s", type=float, default=60.0,
+                            help="a worker keeps a role the planner gave it at least this long")
+        parser.add_argument("--switch-s", type=float, default=1.0,
+                            help="what a role switch costs once the worker has finished its requests (seconds)")
     else:
         parser.add_argument("--workers", type=int, required=True, metavar="W",
                             help="workers to split between prefill and decode (colocated W is compared too)")
@@ -86,13 +96,25 @@ def _simulate(args, costs, trace, settings: dict, slo: tuple[float, float]) -> d
     from pdserve.planning.metrics import report, summarize
     from pdserve.planning.simulator import Deployment, simulate
 
-    deployment = Deployment(prefill=args.prefill, decode=args.decode, colocated=args.colocated, **settings)
+    planner = None
+    if args.planner == "slo":
+        from pdserve.services.gateway.planner import PlannerSettings
+
+        planner = PlannerSettings(slo[0], slo[1], window_s=args.planner_window_s, interval_s=args.planner_interval_s,
+                                  dwell_s=args.planner_dwell_s)
+    if args.switch_s < 0:
+        raise ValueError(f"--switch-s must be >= 0, got {args.switch_s}")
+    deployment = Deployment(prefill=args.prefill, decode=args.decode, colocated=args.colocated, planner=planner,
+                            switch_s=args.switch_s, **settings)
     started = time.perf_counter()
     summary = summarize(simulate(deployment, costs, trace.requests), *slo)
     summary["trace"] = trace.source
     summary["wall_s"] = time.perf_counter() - started
     print(f"trace {trace.source} ({trace.format}): {len(trace)} requests over {trace.duration_s:.1f} s")
     print(report(summary))
+    for switch in summary.get("switches", []):
+        print(f"  switch at {switch['at_s']:.1f} s: {switch['address']} {switch['from']} -> {switch['to']} "
+              f"({switch['reason']})")
     return summary
 
 

@@ -44,6 +44,7 @@ def summarize(result: SimResult, ttft_slo_s: float, itl_slo_s: float) -> dict:
         "cached_tokens_mean": sum(r.cached_tokens for r in reqs) / max(1, len(reqs)),
         "utilisation": result.utilisation,
         "steps": result.steps,
+        "switches": [s.as_dict() for s in result.switches],
     }
 
 

@@ -12,6 +12,15 @@ and only the time a step takes comes from the profile (costs.py). Events, in tim
     wake        a worker that was transferring looks for work again
 
 A worker idle with nothing to schedule sleeps until an event gives it work. The clock starts at the first arrival.
+
+With a planner (`Deployment.planner`, PD only), the gateway's own policy (services/gateway/planner.py) decides every
+`interval_s` from the window's TTFT and ITL and each worker's load, as the gateway's loop does (sim_planner.py).
+A switch as the live one goes: the worker leaves its role's rotation at once, finishes the work it holds (a
+prefill worker its prompts, a decode worker its running requests), is busy `switch_s`, then serves in the new
+role with its prefix cache as it was.
+
+    tick        the planner decides
+    switched    a worker's switch is done: it takes requests of its new role
 """
 from __future__ import annotations
 
@@ -21,14 +30,16 @@ import itertools
 from dataclasses import dataclass, field
 
 from pdserve.planning.costs import Costs
+from pdserve.planning.sim_planner import Switch, observe
 from pdserve.planning.sim_worker import SimWorker
 from pdserve.planning.traces import TraceRequest, sim_prompt_ids
+from pdserve.services.gateway.planner import Planner, PlannerSettings
 from pdserve.services.gateway.workers.router import Router
 from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.sampling_params import SamplingParams
 
-ARRIVE, STEP, KV, WAKE = range(4)
+ARRIVE, STEP, KV, WAKE, TICK, SWITCHED = range(6)
 
 
 @dataclass(frozen=True)
@@ -46,8 +57,12 @@ class Deployment:
     schedule_policy: str = "fcfs"
     mixed_prefill: bool = False
     routing_policy: str = "cache_aware"
+    planner: PlannerSettings | None = None  # the SLO planner moves workers between prefill and decode
+    switch_s: float = 1.0  # what a worker's role switch costs once it has finished its work
 
     def __post_init__(self) -> None:
+        if self.planner is not None and self.colocated:
+            raise ValueError("the planner moves workers between prefill and decode: give --prefill and --decode")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either --colocated K or --prefill N and --decode M, not both")
         if not self.colocated and not (self.prefill > 0 and self.decode > 0):
@@ -57,7 +72,9 @@ class Deployment:
 
     @property
     def label(self) -> str:
-        return f"colocated {self.colocated}" if self.colocated else f"PD {self.prefill}:{self.decode}"
+        if self.colocated:
+            return f"colocated {self.colocated}"
+        return f"PD {self.prefill}:{self.decode}" + (" + planner" if self.planner is not None else "")
 
 
 @dataclass
@@ -78,6 +95,7 @@ class SimResult:
     end: float
     utilisation: dict[str, float] = field(default_factory=dict)  # role -> mean busy share of its workers
     steps: int = 0
+    switches: list[Switch] = field(default_factory=list)
 
 
 class _Pool:
@@ -88,10 +106,10 @@ class _Pool:
         self.mode = "colocated" if colocated else "pd"
         self.cache_role = "colocated" if colocated else "prefill"
         self.on_rejoin: list = []
-        self._by_role = {role: [w for w in workers if w.role == role] for role in ("colocated", "prefill", "decode")}
+        self.serving = {role: [w for w in workers if w.role == role] for role in ("colocated", "prefill", "decode")}
 
     def healthy(self, role: str) -> list[SimWorker]:
-        return self._by_role[role]
+        return self.serving[role]
 
 
 class _NoEvents:
@@ -114,13 +132,20 @@ class Simulation:
         roles = [("colocated", d.colocated)] if d.colocated else [("prefill", d.prefill), ("decode", d.decode)]
         self.workers = [SimWorker(f"{role}-{i}", role, config, page_size, pages)
                         for role, count in roles for i in range(count)]
-        self.router = Router(_Pool(self.workers, bool(d.colocated)), policy=d.routing_policy)
+        self.pool = _Pool(self.workers, bool(d.colocated))
+        self.router = Router(self.pool, policy=d.routing_policy)
         self.router.held = _NoEvents()
         self.events: list = []
         self._seq = itertools.count()
         self._params: dict[int, SamplingParams] = {}
         self.pairs: dict[str, tuple[int, SimWorker, SimWorker | None]] = {}  # rid -> (index, generating, prefill)
+        self.owed: dict[SimWorker, set[str]] = {w: set() for w in self.workers}  # requests whose work there is due
         self.steps = 0
+        self.planner = Planner(d.planner) if d.planner is not None else None
+        self.leaving: dict[SimWorker, str] = {}  # worker -> the role it switches to, while it finishes its work
+        self.switches: list[Switch] = []
+        self.first_seen: list[tuple[float, float]] = []  # (when, TTFT) of each first token, in time order
+        self.gaps: list[tuple[float, float, int]] = []  # (when, sum of gaps, tokens) per batch of tokens
 
     def push(self, when: float, kind: int, *args) -> None:
         heapq.heappush(self.events, (when, next(self._seq), kind, args))
@@ -131,6 +156,8 @@ class Simulation:
         self.trace = trace
         for i, r in enumerate(trace):
             self.push(r.arrival_s + self.costs.request_s, ARRIVE, i)  # the gateway's work before routing
+        if self.planner is not None and trace:
+            self.push(trace[0].arrival_s + self.planner.settings.interval_s, TICK)
         now = 0.0
         while self.events:
             now, _, kind, args = heapq.heappop(self.events)
@@ -140,6 +167,10 @@ class Simulation:
                 self.step_end(now, *args)
             elif kind == KV:
                 self.kv_ready(now, *args)
+            elif kind == TICK:
+                self.tick(now)
+            elif kind == SWITCHED:
+                self.switched(now, *args)
             else:
                 self.kick(now, args[0])
         start = trace[0].arrival_s if trace else 0.0
@@ -148,7 +179,7 @@ class Simulation:
         for w in self.workers:
             usage.setdefault(w.role, []).append(w.busy_s / span)
         return SimResult(self.deployment, self.times, self.itls, start, now,
-                         {role: sum(u) / len(u) for role, u in usage.items()}, self.steps)
+                         {role: sum(u) / len(u) for role, u in usage.items()}, self.steps, self.switches)
 
     # ------------------------------------------------------------ events
     def arrive(self, now: float, index: int) -> None:
@@ -164,6 +195,7 @@ class Simulation:
         rid = str(index)
         for w in pair.workers:
             w.in_flight += 1
+            self.owed[w].add(rid)
         self.pairs[rid] = (index, pair.generate, pair.prefill)
         self.interrupt(now, pair.generate)
         pair.generate.queue(Req(rid=rid, input_ids=ids, params=params, arrival=now))
@@ -172,6 +204,10 @@ class Simulation:
     def kick(self, now: float, worker: SimWorker) -> None:
         """Start the worker's next step if it is free and has one."""
         if worker.batch is not None or worker.busy_until > now:
+            return
+        if worker in self.leaving and not self.owed[worker]:  # its work is done: the switch proper
+            worker.busy_until = now + self.deployment.switch_s
+            self.push(worker.busy_until, SWITCHED, worker, self.leaving.pop(worker))
             return
         if worker.role == "decode":
             for req in worker.reserve():
@@ -236,6 +272,7 @@ class Simulation:
             spent += self.costs.transfer_s(len(req.input_ids))
             decode = self.pairs[req.rid][1]
             worker.scheduler.remove(req, cache=True)
+            self.owed[worker].discard(req.rid)
             self.push(now + spent, KV, decode, req.rid, req.cached_tokens)
         if spent:
             worker.busy_until = now + spent
@@ -251,6 +288,7 @@ class Simulation:
         for req in batch.reqs:
             index, generating, prefill = self.pairs[req.rid]
             t = self.times[index]
+            self.gaps.append((seen[-1], seen[-1] - t.last, len(ends)))
             self.itls.append(seen[0] - t.last)
             self.itls.extend(gaps)
             t.last = seen[-1]
@@ -271,8 +309,10 @@ class Simulation:
         seen = now + self.costs.token_s
         if t.first < 0:
             t.first, t.cached_tokens = seen, req.cached_tokens
+            self.first_seen.append((seen, seen - t.arrival))
         else:
             self.itls.append(seen - t.last)
+            self.gaps.append((seen, seen - t.last, 1))
         t.last = seen
         if worker.append_tokens(req, 1):
             self.finished(req.rid)
@@ -280,8 +320,32 @@ class Simulation:
     def finished(self, rid: str) -> None:
         _, generating, prefill = self.pairs.pop(rid)
         generating.in_flight -= 1
+        self.owed[generating].discard(rid)
         if prefill is not None:
             prefill.in_flight -= 1
+            self.owed[prefill].discard(rid)
+        when = self.times[int(rid)].last
+        for worker in (generating, prefill):
+            if worker in self.leaving and not self.owed[worker] and worker.batch is None:
+                self.kick(max(when, worker.busy_until), worker)  # its last request is done: the switch begins
+
+    # ------------------------------------------------------------ the planner
+    def tick(self, now: float) -> None:
+        d = self.planner.decide(observe(self, now))
+        if d.action == "switch" and not self.planner.settings.dry_run:
+            worker = next(w for w in self.workers if w.address == d.address)
+            self.pool.serving[worker.role].remove(worker)  # no new work of its old role from now on
+            self.leaving[worker] = d.target
+            self.switches.append(Switch(now, d.address, d.source, d.target, d.reason))
+            self.kick(now, worker)
+        if self.events:  # while anything is left to happen
+            self.push(now + self.planner.settings.interval_s, TICK)
+
+    def switched(self, now: float, worker: SimWorker, role: str) -> None:
+        worker.role = role
+        self.pool.serving[worker.role].append(worker)
+        next(s for s in reversed(self.switches) if s.address == worker.address).done = now
+        self.kick(now, worker)
 
 
 def simulate(deployment: Deployment, costs: Costs, trace: list[TraceRequest]) -> SimResult:

@@ -229,6 +229,20 @@ def synthetic(rate: float, duration_s: float, input_median: int = 512, output_me
     return out
 
 
+def two_phase(rates: tuple[float, float], phase_s: float, long: int = 1024, short: int = 32, answer: int = 8,
+              story: int = 256, seed: int = 0) -> list[TraceRequest]:
+    """Three phases of `phase_s` each, so the load changes side twice: long prompts (`long` tokens) with short
+    answers (`answer`) at rates[0] per second, short prompts (`short`) with long answers (`story`) at rates[1],
+    then long prompts again. Poisson arrivals, lognormal lengths around these medians."""
+    out: list[TraceRequest] = []
+    for i, (prompt, output, rate) in enumerate([(long, answer, rates[0]), (short, story, rates[1]),
+                                                (long, answer, rates[0])]):
+        phase = synthetic(rate, phase_s, prompt, output, sigma=0.3, max_input=4 * prompt, max_output=4 * output,
+                          seed=seed + i)
+        out += [TraceRequest(r.arrival_s + i * phase_s, r.input_len, r.output_len) for r in phase]
+    return out
+
+
 def write_azure(path: str | Path, requests: list[TraceRequest], start: str = "2023-11-16 18:00:00") -> None:
     """Write `requests` as an Azure LLM inference trace CSV (datetime timestamps, 7 fraction digits as Azure's)."""
     base = datetime.fromisoformat(start).timestamp()

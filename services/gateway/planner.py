@@ -10,8 +10,9 @@ Pressure: each side's figures as a share of its target, 1.0 being exactly at it.
     decode    ITL / ITL SLO, KV pool use / pool limit, requests waiting per decode worker / queue limit
 
 In PD a prompt also waits for the decode worker's pages and slots before it is computed, so a TTFT miss while
-decode's queue or pool is past its limit is decode's, not prefill's. The prediction: one worker more or less
-spreads a side's load over n +- 1 workers, so its pressure scales by n / (n +- 1).
+decode's queue or pool is past its limit is decode's, not prefill's. The prediction for the side that gives a
+worker: its load spreads over n - 1 workers, so queues, pool use and TTFT scale by n / (n - 1); ITL only in its
+part that grows with the batch (a decode step's fixed cost stays: `itl_knee_batch`).
 
 What the planner guarantees:
 - it switches only when a side has been at or past `high` for `sustain` ticks in a row (one bad window is
@@ -45,13 +46,17 @@ class PlannerSettings:
     min_per_role: int = 1
     queue_limit: float = 4.0  # requests waiting per worker at which a side is at its target
     pool_limit: float = 0.9  # decode's KV pool use at which it is at its target
+    # Requests per decode worker at which a decode step costs twice what one request's does (about 8 on a CPU;
+    # far more on a GPU, where a step is bound by reading the weights): how ITL grows as a decode worker goes.
+    itl_knee_batch: float = 8.0
     dry_run: bool = False  # decide and say so, switch nothing
 
     def __post_init__(self) -> None:
         problems = [f"{name} must be > 0, got {value}" for name, value in
                     (("the TTFT SLO", self.ttft_slo_s), ("the ITL SLO", self.itl_slo_s),
                      ("the planner's window", self.window_s), ("the planner's interval", self.interval_s),
-                     ("the queue limit", self.queue_limit), ("the pool limit", self.pool_limit)) if not value > 0]
+                     ("the queue limit", self.queue_limit), ("the pool limit", self.pool_limit),
+                     ("the ITL knee batch", self.itl_knee_batch)) if not value > 0]
         if not 0 < self.low < self.high:
             problems.append(f"the planner's thresholds need 0 < low < high, got low {self.low}, high {self.high}")
         if self.sustain < 1 or self.min_per_role < 1 or self.dwell_s < 0 or (self.cooldown_s or 0) < 0:
@@ -88,6 +93,7 @@ class Observation:
 class Pressure:
     value: float
     reason: str  # the figure that set it, one of REASONS
+    after: float  # predicted with one worker less on this side
 
 
 @dataclass(frozen=True)
@@ -107,19 +113,28 @@ class Decision:
 
 
 def pressures(obs: Observation, s: PlannerSettings) -> dict[str, Pressure]:
-    """Each side's pressure and the figure behind it."""
+    """Each side's pressure, the figure behind it, and the pressure predicted with one worker less."""
     def per_worker(workers: tuple[WorkerLoad, ...]) -> float:
         return sum(w.waiting for w in workers) / max(1, len(workers)) / s.queue_limit
+
+    def fewer(workers: tuple[WorkerLoad, ...]) -> float:  # the load each worker carries with one worker less
+        return len(workers) / (len(workers) - 1) if len(workers) > 1 else math.inf
 
     ttft = (obs.ttft_s or 0.0) / s.ttft_slo_s
     pool = max((w.pool_use for w in obs.decode), default=0.0) / s.pool_limit
     decode_queue = per_worker(obs.decode)
     decode_bound = decode_queue >= s.high or pool >= s.high  # prompts wait for decode's slots or pages
-    prefill = [Pressure(per_worker(obs.prefill), "prefill_queue"), Pressure(0.0 if decode_bound else ttft, "ttft")]
+    prefill_ttft = 0.0 if decode_bound else ttft
+    prefill = [(per_worker(obs.prefill), "prefill_queue"), (prefill_ttft, "ttft")]
     bound = "kv_pool" if pool >= max(s.high, decode_queue) else "decode_queue"  # what the prompts wait for
-    decode = [Pressure((obs.itl_s or 0.0) / s.itl_slo_s, "itl"), Pressure(pool, "kv_pool"),
-              Pressure(decode_queue, "decode_queue"), Pressure(ttft if decode_bound else 0.0, bound)]
-    return {"prefill": max(prefill, key=lambda p: p.value), "decode": max(decode, key=lambda p: p.value)}
+    itl = (obs.itl_s or 0.0) / s.itl_slo_s
+    batch = sum(w.running for w in obs.decode) / max(1, len(obs.decode))
+    # A decode step costs a fixed part and a part per request in the batch: only the latter grows with the load.
+    itl_after = itl * (s.itl_knee_batch + batch * fewer(obs.decode)) / (s.itl_knee_batch + batch) if itl else 0.0
+    decode = [(itl, "itl"), (pool, "kv_pool"), (decode_queue, "decode_queue"), (ttft if decode_bound else 0.0, bound)]
+    after = {"prefill": max(per_worker(obs.prefill), prefill_ttft) * fewer(obs.prefill) if obs.prefill else math.inf,
+             "decode": max(itl_after, max(pool, decode_queue, ttft if decode_bound else 0.0) * fewer(obs.decode))}
+    return {role: Pressure(*max(parts), after[role]) for role, parts in (("prefill", prefill), ("decode", decode))}
 
 
 def wanted(count: int, pressure: float, s: PlannerSettings) -> int:
@@ -162,7 +177,7 @@ class Planner:
         if counts[giver] <= s.min_per_role:
             return hold("floor", f"{needy} at {shown[needy]} ({why}), but {giver} has {counts[giver]} worker(s), "
                                  f"the least it may have: more workers are needed")
-        after = found[giver].value * counts[giver] / (counts[giver] - 1)
+        after = found[giver].after
         if after > s.low:
             return hold("other_side_busy", f"{needy} at {shown[needy]} ({why}), but {giver} one worker down would "
                                            f"be at {after:.2f} (> {s.low:g}): more workers are needed")
@@ -194,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker keeps a role the planner gave it at least this long")
     parser.add_argument("--planner-min-per-role", type=int, default=1, help="workers of each role the planner "
                         "always leaves")
+    parser.add_argument("--planner-itl-knee-batch", type=float, default=8.0,
+                        help="requests per decode worker at which a decode step costs twice one request's (about 8 "
+                             "on a CPU, far more on a GPU): how the planner predicts ITL with one decode worker less")
 
 
 def from_args(args: argparse.Namespace) -> PlannerSettings | None:
@@ -204,4 +222,5 @@ def from_args(args: argparse.Namespace) -> PlannerSettings | None:
         raise ValueError("--planner slo needs --ttft-slo-ms and --itl-slo-ms")
     return PlannerSettings(args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, window_s=args.planner_window_s,
                            interval_s=args.planner_interval_s, dwell_s=args.planner_dwell_s,
-                           min_per_role=args.planner_min_per_role, dry_run=args.planner_dry_run)
+                           min_per_role=args.planner_min_per_role, itl_knee_batch=args.planner_itl_knee_batch,
+                           dry_run=args.planner_dry_run)

@@ -54,6 +54,22 @@ def test_simulate_prints_and_writes_the_figures(measured):
     assert data["goodput_rps"] == pytest.approx(data["request_rps"])
 
 
+def test_simulate_with_the_planner_switches_roles_and_says_when(measured):
+    """A TTFT target no prompt meets: the planner moves a decode worker to prefill, once (one decode worker is
+    left, the floor), and the run prints and writes the switch."""
+    out, trace, root = measured
+    figures = root / "planned.json"
+    result = pdserve("simulate", "--profile", str(out), "--trace", str(trace), "--prefill", "1", "--decode", "2",
+                     "--planner", "slo", "--ttft-slo-ms", "0.001", "--itl-slo-ms", "1e7", "--planner-interval-s", "1",
+                     "--planner-window-s", "3", "--switch-s", "0.5", "--json", str(figures))
+    assert result.returncode == 0, result.stderr
+    assert "PD 1:2 + planner" in result.stdout and "decode -> prefill (ttft)" in result.stdout
+    data = json.loads(figures.read_text())
+    assert [(s["from"], s["to"]) for s in data["switches"]] == [("decode", "prefill")]
+    assert data["switches"][0]["done_s"] >= data["switches"][0]["at_s"] + 0.5
+    assert data["completed"] == data["requests"]
+
+
 def test_plan_names_the_best_split_and_the_runner_up(measured):
     out, trace, root = measured
     result = pdserve("plan", "--profile", str(out), "--trace", str(trace), "--workers", "3", "--ttft-slo-ms", "2000",
@@ -70,6 +86,8 @@ def test_plan_names_the_best_split_and_the_runner_up(measured):
     (["simulate", "--profile", "{profile}", "--trace", "{profile}", "--colocated", "1"], "line 1: not JSON"),
     (["simulate", "--profile", "{profile}", "--trace", "{trace}", "--prefill", "1"], "both --prefill N and --decode M"),
     (["plan", "--profile", "{profile}", "--trace", "{trace}", "--workers", "0"], "--workers must be >= 1"),
+    (["simulate", "--profile", "{profile}", "--trace", "{trace}", "--colocated", "2", "--planner", "slo"],
+     "moves workers between prefill and decode"),
 ])
 def test_bad_input_is_one_clear_line(measured, argv, message):
     out, trace, _ = measured

@@ -105,3 +105,34 @@ def test_plan_prefers_more_decode_workers_when_decode_is_the_bottleneck():
     assert result["best"]["deployment"] in ("PD 1:3", "colocated 4")
     worst_pd = min((s for s in result["all"] if s["deployment"].startswith("PD")), key=lambda s: s["goodput_rps"])
     assert worst_pd["deployment"] == "PD 3:1" and worst_pd["limit"].startswith("decode")
+
+
+def test_the_planner_follows_a_two_phase_load_with_one_switch_per_phase_change():
+    """Long prompts, then long answers, then long prompts: PD 1:2 misses TTFT in the prompt phases, PD 2:1 ITL
+    in the answer phase; the gateway's planner, run on the simulated clock, moves one worker at each phase change
+    (each switch after the change, none twice for one change), serves every request, and beats both splits."""
+    from pdserve.planning.traces import two_phase
+    from pdserve.services.gateway.planner import PlannerSettings
+
+    costs, slo = costs_of(profile()), (0.5, 0.03)
+    trace = two_phase((8, 3), 60)
+    planner = PlannerSettings(*slo, interval_s=2, window_s=10, dwell_s=20)
+    results = {d.label: simulate(d, costs, trace) for d in (Deployment(prefill=1, decode=2),
+                                                             Deployment(prefill=2, decode=1),
+                                                             Deployment(prefill=1, decode=2, planner=planner))}
+    planned = results["PD 1:2 + planner"]
+    moves = [(s.source, s.target) for s in planned.switches]
+    assert moves == [("decode", "prefill"), ("prefill", "decode"), ("decode", "prefill")]
+    starts = [s.at for s in planned.switches]
+    assert starts[0] < 60 < starts[1] < 120 < starts[2] and all(s.done > s.at for s in planned.switches)
+    goodput = {label: summarize(r, *slo)["goodput_rps"] for label, r in results.items()}
+    assert summarize(planned, *slo)["completed"] == len(trace)
+    assert goodput["PD 1:2 + planner"] > 1.05 * max(goodput["PD 1:2"], goodput["PD 2:1"]), goodput
+    assert results["PD 1:2"].switches == [] and "switches" in summarize(planned, *slo)
+
+
+def test_a_planner_on_colocated_workers_is_refused():
+    from pdserve.services.gateway.planner import PlannerSettings
+
+    with pytest.raises(ValueError, match="between prefill and decode"):
+        Deployment(colocated=2, planner=PlannerSettings(1.0, 0.1))

@@ -102,9 +102,17 @@ def test_the_floor_one_worker_per_role_is_never_given_away():
 
 def test_a_busy_giver_keeps_its_worker():
     p = planner(sustain=1)
-    d = p.decide(observe(0, ttft=2.0, itl=0.025, decode=2))  # decode at 0.5, one down: 1.0 > 0.8
-    assert (d.action, d.reason) == ("hold", "other_side_busy")
+    busy = {"d0": 24, "d1": 24}  # ITL at half its target with 24 requests each: 48 on one -> 0.5 * 56 / 32
+    d = p.decide(observe(0, ttft=2.0, itl=0.025, decode=2, busy=busy))
+    assert (d.action, d.reason) == ("hold", "other_side_busy") and "would be at 0.88" in d.detail
     assert p.desired == {"prefill": 3, "decode": 2}
+
+
+def test_a_step_bound_by_its_fixed_cost_gives_a_decode_worker_away():
+    """ITL at 60 % of its target with one request per decode worker: a step's fixed cost, which one worker less
+    hardly changes (0.6 * (8 + 2) / (8 + 1) = 0.67 <= 0.8)."""
+    d = planner(sustain=1).decide(observe(0, ttft=2.0, itl=0.03, decode=2, busy={"d0": 1, "d1": 1}))
+    assert (d.action, d.source, d.target) == ("switch", "decode", "prefill") and "predicted at 0.67" in d.detail
 
 
 def test_no_traffic_is_within_target():
