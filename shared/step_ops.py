@@ -50,6 +50,9 @@ class StepOps:
         self.eos_token_ids = eos_token_ids
         self.abort = abort
         self.stats = StepStats()
+        # A sequence ends ("length") at the context length, or at what the pool can ever hold where that is less
+        # (SGLang's max_req_len): past it, it would be aborted for want of pages.
+        self.max_seq_len = min(runner.context_length, scheduler.allocator.num_pages * scheduler.page_size)
 
     # ------------------------------------------------------------ before sampling
     def account(self, batch: Batch, compute_s: float,
@@ -149,7 +152,7 @@ class StepOps:
             req.finish_reason, req.matched_stop_token = "stop", token
         elif req.grammar is not None and req.grammar.terminated:  # complete, and its end accepted (ignore_eos)
             req.finish_reason, req.matched_stop_token = "stop", token
-        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.runner.context_length:
+        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_seq_len:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self.scheduler.remove(req, cache=True)

@@ -142,6 +142,22 @@ def test_pd_a_cache_salt_shares_a_prefix_only_within_itself(pd):
     assert ask("tenant-b") == 0
 
 
+def test_pd_cached_tokens_count_every_shared_token_not_whole_pages(pd):
+    # SGLang's count (issue 59) through prefill and decode workers: a repeated 37-token prompt shares 36 tokens.
+    system, gw, paddrs, daddrs = pd
+    ids = [1000 + (k * 7919) % 39000 for k in range(37)]
+
+    def cached(input_ids: list[int]) -> int:
+        r = requests.post(gw.url + "/generate", timeout=120, json={
+            "input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    assert cached(ids) == 0
+    assert cached(ids) == 36
+    assert cached(ids[:20] + [2000 + k for k in range(17)]) == 20
+
+
 def prompt_tokens(proc) -> float:
     text = requests.get(proc.health_url.replace("/health", "/metrics"), timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:prompt_tokens_total"))

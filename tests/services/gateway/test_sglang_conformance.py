@@ -8,8 +8,11 @@ through prefill and decode workers are in test_pd.py).
 - A length the context cannot hold is a 400 in SGLang's words, not capped silently (Responses caps, as SGLang).
 - /v1/responses errors come in OpenAI's `{"error": {...}}` envelope; /v1/score's carry SGLang's type.
 - /detokenize of an id outside the vocabulary stays a 400 (SGLang answers 500).
+- `cached_tokens` counts every token a prompt shares with the cache, as SGLang's page size of 1 does.
 """
 from __future__ import annotations
+
+import random
 
 import openai
 import pytest
@@ -51,6 +54,18 @@ def client(gw) -> openai.OpenAI:
 
 def post(gw, path: str, body: dict) -> requests.Response:
     return requests.post(gw.url + path, json=body, timeout=60)
+
+
+def cached_tokens(gw, input_ids: list[int]) -> int:
+    r = post(gw, "/generate", {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["cached_tokens"]
+
+
+def fresh_prompt(seed: int, n: int = 37) -> list[int]:
+    """Token ids no other test sends, so the cache holds only what this test put there."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
 def context_length(gw) -> int:
@@ -101,6 +116,14 @@ def test_detokenize_of_an_id_outside_the_vocabulary_stays_a_400(colocated):
     for path in ("/detokenize", "/v1/detokenize"):
         r = post(colocated.open, path, {"tokens": [1, 10**9]})
         assert r.status_code == 400 and "outside the vocabulary" in r.json()["message"], r.text
+
+
+def test_cached_tokens_count_every_shared_token_not_whole_pages(colocated):
+    ids = fresh_prompt(59)
+    assert cached_tokens(colocated.open, ids) == 0
+    assert cached_tokens(colocated.open, ids) == 36  # all but the last, as SGLang; whole pages of 16 said 32
+    # A prompt that leaves the second cached page part-way shares a page and 4 tokens of the next.
+    assert cached_tokens(colocated.open, ids[:20] + fresh_prompt(60, 17)) == 20
 
 
 def test_any_model_name_is_served_without_served_model_name(colocated):
