@@ -1,7 +1,8 @@
 """Deterministic mode under tensor parallelism: a worker split over 2 ranks (rank 0 here, rank 1 its own process,
 the ranks summing in shared memory) gives a request the same tokens and log-probability bits alone and inside
 batches of other sizes and make-ups: others prefilled with it, others joining while it decodes, it joining a
-running batch, its prompt cut into other chunks by the prefill budget it shares; greedy and seeded sampling.
+running batch, its prompt cut into other chunks by the prefill budget it shares, its prompt from the prefix cache
+to the token; greedy and seeded sampling.
 
 A tiny Qwen3-MoE carries every reduction a TP rank runs: the split matmuls and their all-reduce, Qwen3's head
 norms, the experts' slices, the fused norms, attention over this rank's heads. Its dense layer is wide (each
@@ -71,3 +72,13 @@ def test_a_seeded_sample_inside_a_batch(engine):
     sampled = run(engine, {"a": PROMPT}, sampling=SEEDED)["a"]
     engine.flush_cache()
     assert run(engine, {**others(2, 5), "a": PROMPT}, join_later=others(1), sampling=SEEDED)["a"] == sampled
+
+
+def test_a_prompt_from_the_cache_to_the_token_on_both_ranks(engine, alone):
+    # The repeat shares all but its last token: two whole pages and 12 tokens of a full third, which each rank
+    # copies from its own cached page (its heads) before the step that computes the rest.
+    engine.flush_cache()
+    run(engine, {"warm": PROMPT})
+    cached: dict[str, int] = {}
+    got = run(engine, {"a": PROMPT}, cached=cached)
+    assert cached["a"] == len(PROMPT) - 1 and got["a"] == alone
