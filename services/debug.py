@@ -7,6 +7,10 @@
     pdserve debug bench-transfer [--backend nixl|tcp]          KV transfer throughput between two processes
     pdserve debug trace ID [--gateway URL]  where one request's time went (the gateway's flight recorder; the
                                             API key, if any, from $PDSERVE_API_KEY)
+    pdserve debug workers [--gateway URL]   every worker behind a gateway: its type (prefill, decode, regular),
+                                            health and load (the admin key from $PDSERVE_ADMIN_API_KEY)
+    pdserve debug switch-role URL TYPE [--gateway URL]   switch a worker's role live (prefill or decode) and
+                                            print the seconds it took, or the reason it was refused
 """
 from __future__ import annotations
 
@@ -40,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     trace.add_argument("id", help="its X-Request-Id (or its id, the client's rid, its trace id)")
     trace.add_argument("--gateway", default="http://127.0.0.1:30000", metavar="URL")
     trace.add_argument("--timeout", type=float, default=10.0)
+    listing = sub.add_parser("workers", help="every worker behind a gateway, with its type and load")
+    switch = sub.add_parser("switch-role", help="switch a worker's role live, through the gateway")
+    switch.add_argument("url", metavar="HOST:PORT", help="the worker's gRPC address, as `workers` lists it")
+    switch.add_argument("worker_type", choices=["prefill", "decode"])
+    for p in (listing, switch):
+        p.add_argument("--gateway", default="http://127.0.0.1:30000", metavar="URL")
+        p.add_argument("--timeout", type=float, default=90.0)
     bench = sub.add_parser("bench-transfer", help="KV transfer throughput between two processes")
     bench.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
     bench.add_argument("--tokens", type=int, default=2048)
@@ -53,11 +64,57 @@ def main(args: argparse.Namespace, command: str) -> int:
         return 0
     if args.action == "trace":
         return _trace(args)
+    if args.action in ("workers", "switch-role"):
+        return _workers(args)
     try:
         return asyncio.run(_run(args))
     except Exception as exc:  # a debugging tool: one clear line
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _workers(args: argparse.Namespace) -> int:
+    """GET /workers as a table, or POST /workers/switch_role and the seconds it took."""
+    if args.action == "workers":
+        answer = _gateway_json(args, "/workers")
+        if answer is None:
+            return 1
+        print(f"{'URL':<24} {'TYPE':<8} {'HEALTHY':<8} {'LOAD':>5} {'FREE PAGES':>11}")
+        for w in answer["workers"]:
+            print(f"{w['url']:<24} {w['worker_type']:<8} {str(w['is_healthy']).lower():<8} {w['load']:>5} "
+                  f"{w['free_pages'] if w['free_pages'] is not None else '-':>11}")
+        return 0
+    answer = _gateway_json(args, "/workers/switch_role", {"url": args.url, "worker_type": args.worker_type})
+    if answer is None:
+        return 1
+    print(f"{answer['url']} is a {answer['worker_type']} worker now ({answer['seconds']:.2f} s)")
+    return 0
+
+
+def _gateway_json(args: argparse.Namespace, path: str, body: dict | None = None) -> dict | None:
+    """The gateway's JSON answer (with the admin key from the environment), or None with the error printed."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get("PDSERVE_ADMIN_API_KEY")  # never a flag: a command line shows in `ps`
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = None if body is None else json.dumps(body).encode()
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(f"{args.gateway.rstrip('/')}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["message"]  # the gateway's error shape
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        print(f"error: {args.gateway} answered {exc.code}: {message}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"error: cannot reach {args.gateway}: {exc}", file=sys.stderr)
+    return None
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -57,6 +57,8 @@ async def switch_role(pool: WorkerPool, address: str, worker_type: str) -> float
         except SwitchRefused as refused:
             if refused.reason == "worker_lost":
                 await pool.probe(worker)  # taken out at once if it is gone
+            else:
+                await pool.check(worker)  # it serves in its old role again: back in rotation at once
             raise
         # Known at once: the router picks the worker for its new role from the next request on.
         worker.role, worker.info = role, reply.info
@@ -99,7 +101,7 @@ async def _ask(worker: Worker, role: str, prefill_addrs: list[str]) -> pb.Switch
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the worker refused: its details name the reason
             reason, _, message = (exc.details() or "refused: ").partition(": ")
-            status = 409 if reason == "switch_in_progress" else 400
+            status = {"switch_in_progress": 409, "drain_timeout": 503}.get(reason, 400)
             raise SwitchRefused(status, reason, f"Worker {worker.address}: {message or reason}.") from None
         raise SwitchRefused(503, "worker_lost", f"Worker {worker.address} failed during the switch: "
                                                 f"{exc.details() or exc.code().name}.") from None

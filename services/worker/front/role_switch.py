@@ -78,7 +78,15 @@ class RoleSwitch:
             moved = await self._drain(request.drain_timeout_s or DRAIN_TIMEOUT_S)
             info = await self.app.link.call(SwitchRole(request.role, ENGINE_WAIT_S), ENGINE_WAIT_S + 5)
             await self._rewire(Role(request.role), info, list(request.prefill_addrs))
-        except (RemoteError, EngineGone, asyncio.TimeoutError) as exc:
+        except RemoteError as exc:
+            if "drain_timeout:" not in str(exc):
+                raise
+            # Nothing changed: it serves in its old role again, and the caller may try later.
+            log.warning("not switched to the %s role: %s", request.role, exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"drain_timeout: it still held requests after {ENGINE_WAIT_S:g} s, so it stays a "
+                                f"{self.app.wiring.role.value} worker")
+        except (EngineGone, asyncio.TimeoutError) as exc:
             log.error("switching to the %s role failed: %s", request.role, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the switch to {request.role} failed: {exc}")
         finally:
