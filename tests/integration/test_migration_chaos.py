@@ -6,10 +6,15 @@ prefill and three decode workers: two rounds of long streams each lose the busie
 prefill worker too) at a random point, and no client sees an error, a repeated or a missing token. Then the
 last decode worker dies under streams: with no pair left they end with a clear error within 5 s. Pages held
 for requests are all freed on the workers still alive.
+
+First, every kind of state a stream carries moves with it: greedy with logprobs, a JSON schema, penalties, a
+seeded sample and n = 2, all running on one decode worker that is then killed, continue on the others with the
+text and logprobs of an undisturbed run.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -181,6 +186,97 @@ def pool_stats(addr: str, timeout: float = 15.0) -> pb.PoolStats:
             time.sleep(0.1)
 
 
+# ---------------------------------------------------------------- every kind of stream moves
+KIND_TOKENS = 200
+STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 120, "maxLength": 120}},
+         "required": ["story"], "additionalProperties": False}
+KINDS = {  # name -> the request's parameters beside prompt, max_tokens and stream
+    "greedy_logprobs": dict(temperature=0, logprobs=3, extra_body={"ignore_eos": True}),
+    "json": dict(temperature=0, extra_body={"json_schema": json.dumps(STORY)}),
+    "penalties": dict(temperature=0, frequency_penalty=1.2, presence_penalty=0.6, extra_body={"ignore_eos": True}),
+    "seeded": dict(temperature=1.0, seed=11, extra_body={"ignore_eos": True}),
+    "n2": dict(temperature=0.9, seed=5, n=2, extra_body={"ignore_eos": True}),
+}
+# One long prefix: the router keeps the prompts on the decode worker that holds it (five requests are within its
+# balance margin), so that killing that worker moves every kind of stream.
+PREFIX = "Once upon a time, in a kingdom of mountains and rivers, there lived a dragon who loved stories. " * 3
+
+
+async def stream_kind(client: openai.AsyncOpenAI, kind: str, outs: dict[tuple[str, int], Stream]) -> None:
+    params = KINDS[kind]
+    for index in range(params.get("n", 1)):
+        outs[kind, index] = Stream()
+    try:
+        chunks = await client.completions.create(model="default", prompt=f"{PREFIX}A {kind} story.",
+                                                 max_tokens=KIND_TOKENS, stream=True, **{"logprobs": 0, **params})
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                out = outs[kind, choice.index]
+                out.text += choice.text or ""
+                lps = choice.logprobs
+                out.tokens += list(zip(lps.tokens, lps.token_logprobs, lps.top_logprobs or [None] * len(lps.tokens)))
+                out.completion_tokens = choice.finish_reason or out.completion_tokens
+    except openai.APIError as exc:
+        for index in range(params.get("n", 1)):
+            outs[kind, index].error = str(exc)
+
+
+async def run_kinds(url: str, kill=None) -> dict[tuple[str, int], Stream]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    outs: dict[tuple[str, int], Stream] = {}
+    try:
+        tasks = [asyncio.create_task(stream_kind(client, kind, outs)) for kind in KINDS]
+        if kill is not None:
+            await kill(outs)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return outs
+    finally:
+        await client.close()
+
+
+def in_flight(url: str) -> dict[str, int]:
+    workers = requests.get(url + "/get_server_info", timeout=10).json()["workers"]
+    return {w["address"]: w["in_flight"] for w in workers if w["role"] == "decode" and w["healthy"]}
+
+
+def test_every_kind_of_stream_continues_unchanged_after_its_decode_worker_is_killed(cluster):
+    reference = asyncio.run(run_kinds(cluster.url))
+    assert all(r.error is None and len(r.tokens) > 40 for r in reference.values()), reference
+    wait_reported_idle(cluster.url)
+    before, at_kill, placed = migrations(cluster.url), {}, {}
+
+    async def kill(outs: dict[tuple[str, int], Stream]) -> None:
+        while len(outs) < len(reference) or min(len(o.tokens) for o in outs.values()) < 10:
+            await asyncio.sleep(0.005)
+        placed.update(await asyncio.to_thread(in_flight, cluster.url))
+        victim = max(placed, key=placed.get)
+        cluster.decodes[victim].kill()
+        at_kill.update({key: len(o.tokens) for key, o in outs.items()})
+        placed["victim"] = victim
+
+    try:
+        moved = asyncio.run(run_kinds(cluster.url, kill))
+    finally:
+        if "victim" in placed:  # the next test starts from three decode workers
+            victim = placed["victim"]
+            cluster.decodes[victim].start().wait_healthy(120)
+            deadline = time.monotonic() + 30
+            while victim not in in_flight(cluster.url) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    assert placed[placed["victim"]] == len(KINDS), placed  # every stream ran there
+    assert all(at_kill[key] < len(r.tokens) for key, r in reference.items()), (at_kill, reference)  # mid-stream
+    assert migrations(cluster.url) - before == len(KINDS)  # each moved, once
+    for key, r in reference.items():
+        m = moved[key]
+        assert m.error is None, (key, m.error)
+        assert m.tokens == r.tokens, key  # every token, its logprob and top logprobs: none repeated or missing
+        assert (m.text, m.completion_tokens) == (r.text, r.completion_tokens), key
+    assert reference["n2", 0].text != reference["n2", 1].text
+    assert len(json.loads(reference["json", 0].text)["story"]) == 120
+    assert all(top is not None and len(top) == 3 for _, _, top in reference["greedy_logprobs", 0].tokens)
+
+
+# ---------------------------------------------------------------- decode workers killed at random points
 def test_streams_survive_decode_workers_killed_at_random_points(cluster):
     rng = random.Random()
     seed = rng.randrange(1 << 30)
