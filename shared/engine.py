@@ -206,6 +206,9 @@ class Engine:
         if len(req.input_ids) >= limit:
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens, which is not shorter than the "
                              f"context length of {limit} tokens")
+        if len(req.input_ids) >= self.ops.max_seq_len:  # it would wait for pages forever
+            raise ValueError(f"the prompt has {len(req.input_ids)} tokens, which is not shorter than the "
+                             f"{self.ops.max_seq_len} tokens this worker's KV pool holds (--max-total-tokens)")
         if req.params.constraint is not None and req.grammar is None:  # callers that did not compile ahead
             req.grammar = Constraint.for_params(self.compile_grammar(req.params), req.params)
         seed = req.params.seed

@@ -145,6 +145,15 @@ def test_a_sequence_longer_than_the_pool_can_hold_ends_with_length_not_an_error(
     assert_integrity(engine)
 
 
+def test_a_prompt_the_pool_cannot_hold_is_refused_not_left_waiting():
+    engine, outputs = make_engine(page_size=4, num_pages=4), {}
+    with pytest.raises(ValueError, match="16 tokens this worker's KV pool holds"):
+        engine.add_request(make_req("big", list(range(1, 21)), outputs))
+    engine.add_request(make_req("small", list(range(1, 11)), outputs, max_new_tokens=20))
+    run_until_idle(engine)
+    assert finish_of(outputs, "small").finish_reason == "length" and len(tokens_of(outputs, "small")) == 6
+
+
 def test_a_full_cache_is_evicted_a_slice_at_a_time_not_a_page_per_step(monkeypatch):
     # Distinct prompts leave the pool full of cached pages; a later request then needs a page every few steps.
     # Each eviction walks the whole cache tree, so it frees 1 % of the pool at once, not the one page asked for.
