@@ -52,14 +52,15 @@ class DecodeRole(EngineRole):
         self.reserve()
 
     def prefills_here(self, req: Req) -> bool:
-        """The cache holds the prompt but for a few tokens (SchedulerConfig.local_prefill_max_tokens)."""
+        """The cache holds the prompt but for a few tokens (SchedulerConfig.local_prefill_max_tokens), and a page's
+        worth of it at least: a short prompt that shares a few leading tokens with the cache goes to prefill."""
         s = self.scheduler
         limit = s.config.local_prefill_max_tokens
         if limit <= 0 or len(req.input_ids) <= s.page_size:
             return False
         match = s.cache.match_prefix(req.input_ids, namespace=req.cache_namespace, max_tokens=len(req.input_ids) - 1)
         cached = len(match.pages) * s.page_size + match.tail_tokens
-        return cached > 0 and len(req.input_ids) - cached <= limit
+        return cached >= s.page_size and len(req.input_ids) - cached <= limit
 
     def before_step(self) -> None:
         self.reserve()

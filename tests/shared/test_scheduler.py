@@ -145,6 +145,23 @@ def test_a_sequence_longer_than_the_pool_can_hold_ends_with_length_not_an_error(
     assert_integrity(engine)
 
 
+def test_decode_role_sends_a_prompt_sharing_less_than_a_page_with_its_cache_to_a_prefill_worker():
+    engine, outputs = make_engine(page_size=4, role=Role.DECODE, local_prefill_max_tokens=10), {}
+    reserved: list[Req] = []
+    first = make_req("t1", list(range(1, 13)), outputs, max_new_tokens=2)
+    first.on_pages_reserved = reserved.append
+    engine.add_request(first)
+    engine.role.kv_ready("t1", [FirstToken(13)], 0)
+    run_until_idle(engine)
+    few = make_req("few", [1, 2, 3] + list(range(300, 306)), outputs, max_new_tokens=1)  # 3 shared tokens
+    page = make_req("page", [1, 2, 3, 4, 5] + list(range(300, 305)), outputs, max_new_tokens=1)  # 5 shared
+    for req in (few, page):
+        req.on_pages_reserved = reserved.append
+        engine.add_request(req)
+    assert reserved == [first, few]  # `page` is computed here, after the 5 tokens it shares
+    assert_integrity(engine)
+
+
 def test_a_prompt_the_pool_cannot_hold_is_refused_not_left_waiting():
     engine, outputs = make_engine(page_size=4, num_pages=4), {}
     with pytest.raises(ValueError, match="16 tokens this worker's KV pool holds"):
