@@ -7,6 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# An output error that starts so does not fail the generation: it froze here at a step boundary, its KV kept, to
+# continue on another decode worker (a live move, shared/roles/move_out.py); what follows names why (drain,
+# rebalance). The worker ends its stream ABORTED with it, and the gateway continues the generation elsewhere.
+MOVED = "moved: "
+
+
+def is_moved(error: str | None) -> bool:
+    return bool(error) and error.startswith(MOVED)
+
+
 @dataclass
 class TokenLogprobs:
     logprob: float

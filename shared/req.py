@@ -76,6 +76,8 @@ class Req:
     # A choice continued here where it stopped on another worker (migration): the output tokens it came with,
     # already streamed (None: it started here). Its sampler state is what those tokens make it (resume.py).
     resumed: int | None = None
+    moved_in: bool = False  # decode role, a live move: its KV (prompt and output so far) is written here by the
+    # decode worker it froze on (roles/move_out.py), not computed
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when its first prompt chunk ran: the end of its queue time
     first_token_time: float | None = None

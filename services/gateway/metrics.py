@@ -62,8 +62,19 @@ class GatewayMetrics:
         self.trace_content_dropped = Counter("pdserve_gateway_trace_content_dropped", "spans exported without "
                                              "their prompt and completions: the content awaiting export was at "
                                              "--otlp-traces-content-max-size", registry=r)
-        self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker pair "
-                                  "mid-stream, continuing from the tokens already out", registry=r)
+        self.migrations = Counter("pdserve_gateway_migrations", "generations moved to another worker mid-stream, "
+                                  "continuing from the tokens already out: by kind (live: with their KV; recompute: "
+                                  "computed again) and reason (drain, rebalance, failure)", ["kind", "reason"],
+                                  registry=r)
+        self.migration_seconds = Histogram("pdserve_gateway_migration_seconds", "a live move's time, from its "
+                                           "stream's end on the source to its first token from the destination",
+                                           ["kind"], buckets=(.01, .025, .05, .1, .25, .5, 1, 2, 5, 10, 30),
+                                           registry=r)
+        self.migration_bytes = Histogram("pdserve_gateway_migration_bytes", "KV bytes a live move wrote into the "
+                                         "destination's pool", buckets=tuple(2.0 ** k for k in range(16, 34, 2)),
+                                         registry=r)
+        self.rebalances = Counter("pdserve_gateway_rebalance_decisions", "generations the router's rebalancing "
+                                  "(--rebalance-decode) asked a decode worker to move live", registry=r)
         # The SLO planner's (--planner slo): what it did, what it would have done, and what it would want.
         self.role_switches = Counter("pdserve_planner_role_switches", "workers the planner switched to another "
                                      "role, by the role left, the role taken and why", ["from", "to", "reason"],

@@ -13,6 +13,9 @@ Pages of a request removed while its KV was on its way stay in `quarantine`: the
 writing into them, so they go back to the pool only at `kv_settled` (the reservation's fence is settled: no
 write of it can land any more, shared/transfer/fence.py), never to another request before. The role is a
 `PageHolder` of the scheduler: its requests count as live, its pages as held.
+
+Live moves (move_out.py): a generation frozen here waits, with its pages, for the decode worker that continues
+it; one moved in (`Req.moved_in`) reserves pages for its prompt and output so far, which that worker fills.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken
 from pdserve.shared.req import Req, ReqStatus
 from pdserve.shared.roles.engine_role import EngineRole
+from pdserve.shared.roles.move_out import MoveOut
 from pdserve.shared.scheduler import Batch
 from pdserve.shared.step_ops import StepOps
 
@@ -37,6 +41,7 @@ class DecodeRole(EngineRole):
         self.reserving: list[Req] = []
         self.awaiting_kv: dict[str, list[Req]] = {}  # by rid
         self.quarantine: dict[str, list[int]] = {}
+        self.moves = MoveOut(ops)
         self.scheduler.holders.append(self)
 
     @property
@@ -44,7 +49,7 @@ class DecodeRole(EngineRole):
         return 0.002 if self.awaiting_kv else 0.05
 
     def queue(self, req: Req) -> None:
-        if req.resumed is not None or self.prefills_here(req):
+        if not req.moved_in and (req.resumed is not None or self.prefills_here(req)):
             self.scheduler.add(req)  # computed here after its cached prefix, as a retracted request is
             return
         req.status = ReqStatus.WAITING_FOR_PAGES
@@ -63,7 +68,12 @@ class DecodeRole(EngineRole):
         return cached >= s.page_size and len(req.input_ids) - cached <= limit
 
     def before_step(self) -> None:
+        self.moves.expire()
         self.reserve()
+
+    def sampled(self, reqs, tokens, logprobs, compute_s: float):
+        decoding = super().sampled(reqs, tokens, logprobs, compute_s)
+        return self.moves.take(decoding) if self.moves.asked else decoding
 
     def schedule(self) -> Batch | None:
         # The scheduler's waiting queue holds the requests computed here: retracted when pages ran out (prompt
@@ -74,10 +84,10 @@ class DecodeRole(EngineRole):
         return bool(self.reserving)
 
     def num_queued(self) -> int:
-        return len(self.reserving)
+        return len(self.reserving) + len(self.moves.frozen)
 
     def holds_nothing(self) -> bool:
-        return not (self.reserving or self.awaiting_kv or self.quarantine)
+        return not (self.reserving or self.awaiting_kv or self.quarantine or self.moves.frozen)
 
     def poll(self) -> None:
         if self.poll_fn is not None:
@@ -90,7 +100,7 @@ class DecodeRole(EngineRole):
             req = self.reserving[0]
             if not s.can_hold_adapter(req):
                 break
-            pages = s.allocate(-(-len(req.input_ids) // s.page_size))
+            pages = s.allocate(-(-req.seq_len // s.page_size))  # a move's output so far too
             if pages is None:
                 break
             self.reserving.pop(0)
@@ -108,7 +118,7 @@ class DecodeRole(EngineRole):
         if not group:
             return  # aborted meanwhile
         req = group[0]
-        req.num_computed = len(req.input_ids)
+        req.num_computed = req.seq_len
         req.cached_tokens = cached_tokens
         self.scheduler.cache_pages(req, lock=True)
         children = [req] + self.fork(req)
@@ -126,12 +136,14 @@ class DecodeRole(EngineRole):
 
     # ------------------------------------------------------------ PageHolder
     def held_reqs(self) -> list[Req]:
-        return self.reserving + [r for group in self.awaiting_kv.values() for r in group]
+        return self.reserving + [r for group in self.awaiting_kv.values() for r in group] + self.moves.held_reqs()
 
     def held_pages(self) -> dict[str, list[int]]:
         return self.quarantine
 
     def discard(self, req: Req) -> None:
+        if self.moves.discard(req):
+            return
         if req in self.reserving:
             self.reserving.remove(req)
         group = self.awaiting_kv.get(req.rid)

@@ -34,6 +34,7 @@ from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.workers.generation import Generation, GenerationSettings
 from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.workers.kv_events import CacheFeeds
+from pdserve.services.gateway.workers.live_move import Mover
 from pdserve.services.gateway.workers.pool import Worker, WorkerPool
 from pdserve.services.gateway.workers.router import NoWorker, Pair, Router
 
@@ -108,6 +109,8 @@ class Backend:
         self.default_context_length = default_context_length
         self.in_flight = 0
         self.generations: dict[str, Generation] = {}
+        self.mover = Mover(pool)  # live moves: off a draining decode worker, or asked (live_move.py)
+        pool.on_draining.append(self.mover.draining)
         self.door = Door()
         self.recorder = FlightRecorder()  # the last requests' timelines (services/gateway/timelines.py)
 

@@ -10,7 +10,8 @@ When a worker of the pair turns out to be down, the generation goes on elsewhere
 output is retried from scratch on another pair; one after output migrates (migration.py: another pair
 continues each running choice from its output so far), or, for what cannot migrate, starts over when
 nothing reached the client yet. Otherwise, or once the attempts are used up, or when no healthy pair is
-left, the generation ends with a 503.
+left, the generation ends with a 503. A decode worker may also hand a running generation over live
+(live_move.py: drain, rebalance): the next attempt takes its KV from there, and recomputes only should that fail.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pdserve.services.gateway.errors import ApiError, Busy
 from pdserve.services.gateway.metrics import GatewayMetrics, TokenTimer
 from pdserve.services.gateway.tokenization import Detokenizer, ModelTokenizer
 from pdserve.services.gateway.workers.job import ChoiceResult, Job, TokenLogprob, Update
+from pdserve.services.gateway.workers.live_move import LiveMove, Mover, aim, live_move
 from pdserve.services.gateway.workers.migration import continuation, why_not_movable
 from pdserve.services.gateway.workers.pool import Worker
 from pdserve.services.gateway.workers.record import GenerationRecord, names
@@ -50,6 +52,7 @@ class GenerationSettings:
 class Pairs(Protocol):
     """Where a generation's attempts run (the gateway's Backend): a pair for a prompt, and, after a failure,
     which workers of the pair are down."""
+    mover: Mover  # where a live move goes (live_move.py)
 
     def route(self, input_ids: list[int], exclude: frozenset[str] = frozenset(),
               cache_salt: str | None = None) -> Pair: ...
@@ -84,6 +87,7 @@ class _Tries:
     fresh: int = 0  # retries and restarts: with the first attempt, at most max_attempts from scratch
     migrations: int = 0  # moves to another pair mid-stream (at most max_migrations)
     failure: str = ""  # why the last attempt failed
+    move: LiveMove | None = None  # the live move the last attempt ended with, or continued (then it failed)
 
 
 class _Choice:
@@ -165,13 +169,17 @@ class Generation:
             pair = self._route(tries)
             self.worker_rid = self.job.rid if not self._attempts else f"{self.job.rid}.{self._attempts}"
             self._attempts += 1
+            move, tries.move = tries.move, None
             try:
-                async with contextlib.aclosing(self._attempt(pair, timer)) as updates:
+                async with contextlib.aclosing(self._attempt(pair, timer, move)) as updates:
                     async for u in updates:
                         yield u
                 return
+            except LiveMove as exc:
+                tries.failure, tries.move = str(exc), exc
+                self._move_live(pair, tries)
             except WorkerFailure as exc:
-                tries.failure = str(exc)
+                tries.failure, tries.move = str(exc), move  # a failed live move falls back to recomputing
                 if await self._recover(pair, tries, restartable) == "restart":
                     yield Restart()
 
@@ -184,8 +192,9 @@ class Generation:
         return [_Choice(self) for _ in range(self.job.params.n)]
 
     def _route(self, tries: _Tries) -> Pair:
+        live = self.pairs.mover.exclude_for(tries.move) if tries.move is not None else frozenset()  # moving it
         try:
-            return self.pairs.route(self._input_ids(), frozenset(tries.down), self.job.params.cache_salt)
+            return self.pairs.route(self._input_ids(), frozenset(tries.down) | live, self.job.params.cache_salt)
         except ApiError as exc:
             if not self.produced:
                 raise
@@ -196,6 +205,7 @@ class Generation:
         """After `pair` failed: "retry", "migrate" or "restart" (then the next attempt may start), or the 503."""
         down = await self.pairs.probe_pair(pair)
         step, why_not = self._next_step(bool(down), tries, restartable)
+        reason, tries.move = tries.move.reason if tries.move is not None else "failure", None
         log.warning("request %s failed on %s after %d tokens: %s%s", self.job.rid, names(pair),
                     self.completion_tokens, tries.failure, f"; next: {step}" if step else "")
         self.record.failed(step or "failed", tries.failure, self.completion_tokens, names(pair))
@@ -204,7 +214,7 @@ class Generation:
         tries.down |= down
         if step == "migrate":
             tries.migrations += 1
-            self.metrics.migrations.inc()
+            self.metrics.migrations.labels("recompute", reason).inc()
             return step
         tries.fresh += 1
         self.metrics.retries.inc()
@@ -218,7 +228,7 @@ class Generation:
         Only a worker found down makes another attempt worth it: a pair that is alive but failed or stalled
         would most likely fail the same way again."""
         settings = self.settings
-        if not worker_down:
+        if not worker_down and tries.move is None:  # a failed live move recomputes, its workers alive or not
             return None, ""
         can_start_over = tries.fresh + 1 < settings.max_attempts
         if not self.produced:
@@ -246,11 +256,21 @@ class Generation:
                                   prefill_addr=pair.prefill.address if pair.prefill is not None else "",
                                   lora=job.lora or "", public_id=job.public_id, resume=resume)
 
+    def _move_live(self, pair: Pair, tries: _Tries) -> None:
+        """The generation froze on its decode worker to move: its next attempt continues it live, if it may."""
+        may = self.produced and tries.migrations < self.settings.max_migrations
+        self.record.failed("move" if may else "failed", tries.failure, self.completion_tokens, names(pair))
+        if not may:
+            raise ApiError(503, f"The request failed on the workers: {tries.failure} ({tries.migrations} moves)")
+        tries.migrations += 1
+
     # ------------------------------------------------------------ one attempt on one pair
-    async def _attempt(self, pair: Pair, timer: TokenTimer) -> AsyncIterator[Update]:
+    async def _attempt(self, pair: Pair, timer: TokenTimer, move: LiveMove | None = None) -> AsyncIterator[Update]:
         resumed = self.produced
         self.pair, self._failure = pair, None
         request = self._request(pair)
+        if move is not None:
+            aim(request, move)
         self.record.attempt(pair, self._attempts, resumed, request)
         call = self._call = pair.generate.generations.start(request)
         held = list(pair.workers)
@@ -265,6 +285,8 @@ class Generation:
                     first = False
                     if pair.prefill is not None:  # its part is done: its death no longer concerns this request
                         self._release(pair.prefill, held)
+                    if move is not None:  # the move is complete
+                        self.record.moved(move, pair.generate.address, msg.kv_moved_bytes)
                     if not resumed:  # usage and prompt logprobs describe the client's prompt
                         self._on_first(msg)
                         if self._attempts == 1:  # a retry's TTFT holds its failed attempts too
@@ -326,6 +348,9 @@ class Generation:
         refused = refusal(exc, self.settings.retry_after_s)
         if refused is not None:
             return refused
+        move = live_move(exc, self.pair.generate, self.worker_rid) if self.pair is not None else None
+        if move is not None:
+            return move
         if exc.code() == grpc.StatusCode.CANCELLED and self._failure is not None:
             return WorkerFailure(self._failure)
         return WorkerFailure(exc.details() or exc.code().name)

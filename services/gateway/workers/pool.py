@@ -114,6 +114,7 @@ class WorkerPool:
         # for now (apis/admin/weights.py brings a worker back on old weights up to date meanwhile).
         self.admission: Callable[[Worker], str | None] | None = None
         self.on_rejoin: list[Callable[[str], None]] = []  # called with the address of a worker that is back
+        self.on_draining: list[Callable[[Worker], None]] = []  # called with a worker first seen shutting down
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -213,9 +214,12 @@ class WorkerPool:
             self.take_out(worker, reason)
 
     def _drain(self, worker: Worker) -> None:
-        if worker.healthy or not worker.draining:
+        first = worker.healthy or not worker.draining
+        if first:
             log.info("%s worker %s is shutting down: no new requests go to it", worker.role, worker.address)
         worker.healthy, worker.draining, worker.last_error = False, True, "shutting down"
+        for listener in self.on_draining if first else ():
+            listener(worker)
 
     def take_out(self, worker: Worker, reason: str) -> None:
         """Stop routing to `worker` until it answers a health check again; fail its requests now."""

@@ -16,6 +16,7 @@ from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.timelines import Timeline
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.workers.job import Job
+from pdserve.services.gateway.workers.live_move import LiveMove
 from pdserve.services.gateway.workers.router import Pair
 from pdserve.shared.logs import REQUEST_ID
 
@@ -96,6 +97,18 @@ class GenerationRecord:
         self.timeline.events.append(f"{step} after {tokens} tokens on {workers}: {reason}")
         current_span().add_event(step, {"pdserve.reason": reason, "pdserve.workers": workers,
                                         "pdserve.tokens": tokens})
+
+    def moved(self, move: LiveMove, to: str, kv_bytes: int) -> None:
+        """A live move completed (its first output came from `to`): counted, timed, and an event of the trace."""
+        seconds = time.perf_counter() - move.since
+        self.metrics.migrations.labels("live", move.reason).inc()
+        self.metrics.migration_seconds.labels("live").observe(seconds)
+        self.metrics.migration_bytes.observe(kv_bytes)
+        self.timeline.events.append(f"moved live ({move.reason}) from {move.source.address} to {to} in "
+                                    f"{seconds * 1000:.0f} ms, {kv_bytes} bytes of KV")
+        current_span().add_event("migration", {"pdserve.kind": "live", "pdserve.reason": move.reason,
+                                               "pdserve.from": move.source.address, "pdserve.to": to,
+                                               "pdserve.seconds": seconds, "pdserve.kv_bytes": kv_bytes})
 
     def end_attempt(self, gen: Outcome, failure: str | None) -> None:
         """The attempt's span ends; the request's usage goes on the server span (GenAI conventions)."""

@@ -71,6 +71,7 @@ class Generate(Call):
     lora: str = ""
     traced: bool = False
     resume: list | None = None  # [(choice index, its output so far)]: a migrated generation (shared/resume.py)
+    kv_source: bool = False  # a live move: the KV of prompt and resumed output is written here, not computed
 
 
 @declared
@@ -114,6 +115,29 @@ class KVSettle(Call):
     pages: list[int]
     closed: bool
     lease_expired: bool = False
+
+
+# ------------------------------------------------------------ decode: live moves out (shared/roles/move_out.py)
+@declared
+class Freeze(Call):
+    """Freeze generations at their next step boundary, to continue elsewhere: `rids`, or all, or the `count`
+    latest; (rids marked, "<rid>: <why>" refused)."""
+    rids: list[str]
+    all: bool
+    count: int
+    reason: str
+
+
+@declared
+class MoveOut(Call):
+    """Write frozen `source_rid`'s KV into a decode worker's reserved pages, then free it here; answered as
+    Prefill is, its first token the one held back."""
+    source_rid: str
+    token_ids: list[int]
+    peer_name: str
+    dst_pages: list[int]
+    fence: int = 0
+    fence_deadline: float = float("inf")
 
 
 # ------------------------------------------------------------ prefill: filling a decode worker's pages

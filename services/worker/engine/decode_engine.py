@@ -2,7 +2,8 @@
 worker fills gets its pages reserved by the engine; this side opens their transfer window under a fresh fence and
 tells the front (`PagesReserved`), which asks the prefill worker (`kv_pull.py`), then hands back the answer
 (KVAnswered: the window closes, the engine takes the first tokens) and the settled fence (KVSettle: an aborted
-request's pages go back to the pool). Its engine polls the transfer agent every step."""
+request's pages go back to the pool). Its engine polls the transfer agent every step. It is a sender too, of the
+generations it moves out live to another decode worker (`kv_sender.MoveOutCalls`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,13 +13,14 @@ from pdserve.services.worker.engine.colocated_engine import ColocatedEngine, ran
 from pdserve.services.worker.engine.engine_calls import lps
 from pdserve.services.worker.channel.messages import KVAnswered, KVSettle, PagesReserved, TransferMetadata
 from pdserve.services.worker.engine.engine_worker import handles
+from pdserve.services.worker.engine.kv_sender import MoveOutCalls
 from pdserve.services.worker.channel.settings import transfer_backend
 from pdserve.shared.config import Role
 from pdserve.shared.outputs import FirstToken
 from pdserve.shared.req import Req
 
 
-class DecodeEngine(ColocatedEngine):
+class DecodeEngine(MoveOutCalls, ColocatedEngine):
     role = Role.DECODE
     serves_pooling_models = False
 

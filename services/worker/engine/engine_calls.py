@@ -44,7 +44,7 @@ class GenerationCalls:
     def generate(self, call: Generate) -> Future:
         w = self.worker
         req = Req(rid=call.rid, input_ids=list(call.input_ids), params=params_of(call.sampling),
-                  arrival=call.arrival, on_output=w.emit)
+                  arrival=call.arrival, on_output=w.emit, moved_in=call.kv_source)
         w.role.admitting(req)
 
         def add() -> None:

@@ -1,7 +1,8 @@
 """A prefill worker's engine side: it holds the sending side of KV transfers, writes each prompt's KV into the
 pages a decode worker reserved (`write_kv`, under the reservation's fence), and serves the calls only a prefill
 worker takes: Prefill (answered after the last write, with the first tokens), Fence (revoke a reservation), and
-the decode workers' registration (AddPeer, RemovePeer). Its metrics count a request done once prefilled."""
+the decode workers' registration (AddPeer, RemovePeer); those three are every sender's (`kv_sender.py`). Its
+metrics count a request done once prefilled."""
 from __future__ import annotations
 
 import argparse
@@ -12,20 +13,20 @@ from concurrent.futures import Future
 
 from pdserve.services.worker.engine.colocated_engine import ColocatedEngine, rank_agent
 from pdserve.services.worker.engine.engine_calls import params_of, trace_of, wire_lps
-from pdserve.services.worker.channel.messages import AddPeer, Fence, Prefill, RemovePeer
+from pdserve.services.worker.channel.messages import Prefill
 from pdserve.services.worker.engine.engine_worker import handles
+from pdserve.services.worker.engine.kv_sender import KVSender
 from pdserve.services.worker.channel.settings import transfer_backend
 from pdserve.shared.config import Role
 from pdserve.shared.req import Req, TransferTarget
 from pdserve.shared.transfer.fence import Fence as WriteFence
 
 log = logging.getLogger("pdserve.worker")
-ABORT_WAIT_S = 1.0  # a fence's revocation waits this long for the engine to drop the request, then reports it
 # Tests only: every KV write of a prefill worker waits this long first (a write late past its request's abort).
 WRITE_DELAY_ENV = "PDSERVE_TEST_KV_WRITE_DELAY_S"
 
 
-class PrefillEngine(ColocatedEngine):
+class PrefillEngine(KVSender, ColocatedEngine):
     role = Role.PREFILL
     serves_pooling_models = False
     ends_at_prefill = True  # its work for a request ends once the KV is written
@@ -92,34 +93,3 @@ class PrefillEngine(ColocatedEngine):
                                "trace": trace_of(req, len(call.dst_pages)) if call.traced else None})
         w.admit(req, admit).add_done_callback(answered)
         return answer
-
-    @handles(Fence, where="thread")
-    def fence(self, call: Fence) -> dict:
-        """Revoke a reservation's fence (no write of it starts from now on; returns once none is under way), then
-        drop its request. What could not be done is logged, counted and answered, never swallowed."""
-        w, rid, errors = self.worker, call.rid, []
-        fenced = w.transfer.revoke(call.peer_name, call.fence)
-        if not fenced:  # cannot happen while every write ends within its timeout (fence.WRITE_BOUND_S)
-            w.metrics.fence_failed("write_still_running")
-            errors.append(f"a KV write of {rid} to {call.peer_name} was still under way")
-        try:
-            w.on_engine(lambda: w.engine.abort(rid, error="its KV reservation was revoked"), ABORT_WAIT_S)
-        except Exception as exc:  # the abort stays queued; the request's writes are refused meanwhile
-            w.metrics.fence_failed("abort_late")
-            errors.append(f"the engine did not drop {rid} within {ABORT_WAIT_S:g} s ({type(exc).__name__}): its "
-                          "KV writes are refused meanwhile")
-        for error in errors:
-            log.warning("revoking the KV reservation of %s at %s: %s", rid, call.peer_name, error)
-        return {"fenced": fenced, "error": "; ".join(errors)}
-
-    @handles(AddPeer, where="thread")
-    def add_peer(self, call: AddPeer) -> tuple[bool, bytes]:
-        """Connect a registering decode worker (idempotent); returns whether it was known, and our metadata."""
-        transfer = self.worker.transfer
-        known = transfer.has_peer(call.name)
-        self.worker.on_kv_thread(lambda: transfer.add_peer(call.name, call.metadata))
-        return known, transfer.metadata()
-
-    @handles(RemovePeer)
-    def remove_peer(self, call: RemovePeer) -> None:  # on the engine thread: no transfer to it is under way
-        self.worker.transfer.remove_peer(call.name)

@@ -26,7 +26,8 @@ from pdserve.services.worker.channel.wire import EngineGone, RemoteError
 from pdserve.services.worker.front.colocated import Colocated
 from pdserve.services.worker.front.decode import Decode
 from pdserve.services.worker.front.engine_link import EngineLink
-from pdserve.services.worker.channel.messages import CacheChanged, CacheDomain, Metrics, StatsSample, TransferHealth
+from pdserve.services.worker.channel.messages import (CacheChanged, CacheDomain, Load, Metrics, StatsSample,
+                                                     TransferHealth)
 from pdserve.services.worker.front.kv_events import KVFeed
 from pdserve.services.worker.front.peers import SERVER_OPTIONS, PeerError
 from pdserve.services.worker.front.pooling import PoolingService, engine_encode
@@ -175,14 +176,29 @@ class WorkerApp:
 
     async def _drain(self, calls: Calls) -> None:
         """Report not ready (gRPC Health and HTTP /health) and refuse new Generate calls; let those in progress
-        finish for up to --drain-timeout seconds. What is left then is cancelled when the server stops."""
+        finish for up to --drain-timeout seconds. What is left then is cancelled when the server stops. A decode
+worker's generations usually go sooner: the gateway, seeing it drain, has them move live to another decode worker
+(Migrate), and the drain then waits only for their KV to be taken (move_rpc.py)."""
         self.ready = False
         calls.draining = True
         if calls.count:
             log.info("stopping: %d sequence(s) in progress may finish within %g s", calls.count,
                      self.args.drain_timeout)
+        deadline = time.monotonic() + self.args.drain_timeout
         if not await calls.wait_idle(self.args.drain_timeout):
             log.warning("drain timeout: cancelling %d sequence(s) still in progress", calls.count)
+            return
+        # Generations frozen for a live move (their streams ended) wait for the decode worker that takes their KV.
+        while time.monotonic() < deadline and await self._holds_frozen():
+            await asyncio.sleep(0.05)
+
+    async def _holds_frozen(self) -> bool:
+        if not self.wiring.moves_live:
+            return False
+        try:
+            return (await self.link.call(Load(), 5.0))["waiting"] > 0
+        except (RemoteError, EngineGone, asyncio.TimeoutError):
+            return False
 
     async def _start_http(self) -> web.AppRunner | None:
         async def health(request: web.Request) -> web.Response:

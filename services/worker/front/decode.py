@@ -12,6 +12,7 @@ import grpc
 from pdserve.services.worker.channel.messages import PagesReserved, TransferMetadata
 from pdserve.services.worker.front.kv_pull import KVPull
 from pdserve.services.worker.front.peers import PeerError, PrefillPeers
+from pdserve.services.worker.front.prefill_rpc import PrefillService
 from pdserve.services.worker.front.wiring import Wiring
 from pdserve.shared.addresses import expand_hostports
 from pdserve.shared.config import Role
@@ -23,6 +24,7 @@ class Decode(Wiring):
     role = Role.DECODE
     failure_code = grpc.StatusCode.UNAVAILABLE
     refuses_pooling = "this is a decode worker: send prefill-only requests to a prefill or colocated worker"
+    moves_live = True
 
     def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
         if request.prefill_addr or request.resume:  # a resumed generation is computed here (shared/resume.py)
@@ -37,6 +39,10 @@ class Decode(Wiring):
         self.prompts = KVPull(app.link, self.peers, app.timeouts.engine_call, app.timeouts.prefill,
                               lambda: self.peers.compat.weights_version)
         app.link.on(PagesReserved, self.prompts.reserved)
+        # The Prefill service of a decode worker hands its frozen generations' KV to the decode worker that
+        # continues them (a live move, shared/roles/move_out.py), registration and fences as a prefill worker's.
+        self.service = PrefillService(app.link, app.compat, calls=calls, page_bytes=app.engine_info["page_bytes"],
+                                      transfer_name=app.engine_info["transfer_name"], moves_only=True)
 
     async def start(self, app) -> None:
         addrs = [a for spec in app.args.prefill for a in expand_hostports(spec)]
@@ -45,6 +51,7 @@ class Decode(Wiring):
 
     def weights_changed(self, compat) -> None:
         self.peers.compat = compat
+        self.service.compat = compat
 
     async def register(self, prefill_addrs: list[str], deadline_s: float) -> None:
         try:  # one not reached now is registered with at its first request

@@ -101,7 +101,10 @@ class KVPull:
         try:
             stub, peer_name = await self.peers.get(request.prefill_addr)
             sent = time.monotonic()
-            reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=request.input_ids,
+            # A live move names the decode worker the generation froze on, which checks the tokens it continues.
+            ids = [*request.input_ids, *(t for c in request.resume for t in c.output_ids)] \
+                if request.kv_source_rid else request.input_ids
+            reply = await stub.Prefill(pb.PrefillRequest(rid=rid, input_ids=ids, source_rid=request.kv_source_rid,
                                                          sampling=request.sampling, peer_name=peer_name,
                                                          dst_pages=pages, lora=request.lora,
                                                          lora_version=event.lora_version,

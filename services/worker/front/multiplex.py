@@ -20,7 +20,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.shared.logs import REQUEST_ID, SAFE_ID
-from pdserve.shared.outputs import ReqOutput
+from pdserve.shared.outputs import ReqOutput, is_moved
 
 log = logging.getLogger("pdserve.worker")
 
@@ -69,6 +69,9 @@ class StepSink:
         self._progress = self._loop.time()
         error = next((o.error for o in ready if o.error), None)
         if error:
+            moved = [o for o in ready if o.token_ids] if is_moved(error) else []
+            if moved:  # a live move: what it produced here reaches the caller before the stream ends
+                self._post(self._build(moved, self._first)[0])
             self._end(error)
             return
         if all(o.finish_reason is None for o in ready) and \

@@ -7,6 +7,9 @@ early (cancelled, timed out) revokes the fence, so no write of it starts any mor
 decode worker asks the same with a Fence call, and gives the pages back once it is answered. What could not be
 done (the engine did not drop the request in time) is logged, counted and answered, not swallowed: the writes
 stay refused whatever the engine does.
+
+A decode worker serves it too, for its live moves only (`moves_only`): a call naming `source_rid` is answered with
+that frozen generation's KV (shared/roles/move_out.py) instead of a prompt computed.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pdserve.proto.codec import compat_from_proto, first_token_to_proto, prompt_
 from pdserve.services.worker.front import spans
 from pdserve.services.worker.channel.wire import EngineGone, RemoteError
 from pdserve.services.worker.front.engine_link import EngineLink
-from pdserve.services.worker.channel.messages import Abort, AddPeer, Fence, Prefill, RemovePeer
+from pdserve.services.worker.channel.messages import Abort, AddPeer, Fence, MoveOut, Prefill, RemovePeer
 from pdserve.services.worker.front.rpc import CODES, Calls, Timeouts
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import FirstToken, TokenLogprobs
@@ -35,8 +38,10 @@ log = logging.getLogger(__name__)
 
 class PrefillService(pb_grpc.PrefillServicer):
     def __init__(self, link: EngineLink, compat: Compat, timeouts: Timeouts = Timeouts(),
-                 calls: Calls | None = None, page_bytes: int = 0, transfer_name: str = "") -> None:
+                 calls: Calls | None = None, page_bytes: int = 0, transfer_name: str = "",
+                 moves_only: bool = False) -> None:
         self.link = link
+        self.moves_only = moves_only  # a decode worker: no prompt is filled here, only its frozen generations go
         self.compat = compat
         self.timeouts = timeouts
         self.calls = calls or Calls()  # a draining worker still fills prompts decode workers already took
@@ -113,10 +118,17 @@ class PrefillService(pb_grpc.PrefillServicer):
             # FAILED_PRECONDITION (the peer is not registered: we restarted since) makes the decode side register
             # again and resend (peers.PrefillClient).
             limit = self.timeouts.engine_call + self.timeouts.prefill
-            result = await asyncio.wait_for(self.link.call(Prefill(
-                request.rid, list(request.input_ids), request.sampling.SerializeToString(), arrived,
-                request.peer_name, list(request.dst_pages), request.lora, request.lora_version,
-                request.weights_version, span is not None, request.fence, deadline), limit), limit)
+            if request.source_rid:
+                call = MoveOut(request.source_rid, list(request.input_ids), request.peer_name,
+                               list(request.dst_pages), request.fence, deadline)
+            elif self.moves_only:
+                raise RemoteError("precondition", "this is a decode worker: it fills no prompts (it only hands over "
+                                  "its own generations' KV)")
+            else:
+                call = Prefill(request.rid, list(request.input_ids), request.sampling.SerializeToString(), arrived,
+                               request.peer_name, list(request.dst_pages), request.lora, request.lora_version,
+                               request.weights_version, span is not None, request.fence, deadline)
+            result = await asyncio.wait_for(self.link.call(call, limit), limit)
             done = True
         except RemoteError as exc:
             done = True
@@ -130,7 +142,7 @@ class PrefillService(pb_grpc.PrefillServicer):
             if not done:  # cancelled by the decode side (or it died) or timed out: no write of this request
                 # may land any more, and its request goes (the decode side's Fence call asks the same and waits
                 # for the answer before it reuses the pages)
-                await self._revoke(request.rid, request.peer_name, request.fence)
+                await self._revoke(request.source_rid or request.rid, request.peer_name, request.fence)
             if span is not None and result is None:
                 spans.end_failed(span, "the prefill did not complete (refused, cancelled or timed out)")
         if span is not None and result["trace"]:
@@ -140,6 +152,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                                compute_s=result["compute_s"], transfer_s=result["transfer_s"],
                                host_cached_tokens=result["tier_tokens"].get("host", 0),
                                storage_cached_tokens=result["tier_tokens"].get("storage", 0),
+                               kv_bytes=result.get("bytes", 0),
                                input_logprobs=prompt_logprobs_to_proto(
                                    [TokenLogprobs.from_wire(lp) for lp in result["input_logprobs"]]),
                                total_s=time.monotonic() - arrived)

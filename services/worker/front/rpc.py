@@ -27,10 +27,11 @@ from pdserve.services.worker.channel.wire import EngineGone, RemoteError
 from pdserve.services.worker.front.engine_link import EngineLink
 from pdserve.services.worker.channel.messages import Abort, Call, Generate, Trace
 from pdserve.services.worker.front.kv_events import KVEventsRpc
+from pdserve.services.worker.front.move_rpc import LiveMoves
 from pdserve.services.worker.front.multiplex import StepSink, serve_many
 from pdserve.services.worker.front.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
-from pdserve.shared.outputs import ReqOutput, coalesce
+from pdserve.shared.outputs import ReqOutput, coalesce, is_moved
 
 if TYPE_CHECKING:
     from pdserve.services.worker.front.wiring import Wiring
@@ -107,7 +108,7 @@ async def next_outputs(outputs: asyncio.Queue[ReqOutput], limit_s: float, min_to
             return ready
 
 
-class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerServicer):
+class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.WorkerServicer):
     def __init__(self, link: EngineLink, wiring: Wiring, compat: Compat, info: pb.InfoReply,
                  timeouts: Timeouts = Timeouts(), is_ready: Callable[[], bool] | None = None,
                  on_weights: Callable[[Compat], None] | None = None, calls: Calls | None = None,
@@ -127,6 +128,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         self.timeouts = timeouts
         self.public_ids: dict[str, str] = {}  # rid -> the client's id, of the generations in progress
         self.traced: dict[str, spans.Traced] = {}  # rid -> its span, while a traced generation runs
+        self.moving: set[str] = set()  # rids whose stream ended for a live move, until the stream's end
         self.on_weights = on_weights
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
@@ -164,8 +166,11 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
                     ready = await next_outputs(outputs, self._wait_limit(first),
                                                1 if first else self.stream_interval)
                     error = next((o.error for o in ready if o.error), None)
+                    moved = [o for o in ready if o.token_ids] if is_moved(error) else []
+                    if moved:  # a live move: what it produced here reaches the caller before the stream ends
+                        yield self._message(request, moved, first)[0]
                     if error:
-                        await self._fail(context, error)
+                        await self._fail(context, error, request.rid)
                     msg, ended = self._message(request, ready, first)
                     finished |= ended
                     yield msg
@@ -197,7 +202,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             try:
                 error = await sink.wait(self._wait_limit)
                 if error:
-                    await self._fail(context, error)
+                    await self._fail(context, error, request.rid)
             except asyncio.TimeoutError:
                 await self._stalled(request, context)
             finally:
@@ -233,12 +238,13 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             self.traced[request.rid] = spans.Traced(span)
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         self.link.watch(request.rid, deliver)
-        if not request.resume:  # a resumed generation is computed here, prompt and output so far
-            self.prompts.expect(request.rid, request)
+        if not request.resume or request.kv_source_rid:  # a resumed generation is computed here, unless its KV
+            self.prompts.expect(request.rid, request)    # moves here live from the worker it froze on
         try:
             await self._call_or_abort(context, Generate(request.rid, list(request.input_ids),
                                                         request.sampling.SerializeToString(), arrived,
-                                                        request.lora, span is not None, resume_from_proto(request)))
+                                                        request.lora, span is not None, resume_from_proto(request),
+                                                        bool(request.kv_source_rid)))
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast(Abort([request.rid]))
             self.link.unwatch(request.rid)
@@ -281,6 +287,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             timing, pull = taken
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
             msg.transfer_s = timing.transfer_s
+            msg.kv_moved_bytes = timing.kv_bytes
             msg.input_logprobs.extend(timing.input_logprobs)  # computed by the prefill worker
             msg.host_cached_tokens, msg.storage_cached_tokens = timing.host_cached_tokens, timing.storage_cached_tokens
             msg.prefill_other_s = max(0.0, timing.total_s - timing.queue_s - timing.compute_s - timing.transfer_s)
@@ -290,7 +297,10 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
             if rid in self.traced:
                 self.traced[rid].pull = pull
 
-    async def _fail(self, context, error: str) -> None:
+    async def _fail(self, context, error: str, rid: str) -> None:
+        if is_moved(error):  # frozen here for a live move: ABORTED tells the gateway to continue it elsewhere
+            self.moving.add(rid)
+            await context.abort(grpc.StatusCode.ABORTED, error)
         await context.abort(self.wiring.failure_code, error)
 
     async def _stalled(self, request: pb.GenerateRequest, context) -> None:
@@ -304,7 +314,9 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, pb_grpc.WorkerService
         if traced is not None:
             asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= n, time.monotonic()))
         self.prompts.take_reply(request.rid)
-        if len(finished) < n:  # cancelled by the client, failed or timed out
+        if request.rid in self.moving:  # frozen, its pages kept for the decode worker that continues it
+            self.moving.discard(request.rid)
+        elif len(finished) < n:  # cancelled by the client, failed or timed out
             self._abort_soon(request.rid)
 
     async def _end_span(self, rid: str, traced: spans.Traced, finished: bool, end: float) -> None:

@@ -18,8 +18,8 @@ from pdserve.services.worker.channel import messages
 from pdserve.services.worker.front.app import wiring_for
 from pdserve.services.worker.engine.engine_admin_calls import AdminCalls
 from pdserve.services.worker.engine.engine_calls import GenerationCalls
-from pdserve.services.worker.channel.messages import (AddPeer, Fence, KVAnswered, KVSettle, Prefill, RemovePeer,
-                                                     TransferMetadata)
+from pdserve.services.worker.channel.messages import (AddPeer, Fence, Freeze, KVAnswered, KVSettle, MoveOut, Prefill,
+                                                     RemovePeer, TransferMetadata)
 from pdserve.services.worker.engine.engine_process import engine_role
 from pdserve.services.worker.engine.engine_worker import handlers_of
 from pdserve.shared.config import Role
@@ -30,7 +30,8 @@ ROLE_MODULES = {"colocated.py", "prefill.py", "decode.py", "wiring.py", "colocat
                 "decode_engine.py", "encoder_app.py", "cli.py"}  # encoder_app: the embedding worker, colocated only
 ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
 ONLY = {Role.COLOCATED: set(), Role.PREFILL: {Prefill, Fence, AddPeer, RemovePeer},
-        Role.DECODE: {TransferMetadata, KVAnswered, KVSettle}}
+        # a decode worker is a sender too, of the generations it moves out live (kv_sender.py)
+        Role.DECODE: {TransferMetadata, KVAnswered, KVSettle, Fence, AddPeer, RemovePeer, Freeze, MoveOut}}
 
 
 def test_each_role_says_what_it_serves_and_which_transfer_side_it_holds():
