@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import openai
 import pytest
 import requests
 import torch
 
 from harness import System, start_gateway, start_worker
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
 
 MINILM = "all-MiniLM-L6-v2"
 
@@ -78,3 +81,19 @@ def test_a_request_for_the_other_kind_of_model_is_a_400_naming_it(two_models):
     # model would serve it
     unknown = client(gw).embeddings.create(model="text-embedding-3-small", input="hi")
     assert len(unknown.data[0].embedding) == 384
+
+
+def test_an_embedding_worker_is_listed_and_keeps_its_role(two_models):
+    llama, _, gw = two_models
+    listed = requests.get(gw.url + "/workers", headers=gw.admin_headers(), timeout=30).json()["workers"]
+    assert sorted((w["model_id"], w["worker_type"]) for w in listed) == sorted([(str(llama), "regular"),
+                                                                                (MINILM, "regular")])
+    embedding = next(w["url"] for w in listed if w["model_id"] == MINILM)
+    r = requests.post(gw.url + "/workers/switch_role", json={"url": embedding, "worker_type": "prefill"},
+                      headers=gw.admin_headers(), timeout=30)
+    assert r.status_code == 400 and "(reason: embedding_worker)" in r.json()["message"], r.text
+    # The encoder worker refuses by itself too, to a caller that does not check first.
+    with grpc.insecure_channel(embedding) as ch, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.WorkerStub(ch).SwitchRole(pb.SwitchRoleRequest(role="prefill"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().startswith("embedding_worker:")
