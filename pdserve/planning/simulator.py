@@ -332,11 +332,10 @@ class Simulation:
     # ------------------------------------------------------------ the planner
     def tick(self, now: float) -> None:
         d = self.planner.decide(observe(self, now))
-        if d.action == "switch" and not self.planner.settings.dry_run:
-            worker = next(w for w in self.workers if w.address == d.address)
+        for worker in [w for w in self.workers if w.address in d.addresses and not self.planner.settings.dry_run]:
             self.pool.serving[worker.role].remove(worker)  # no new work of its old role from now on
             self.leaving[worker] = d.target
-            self.switches.append(Switch(now, d.address, d.source, d.target, d.reason))
+            self.switches.append(Switch(now, worker.address, d.source, d.target, d.reason))
             self.kick(now, worker)
         if self.events:  # while anything is left to happen
             self.push(now + self.planner.settings.interval_s, TICK)

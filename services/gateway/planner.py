@@ -16,8 +16,10 @@ part that grows with the batch (a decode step's fixed cost stays: `itl_knee_batc
 
 What the planner guarantees:
 - it switches only when a side has been at or past `high` for `sustain` ticks in a row (one bad window is
-  noise), and the other side, one worker down, is predicted at or below `low` (hysteresis: `low < high`, so the
-  switch never leaves the other side calling for the worker back);
+  noise), and the other side, the workers down, is predicted at or below `low` (hysteresis: `low < high`, so the
+  switch never leaves the other side calling for the workers back). One decision moves as many workers as the
+  needy side wants (what would bring it to `low`) and the other side can spare so (at 64 workers, one at a time
+  would take a phase to follow a change of load);
 - no role falls below `min_per_role` workers;
 - a worker that changed role keeps it for `dwell_s`, and after any switch none follows for `cooldown_s` (the
   window must see the new split before it is judged).
@@ -93,7 +95,17 @@ class Observation:
 class Pressure:
     value: float
     reason: str  # the figure that set it, one of REASONS
-    after: float  # predicted with one worker less on this side
+    scaled: float = 0.0  # the part that grows as n / (n - k) with k workers less: queues, pool use, TTFT
+    itl: float = 0.0  # decode: ITL / its SLO, whose part per request grows with the batch
+    batch: float = 0.0  # decode: requests running per worker
+
+    def after(self, n: int, k: int, knee: float) -> float:
+        """Predicted with `k` of the side's `n` workers gone."""
+        if k >= n:
+            return math.inf
+        grow = n / (n - k)
+        itl = self.itl * (knee + self.batch * grow) / (knee + self.batch) if self.itl else 0.0
+        return max(self.scaled * grow, itl)
 
 
 @dataclass(frozen=True)
@@ -105,36 +117,35 @@ class Decision:
     pressure: dict[str, float] = field(default_factory=dict)
     source: str | None = None  # switch: the role the worker leaves
     target: str | None = None
-    address: str | None = None
+    addresses: tuple[str, ...] = ()  # switch: the workers that change role, least busy first
 
     def as_dict(self) -> dict:
         return {"action": self.action, "reason": self.reason, "detail": self.detail, "from": self.source,
-                "to": self.target, "address": self.address, "pressure": self.pressure}
+                "to": self.target, "addresses": list(self.addresses), "pressure": self.pressure}
 
 
 def pressures(obs: Observation, s: PlannerSettings) -> dict[str, Pressure]:
-    """Each side's pressure, the figure behind it, and the pressure predicted with one worker less."""
+    """Each side's pressure, the figure behind it, and what predicts it with fewer workers."""
     def per_worker(workers: tuple[WorkerLoad, ...]) -> float:
         return sum(w.waiting for w in workers) / max(1, len(workers)) / s.queue_limit
 
-    def fewer(workers: tuple[WorkerLoad, ...]) -> float:  # the load each worker carries with one worker less
-        return len(workers) / (len(workers) - 1) if len(workers) > 1 else math.inf
-
     ttft = (obs.ttft_s or 0.0) / s.ttft_slo_s
     pool = max((w.pool_use for w in obs.decode), default=0.0) / s.pool_limit
-    decode_queue = per_worker(obs.decode)
+    prefill_queue = per_worker(obs.prefill)
+    # A decode worker holds a slot for each prompt it waits for: while prompts queue on prefill, decode's own
+    # queue is their effect, not a want of decode workers.
+    decode_queue = per_worker(obs.decode) if prefill_queue < s.high else 0.0
     decode_bound = decode_queue >= s.high or pool >= s.high  # prompts wait for decode's slots or pages
     prefill_ttft = 0.0 if decode_bound else ttft
-    prefill = [(per_worker(obs.prefill), "prefill_queue"), (prefill_ttft, "ttft")]
+    prefill = max((prefill_queue, "prefill_queue"), (prefill_ttft, "ttft"))
     bound = "kv_pool" if pool >= max(s.high, decode_queue) else "decode_queue"  # what the prompts wait for
+    waits = max(pool, decode_queue, ttft if decode_bound else 0.0)
     itl = (obs.itl_s or 0.0) / s.itl_slo_s
-    batch = sum(w.running for w in obs.decode) / max(1, len(obs.decode))
+    decode = max((itl, "itl"), (pool, "kv_pool"), (decode_queue, "decode_queue"),
+                 (ttft if decode_bound else 0.0, bound))
     # A decode step costs a fixed part and a part per request in the batch: only the latter grows with the load.
-    itl_after = itl * (s.itl_knee_batch + batch * fewer(obs.decode)) / (s.itl_knee_batch + batch) if itl else 0.0
-    decode = [(itl, "itl"), (pool, "kv_pool"), (decode_queue, "decode_queue"), (ttft if decode_bound else 0.0, bound)]
-    after = {"prefill": max(per_worker(obs.prefill), prefill_ttft) * fewer(obs.prefill) if obs.prefill else math.inf,
-             "decode": max(itl_after, max(pool, decode_queue, ttft if decode_bound else 0.0) * fewer(obs.decode))}
-    return {role: Pressure(*max(parts), after[role]) for role, parts in (("prefill", prefill), ("decode", decode))}
+    batch = sum(w.running for w in obs.decode) / max(1, len(obs.decode))
+    return {"prefill": Pressure(*prefill, scaled=prefill[0]), "decode": Pressure(*decode, waits, itl, batch)}
 
 
 def wanted(count: int, pressure: float, s: PlannerSettings) -> int:
@@ -177,20 +188,28 @@ class Planner:
         if counts[giver] <= s.min_per_role:
             return hold("floor", f"{needy} at {shown[needy]} ({why}), but {giver} has {counts[giver]} worker(s), "
                                  f"the least it may have: more workers are needed")
-        after = found[giver].after
+        after = found[giver].after(counts[giver], 1, s.itl_knee_batch)
         if after > s.low:
             return hold("other_side_busy", f"{needy} at {shown[needy]} ({why}), but {giver} one worker down would "
                                            f"be at {after:.2f} (> {s.low:g}): more workers are needed")
-        free = [w for w in obs.workers(giver) if obs.now - self.changed.get(w.address, -math.inf) >= s.dwell_s]
+        free = sorted((w for w in obs.workers(giver) if obs.now - self.changed.get(w.address, -math.inf) >= s.dwell_s),
+                      key=lambda w: (w.running + w.waiting, w.pool_use, w.address))
         if not free:
             return hold("dwell", f"{needy} at {shown[needy]} ({why}), but every {giver} worker changed role less "
                                  f"than {s.dwell_s:g} s ago")
-        chosen = min(free, key=lambda w: (w.running + w.waiting, w.pool_use, w.address))
-        self.last_switch = self.changed[chosen.address] = obs.now
+        # As many as the needy side wants, the giver can spare (staying at `low`, above its floor) and may move.
+        k = 1
+        while (k < min(len(free), self.desired[needy] - counts[needy], counts[giver] - s.min_per_role)
+               and found[giver].after(counts[giver], k + 1, s.itl_knee_batch) <= s.low):
+            k += 1
+        after = found[giver].after(counts[giver], k, s.itl_knee_batch)
+        chosen = tuple(w.address for w in free[:k])
+        self.last_switch = obs.now
+        self.changed.update(dict.fromkeys(chosen, obs.now))
         self.breaching = {role: 0 for role in ROLES}
         return Decision("switch", why, f"{needy} at {shown[needy]} of its target ({why}); {giver} predicted at "
-                                       f"{after:.2f} with one worker less: {chosen.address} {giver} -> {needy}",
-                        obs.now, shown, giver, needy, chosen.address)
+                                       f"{after:.2f} with {k} worker(s) less: {', '.join(chosen)} {giver} -> {needy}",
+                        obs.now, shown, giver, needy, chosen)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

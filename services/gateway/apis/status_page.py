@@ -339,7 +339,8 @@ function render(s) {
       `${num(pl.desired.decode)} decode` : "off (pdserve gateway --planner slo turns it on)";
   $("decisions").innerHTML = pl ? pl.decisions.slice(0, 10).map((d) =>
       `<tr><td>${new Date(d.time * 1000).toLocaleTimeString()}</td><td>${esc(d.action)}` +
-      `${d.address ? " " + esc(d.address) + " " + esc(d.from) + " → " + esc(d.to) : ""}</td><td>${esc(d.reason)}</td>` +
+      `${d.addresses.length ? " " + esc(d.addresses.join(", ")) + " " + esc(d.from) + " → " + esc(d.to) : ""}</td>` +
+      `<td>${esc(d.reason)}</td>` +
       `<td>${num(d.pressure.prefill, 2)} / ${num(d.pressure.decode, 2)}</td><td>${esc(d.detail)}</td>` +
       `<td>${esc(d.outcome || "–")}</td></tr>`).join("") : "";
   chart($("chart-throughput"), "Output tokens/s", s.samples.points, (p) => p.tokens_per_s, "tok/s");

@@ -71,26 +71,33 @@ class PlannerLoop:
         return decision
 
     async def carry_out(self, d: Decision) -> str:
+        """Each worker of the decision switched in turn; what came of it, in words."""
         labels = (d.source, d.target, d.reason)
-        worker = self.pool.workers.get(d.address)
         if self.settings.dry_run:
-            refused = refusal(self.pool, worker, d.target) if worker is not None else None
-            outcome = (f"dry run: the switch would be refused ({refused.message})" if refused is not None
+            refused = [f"{a}: {r.message}" for a in d.addresses if (w := self.pool.workers.get(a)) is not None
+                       and (r := refusal(self.pool, w, d.target)) is not None]
+            outcome = (f"dry run: the switch would be refused ({'; '.join(refused)})" if refused
                        else "dry run: not switched")
-            self.metrics.dry_run_switches.labels(*labels).inc()
-            log.info("planner: would switch %s %s -> %s (%s): %s; %s", d.address, d.source, d.target, d.reason,
-                     d.detail, outcome)
+            self.metrics.dry_run_switches.labels(*labels).inc(len(d.addresses))
+            log.info("planner: would switch %s %s -> %s (%s): %s; %s", ", ".join(d.addresses), d.source, d.target,
+                     d.reason, d.detail, outcome)
             return outcome
-        try:
-            seconds = await self.switch(self.pool, d.address, d.target)
-        except ApiError as exc:
-            log.warning("planner: switching %s %s -> %s (%s) failed: %s", d.address, d.source, d.target, d.reason,
-                        exc.message)
-            return f"failed: {exc.message}"
-        self.metrics.role_switches.labels(*labels).inc()
-        log.info("planner: switched %s %s -> %s in %.1f s (%s): %s", d.address, d.source, d.target, seconds,
-                 d.reason, d.detail)
-        return f"switched in {seconds:.1f} s"
+        outcomes = []
+        for address in d.addresses:
+            try:
+                seconds = await self.switch(self.pool, address, d.target)
+            except ApiError as exc:
+                log.warning("planner: switching %s %s -> %s (%s) failed: %s", address, d.source, d.target, d.reason,
+                            exc.message)
+                outcomes.append(f"failed: {exc.message}" if len(d.addresses) == 1 else f"{address} failed: "
+                                                                                      f"{exc.message}")
+                continue
+            self.metrics.role_switches.labels(*labels).inc()
+            log.info("planner: switched %s %s -> %s in %.1f s (%s): %s", address, d.source, d.target, seconds,
+                     d.reason, d.detail)
+            outcomes.append(f"switched in {seconds:.1f} s" if len(d.addresses) == 1 else f"{address} switched in "
+                                                                                         f"{seconds:.1f} s")
+        return "; ".join(outcomes)
 
     def describe(self) -> dict:
         s = self.settings

@@ -35,7 +35,7 @@ def test_a_sustained_ttft_miss_moves_the_least_busy_decode_worker_to_prefill():
     first = p.decide(observe(0, ttft=1.5, busy={"d0": 5, "d1": 1}))
     assert (first.action, first.reason) == ("hold", "sustaining")
     d = p.decide(observe(5, ttft=1.5, busy={"d0": 5, "d1": 1}))
-    assert (d.action, d.reason, d.source, d.target, d.address) == ("switch", "ttft", "decode", "prefill", "d1")
+    assert (d.action, d.reason, d.source, d.target, d.addresses) == ("switch", "ttft", "decode", "prefill", ("d1",))
     assert "prefill at 1.5" in d.detail and "d1 decode -> prefill" in d.detail
 
 
@@ -58,6 +58,16 @@ def test_a_full_decode_pool_is_decodes_pressure_and_a_ttft_miss_behind_it_too():
     assert (d.action, d.reason, d.target) == ("switch", "decode_queue", "decode")  # prompts wait for decode
 
 
+def test_decodes_queue_behind_a_prefill_backlog_is_not_decodes_want():
+    """Decode workers hold a slot for every prompt they wait for: with prompts queued on prefill, decode's queue
+    is theirs, and the TTFT miss stays prefill's."""
+    p = planner(sustain=1)
+    obs = Observation(0, 3.0, 0.01, (WorkerLoad("p0", waiting=40),),
+                      (WorkerLoad("d0", waiting=30), WorkerLoad("d1", waiting=30)))
+    d = p.decide(obs)
+    assert (d.action, d.source, d.target) == ("switch", "decode", "prefill") and d.reason in ("ttft", "prefill_queue")
+
+
 def test_no_flapping_a_pressure_around_the_threshold_switches_nothing():
     p = planner()
     decisions = [p.decide(observe(5 * i, ttft=1.1 if i % 2 else 0.9)) for i in range(20)]
@@ -68,27 +78,37 @@ def test_after_a_switch_the_other_side_is_not_given_the_worker_back_at_once():
     p = planner(dwell_s=60, cooldown_s=20)
     for now in (0, 5):
         d = p.decide(observe(now, ttft=1.5, prefill=1, decode=3))
-    assert d.action == "switch" and d.address == "d0"
+    assert d.action == "switch" and d.addresses == ("d0",)
     # Now decode misses ITL: the cooldown holds first, then d0's dwell keeps it in prefill while p0 may go.
     held = [p.decide(observe(now, itl=0.1, prefill=2, decode=2)) for now in (10, 15)]
     assert [h.reason for h in held] == ["sustaining", "cooldown"]
     later = p.decide(observe(30, itl=0.1, prefill=2, decode=2))
     assert later.action == "switch" and later.source == "prefill"
-    assert later.address == "p0"  # the least busy of the prefill workers, none of which changed role
+    assert later.addresses == ("p0",)  # the least busy of the prefill workers, none of which changed role
 
 
 def test_dwell_keeps_a_worker_that_just_changed_role_where_it_is():
     p = planner(dwell_s=100, cooldown_s=0, sustain=1)
     w = WorkerLoad
-    assert p.decide(Observation(0, 2.0, 0.01, (w("p0"),), (w("d0"), w("d1"), w("d2")))).address == "d0"
-    assert p.decide(Observation(1, 2.0, 0.01, (w("p0"), w("d0")), (w("d1"), w("d2")))).address == "d1"
+    assert p.decide(Observation(0, 1.1, 0.01, (w("p0"),), (w("d0"), w("d1"), w("d2")))).addresses == ("d0",)
+    assert p.decide(Observation(1, 1.1, 0.01, (w("p0"), w("d0")), (w("d1"), w("d2")))).addresses == ("d1",)
     # Decode misses ITL now: d0 and d1 are idle but changed role a moment ago; p0, busy, is the one that goes.
     back = p.decide(Observation(2, 0.1, 0.2, (w("p0", running=9), w("d0"), w("d1")), (w("d2"),)))
-    assert (back.action, back.address, back.target) == ("switch", "p0", "decode")
+    assert (back.action, back.addresses, back.target) == ("switch", ("p0",), "decode")
     held = p.decide(Observation(3, 0.1, 0.2, (w("d0"), w("d1")), (w("d2"), w("p0"))))
     assert (held.action, held.reason) == ("hold", "dwell")
-    assert p.decide(Observation(101, 0.1, 0.2, (w("d0"), w("d1")), (w("d2"), w("p0")))).address == "d0"
+    assert p.decide(Observation(101, 0.1, 0.2, (w("d0"), w("d1")), (w("d2"), w("p0")))).addresses == ("d0",)
 
+
+def test_one_decision_moves_as_many_workers_as_the_needy_side_wants_and_the_other_can_spare():
+    """TTFT at 3x its target on 2 prefill workers: 8 would bring it to 0.8, so 6 more; decode (8 workers, its
+    queue and pool light) can give 6 and stay within 0.8. With decode busier it gives fewer."""
+    d = planner(sustain=1).decide(observe(0, ttft=3.0, prefill=2, decode=8))
+    assert d.action == "switch" and d.addresses == tuple(f"d{i}" for i in range(6))
+    assert "with 6 worker(s) less" in d.detail
+    busy = {f"d{i}": 8 for i in range(8)}  # ITL at 0.4 with 8 each: k gone, 0.4 * (8 + 8 * 8 / (8 - k)) / 16
+    d = planner(sustain=1).decide(observe(0, ttft=3.0, itl=0.02, prefill=2, decode=8, busy=busy))
+    assert len(d.addresses) == 5  # k = 5: 0.73, k = 6: 1.0
 
 def test_the_floor_one_worker_per_role_is_never_given_away():
     p = planner(sustain=1)

@@ -87,6 +87,10 @@ def metric(gw, name: str) -> dict[str, float]:
     return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{(.*?)\}} (\S+)$", text, re.M)}
 
 
+def switched(decision: dict) -> bool:
+    return (decision["outcome"] or "").startswith("switched in")
+
+
 def switches(status: dict) -> list[dict]:
     return [d for d in status["planner"]["decisions"] if d["action"] == "switch"]
 
@@ -103,7 +107,8 @@ def test_dry_run_decides_under_a_missed_ttft_and_switches_nothing(default_model_
     assert decided, status["planner"]
     d = decided[0]
     assert (d["from"], d["to"], d["reason"]) == ("decode", "prefill", "ttft")
-    assert d["address"] in decode_addrs and d["outcome"] == "dry run: not switched"
+    assert len(d["addresses"]) == 1 and d["addresses"][0] in decode_addrs  # the floor: one decode worker stays
+    assert d["outcome"] == "dry run: not switched"
     assert status["planner"]["dry_run"] and status["planner"]["desired"]["prefill"] > 1
     assert {role: len(ws) for role, ws in status["workers"].items()} == {"prefill": 1, "decode": 2}
     assert metric(gw, "pdserve_planner_dry_run_switches_total") == {
@@ -120,13 +125,15 @@ def test_the_planner_switches_one_worker_once_and_no_request_fails(default_model
     gw = gateway(default_model_dir, system, prefill_addr, decode_addrs, *PLANNER)
     load = Load(gw)
     try:
-        status = wait_for(gw, lambda s: any(d["outcome"] for d in switches(s)), timeout=90)
+        status = wait_for(gw, lambda s: any(switched(d) for d in switches(s)), timeout=90)
         time.sleep(5)  # long enough for the planner to try a second switch, which the floor must stop
         status = planner_status(gw)
     finally:
         statuses = load.stop()
-    done = switches(status)
-    assert len(done) == 1 and done[0]["outcome"].startswith("switched in"), status["planner"]
+    # A switch the worker refused (its requests not drained in time on a loaded machine) is tried again after
+    # the cooldown; one succeeds, and no second.
+    done = [d for d in switches(status) if switched(d)]
+    assert len(done) == 1, status["planner"]
     assert {role: len(ws) for role, ws in status["workers"].items()} == {"prefill": 2, "decode": 1}
     assert status["planner"]["decisions"][0]["reason"] == "floor"
     assert metric(gw, "pdserve_planner_role_switches_total") == {'from="decode",reason="ttft",to="prefill"': 1.0}
