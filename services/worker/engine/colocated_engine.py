@@ -3,7 +3,8 @@ side of KV transfers and adds nothing to the engine. `prefill_engine.py` and `de
 their role adds; the front's side of each role is its wiring (`colocated.py`, `prefill.py`, `decode.py`).
 
 Plug points, all a role has to say:
-- `role`, `serves_pooling_models`, `ends_at_prefill` (its metrics count a request done once prefilled);
+- `role`, `serves_pooling_models`, `ends_at_prefill` (its metrics count a request done once prefilled),
+  `switches_roles` (it may take another role live);
 - `transfer_spec(args)` and `transfer_agent(spec, runner)`: its KV transfer agent (colocated: `NoTransfer`);
 - `engine_hooks()`: what it hands the Engine (a prefill's KV write, a decode's transfer poll);
 - `admitting(req)`: a generation about to be added (a decode's pages reserved are told to the front);
@@ -25,6 +26,7 @@ class ColocatedEngine:
     role = Role.COLOCATED
     serves_pooling_models = True  # embeddings and scores need no prefill/decode split: only colocated serves them
     ends_at_prefill = False
+    switches_roles = False  # prefill and decode switch live into each other (engine_admin_calls.switch_role)
 
     def __init__(self, worker: WorkerEngine) -> None:
         self.worker = worker

@@ -23,6 +23,7 @@ from pdserve.shared.req import Req
 class DecodeEngine(MoveOutCalls, ColocatedEngine):
     role = Role.DECODE
     serves_pooling_models = False
+    switches_roles = True
 
     @staticmethod
     def transfer_spec(args: argparse.Namespace):

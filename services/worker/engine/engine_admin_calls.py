@@ -1,6 +1,6 @@
 """What a worker's front may ask of its engine process for operators, whatever its role: load and pool figures,
-metrics, LoRA adapters, the expert distribution, live weight updates (see `engine_worker.py` for where calls
-run)."""
+metrics, LoRA adapters, the expert distribution, live weight updates, a live role switch (see `engine_worker.py`
+for where calls run)."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +11,10 @@ from dataclasses import asdict
 from prometheus_client import generate_latest
 
 from pdserve.services.worker.channel.messages import (Adapters, Experts, FlushCache, Load, LoadAdapter, Metrics,
-                                                     PoolStats, StatsSample, UnloadAdapter, Weights)
+                                                     PoolStats, StatsSample, SwitchRole, UnloadAdapter, Weights)
 from pdserve.services.worker.engine.engine_worker import WorkerEngine, handles
 from pdserve.shared.compat import WeightsVersion
-from pdserve.shared.config import CACHE_TIERS
+from pdserve.shared.config import CACHE_TIERS, Role
 from pdserve.shared.expert_recorder import RECORDING_OFF, save_dump, writable_dir
 from pdserve.shared.lora import AdapterNotFound, LoraError
 from pdserve.shared.weights_digest import weights_digest
@@ -26,8 +26,11 @@ FLUSH_WRITES_WAIT_S = 5.0  # how long a flush waits for the storage tier's write
 
 
 class AdminCalls:
-    def __init__(self, worker: WorkerEngine) -> None:
+    def __init__(self, worker: WorkerEngine, side_of=None, switched=None) -> None:
+        """`side_of(role)`: a role's engine side (engine_process.engine_role); `switched()`: the host serves the
+        new role's calls from then on."""
         self.worker = worker
+        self.side_of, self.switched = side_of, switched
 
     @property
     def engine(self):
@@ -35,6 +38,24 @@ class AdminCalls:
 
     def on_engine(self, fn, timeout: float | None = None):
         return self.worker.on_engine(fn) if timeout is None else self.worker.on_engine(fn, timeout)
+
+    # ------------------------------------------------------------ live role switch
+    @handles(SwitchRole, where="thread")
+    def switch_role(self, call: SwitchRole) -> dict:
+        """Take another role once the engine holds no request (tried every few ms, up to `call.wait_s`); the
+        engine's info in it."""
+        w, side = self.worker, self.side_of(Role(call.role))
+        if not (w.role.switches_roles and side.switches_roles):
+            raise ValueError("colocated_worker: only prefill and decode workers switch roles (a colocated worker "
+                             "has no KV transfer agent)")
+        deadline = time.monotonic() + call.wait_s
+        while not w.on_engine(lambda: w.switch_to(side)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"drain_timeout: the engine still held requests after {call.wait_s:g} s")
+            time.sleep(0.005)
+        self.switched()
+        log.info("engine switched to the %s role", call.role)
+        return w.info()
 
     # ------------------------------------------------------------ inspection
     @handles(Load, where="engine")

@@ -36,8 +36,8 @@ from pdserve.services.worker.engine.colocated_engine import ColocatedEngine
 from pdserve.services.worker.engine.decode_engine import DecodeEngine
 from pdserve.services.worker.engine.engine_admin_calls import AdminCalls
 from pdserve.services.worker.engine.engine_calls import GenerationCalls
-from pdserve.services.worker.channel.messages import Call, OutputRecord, SwitchRole, from_wire
-from pdserve.services.worker.engine.engine_worker import WorkerEngine, handlers_of, handles
+from pdserve.services.worker.channel.messages import Call, OutputRecord, from_wire
+from pdserve.services.worker.engine.engine_worker import WorkerEngine, handlers_of
 from pdserve.services.worker.engine.prefill_engine import PrefillEngine
 from pdserve.shared.config import Role
 from pdserve.shared.logs import setup_logging
@@ -112,26 +112,13 @@ class EngineHost:
         self.pipe = pipe
         self.failed = False
         self.worker = w = WorkerEngine(engine_role(Role(command)), args)
-        self._common = (GenerationCalls(w), AdminCalls(w), self)  # the calls every role serves
-        self.handlers = handlers_of(*self._common, w.role)
+        # The calls every role serves; after a live role switch, the new role's own (AdminCalls.switch_role).
+        self._common = (GenerationCalls(w), AdminCalls(w, engine_role, self._serve_role))
+        self._serve_role()
         w.engine.on_iteration = self._flush
 
-    @handles(SwitchRole, where="thread")
-    def switch_role(self, call: SwitchRole) -> dict:
-        """Take another role once the engine holds no request (tried every few ms, up to `call.wait_s`), then
-        serve that role's calls; the engine's info in it."""
-        w, side = self.worker, engine_role(Role(call.role))
-        if w.transfer.name == "" or side.role == Role.COLOCATED:
-            raise ValueError("colocated_worker: only prefill and decode workers switch roles (a colocated worker "
-                             "has no KV transfer agent)")
-        deadline = time.monotonic() + call.wait_s
-        while not w.on_engine(lambda: w.switch_to(side)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"drain_timeout: the engine still held requests after {call.wait_s:g} s")
-            time.sleep(0.005)
-        self.handlers = handlers_of(*self._common, w.role)
-        log.info("engine switched to the %s role", side.role.value)
-        return w.info()
+    def _serve_role(self) -> None:
+        self.handlers = handlers_of(*self._common, self.worker.role)
 
     # ------------------------------------------------------------ engine thread
     def _flush(self) -> None:

@@ -121,7 +121,7 @@ class WorkerApp:
         self.calls = calls = Calls()
         info = self.engine_info
         await self.wiring.serve(self, server, calls)
-        if self.wiring.role != Role.COLOCATED:  # served in whichever role it holds now (role_switch.py)
+        if self.wiring.switches_roles:  # the Prefill service, in whichever role it holds now (role_switch.py)
             pb_grpc.add_PrefillServicer_to_server(PrefillGate(lambda: getattr(self.wiring, "service", None)), server)
 
         def weights_changed(compat: Compat) -> None:

@@ -23,6 +23,7 @@ log = logging.getLogger("pdserve.worker")
 class Decode(Wiring):
     role = Role.DECODE
     failure_code = grpc.StatusCode.UNAVAILABLE
+    switches_roles = True
     refuses_pooling = "this is a decode worker: send prefill-only requests to a prefill or colocated worker"
     moves_live = True
 

@@ -13,6 +13,7 @@ from pdserve.shared.config import Role
 
 class Prefill(Wiring):
     role = Role.PREFILL
+    switches_roles = True
 
     def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
         return (grpc.StatusCode.FAILED_PRECONDITION,

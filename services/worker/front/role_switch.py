@@ -31,7 +31,6 @@ log = logging.getLogger("pdserve.worker")
 DRAIN_TIMEOUT_S = 5.0  # for the running requests to finish, unless the call says otherwise
 ENGINE_WAIT_S = 10.0  # for the engine to hold no request once the front's calls are done
 REGISTER_S = 5.0  # a new decode worker's registrations with the prefill workers it is given
-SWITCHABLE = (Role.PREFILL, Role.DECODE)
 
 
 class Refused(Exception):
@@ -53,17 +52,16 @@ class RoleSwitch:
 
     def refusal(self, role: str) -> Refused | None:
         app = self.app
-        current = app.wiring.role
         if role not in {r.value for r in Role}:
             return Refused("unknown_role", f"{role!r} is no role: prefill or decode")
-        if current == Role.COLOCATED or Role(role) == Role.COLOCATED:
+        if not (app.wiring.switches_roles and self.wiring_for(Role(role)).switches_roles):
             return Refused("colocated_worker", "only prefill and decode workers switch roles: a colocated worker "
                                                "moves no KV")
         if app.engine_info.get("pooled"):
             return Refused("embedding_worker", "an embedding or scoring model has no prefill or decode role")
         if self.running:
             return Refused("switch_in_progress", f"this worker is switching to {role} already")
-        if current.value == role:
+        if type(self.wiring_for(Role(role))) is type(app.wiring):
             return Refused("same_role", f"this worker is a {role} worker already")
         if app.calls.draining:
             return Refused("shutting_down", "this worker is shutting down")

@@ -30,6 +30,7 @@ class Wiring:
     # What ends a Generate call that failed here; decode's UNAVAILABLE makes the gateway migrate the stream.
     failure_code = grpc.StatusCode.INTERNAL
     refuses_pooling: str | None = None  # why Encode calls are refused here, if they are
+    switches_roles = False  # prefill and decode workers switch live into each other (role_switch.py)
     moves_live = False  # it hands running generations over live with their KV (Migrate: move_rpc.py)
 
     def __init__(self) -> None:
