@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             help="seconds of TTFT and ITL a decision reads, and the pause after a switch")
         parser.add_argument("--planner-dwell-s", type=float, default=60.0,
                             help="a worker keeps a role the planner gave it at least this long")
+        parser.add_argument("--plot", metavar="FILE", default=None,
+                            help="also draw latency over the run (each request's TTFT and mean ITL at its arrival, "
+                                 "the planner's switches) into FILE (PNG; needs matplotlib)")
         parser.add_argument("--switch-s", type=float, default=1.0,
                             help="what a role switch costs once the worker has finished its requests (seconds)")
     else:
@@ -107,7 +110,8 @@ def _simulate(args, costs, trace, settings: dict, slo: tuple[float, float]) -> d
     deployment = Deployment(prefill=args.prefill, decode=args.decode, colocated=args.colocated, planner=planner,
                             switch_s=args.switch_s, **settings)
     started = time.perf_counter()
-    summary = summarize(simulate(deployment, costs, trace.requests), *slo)
+    result = simulate(deployment, costs, trace.requests)
+    summary = summarize(result, *slo)
     summary["trace"] = trace.source
     summary["wall_s"] = time.perf_counter() - started
     print(f"trace {trace.source} ({trace.format}): {len(trace)} requests over {trace.duration_s:.1f} s")
@@ -115,6 +119,10 @@ def _simulate(args, costs, trace, settings: dict, slo: tuple[float, float]) -> d
     for switch in summary.get("switches", []):
         print(f"  switch at {switch['at_s']:.1f} s: {switch['address']} {switch['from']} -> {switch['to']} "
               f"({switch['reason']})")
+    if args.plot:
+        from pdserve.planning.plot import plot
+
+        print(f"plot: {plot(result, args.plot, *slo)}")
     return summary
 
 

@@ -56,18 +56,20 @@ def test_simulate_prints_and_writes_the_figures(measured):
 
 def test_simulate_with_the_planner_switches_roles_and_says_when(measured):
     """A TTFT target no prompt meets: the planner moves a decode worker to prefill, once (one decode worker is
-    left, the floor), and the run prints and writes the switch."""
+    left, the floor), and the run prints and writes the switch, and draws latency over the run."""
     out, trace, root = measured
     figures = root / "planned.json"
     result = pdserve("simulate", "--profile", str(out), "--trace", str(trace), "--prefill", "1", "--decode", "2",
                      "--planner", "slo", "--ttft-slo-ms", "0.001", "--itl-slo-ms", "1e7", "--planner-interval-s", "1",
-                     "--planner-window-s", "3", "--switch-s", "0.5", "--json", str(figures))
+                     "--planner-window-s", "3", "--switch-s", "0.5", "--json", str(figures),
+                     "--plot", str(root / "latency.png"))
     assert result.returncode == 0, result.stderr
     assert "PD 1:2 + planner" in result.stdout and "decode -> prefill (ttft)" in result.stdout
     data = json.loads(figures.read_text())
     assert [(s["from"], s["to"]) for s in data["switches"]] == [("decode", "prefill")]
     assert data["switches"][0]["done_s"] >= data["switches"][0]["at_s"] + 0.5
     assert data["completed"] == data["requests"]
+    assert (root / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # latency over the run, drawn
 
 
 def test_plan_names_the_best_split_and_the_runner_up(measured):
