@@ -11,6 +11,9 @@
                                             health and load (the admin key from $PDSERVE_ADMIN_API_KEY)
     pdserve debug switch-role URL TYPE [--gateway URL]   switch a worker's role live (prefill or decode) and
                                             print the seconds it took, or the reason it was refused
+    pdserve debug migrate URL (--count N | --rid ID) [--to URL] [--gateway URL]   move running generations of
+                                            a decode worker live, with their KV, to another (or where the router
+                                            sends them)
 """
 from __future__ import annotations
 
@@ -48,7 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     switch = sub.add_parser("switch-role", help="switch a worker's role live, through the gateway")
     switch.add_argument("url", metavar="HOST:PORT", help="the worker's gRPC address, as `workers` lists it")
     switch.add_argument("worker_type", choices=["prefill", "decode"])
-    for p in (listing, switch):
+    move = sub.add_parser("migrate", help="move a decode worker's running generations live, through the gateway")
+    move.add_argument("url", metavar="HOST:PORT", help="the decode worker's gRPC address, as `workers` lists it")
+    which = move.add_mutually_exclusive_group(required=True)
+    which.add_argument("--count", type=int, help="how many of its generations (the latest started first)")
+    which.add_argument("--rid", help="one generation, by its request id")
+    move.add_argument("--to", metavar="HOST:PORT", help="the decode worker to move to (default: the router's pick)")
+    for p in (listing, switch, move):
         p.add_argument("--gateway", default="http://127.0.0.1:30000", metavar="URL")
         p.add_argument("--timeout", type=float, default=90.0)
     bench = sub.add_parser("bench-transfer", help="KV transfer throughput between two processes")
@@ -66,6 +75,8 @@ def main(args: argparse.Namespace, command: str) -> int:
         return _trace(args)
     if args.action in ("workers", "switch-role"):
         return _workers(args)
+    if args.action == "migrate":
+        return _migrate(args)
     try:
         return asyncio.run(_run(args))
     except Exception as exc:  # a debugging tool: one clear line
@@ -89,6 +100,18 @@ def _workers(args: argparse.Namespace) -> int:
         return 1
     print(f"{answer['url']} is a {answer['worker_type']} worker now ({answer['seconds']:.2f} s)")
     return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    """POST /workers/migrate: the generations frozen to move, and those refused with why."""
+    body = {"url": args.url, **({"count": args.count} if args.count else {"rid": args.rid}),
+            **({"to": args.to} if args.to else {})}
+    answer = _gateway_json(args, "/workers/migrate", body)
+    if answer is None:
+        return 1
+    print(f"{len(answer['frozen'])} generation(s) of {answer['url']} moving live"
+          + "".join(f"\n  not moved: {why}" for why in answer["refused"]))
+    return 0 if answer["frozen"] else 1
 
 
 def _gateway_json(args: argparse.Namespace, path: str, body: dict | None = None) -> dict | None:

@@ -23,7 +23,8 @@ SERIAL = ("tests/security/", "tests/benchclient/test_bench.py", "tests/integrati
           "tests/integration/test_migration_chaos.py",
           "tests/services/gateway/test_cpu_pool.py", "tests/services/gateway/test_hostile_input.py",
           "tests/services/gateway/test_overload_drain.py", "tests/services/gateway/test_sse_end.py",
-          "tests/services/gateway/test_generation.py", "tests/services/worker/test_prefill_peers.py",
+          "tests/services/gateway/test_generation.py", "tests/services/gateway/test_live_move.py",
+          "tests/services/worker/test_prefill_peers.py",
           "tests/shared/test_kv_tiers.py", "tests/shared/test_tp_nodes.py",
           "tests/shared/transfer/test_transfer_backends.py")
 

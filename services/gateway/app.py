@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, use_span
 
 from pdserve.services import tracing
 from pdserve.services.gateway.apis import jobs_proxy, native, openai_routes, openapi, status_page
-from pdserve.services.gateway.apis.admin import experts, lora, weights, workers
+from pdserve.services.gateway.apis.admin import experts, lora, migrate, weights, workers
 from pdserve.services.gateway.apis.context import ADMIN_CALLER, GATEWAY, Gateway
 from pdserve.services.gateway.apis.messages import routes as messages_routes
 from pdserve.services.gateway.apis.pooling import classify, embeddings
@@ -40,7 +40,7 @@ OPEN_PATHS = frozenset({"/health", "/live", "/metrics", *status_page.PAGE_PATHS}
 # these need the admin key, never the inference key (SGLang's --admin-api-key).
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter", "/flush_cache",
                          "/abort_request", "/start_expert_distribution_record", "/stop_expert_distribution_record",
-                         "/dump_expert_distribution_record", *workers.PATHS})
+                         "/dump_expert_distribution_record", *workers.PATHS, *migrate.PATHS})
 # Other clients' requests, by id: their timings and token counts. With an API key and an admin key both set, the
 # admin key's (so is /status.json's list of requests: status_page.py).
 OTHER_CLIENTS_PREFIX = "/debug/requests/"
@@ -286,6 +286,7 @@ def create_app(gateway: Gateway, extra_models: list[Gateway] = (),
     experts.add_routes(app)
     weights.add_routes(app)
     workers.add_routes(app)
+    migrate.add_routes(app)
     embeddings.add_routes(app, list(extra_models))
     classify.add_routes(app)
     jobs_proxy.add_routes(app)

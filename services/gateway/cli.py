@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "(0 where the API's shape needs the field), as SGLang: they tell one client what "
                              "another's prompts hold")
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES)
+    parser.add_argument("--rebalance-decode", action="store_true",
+                        help="move running generations live (with their KV) from a decode worker whose pool is "
+                             "much fuller than another's; its decisions are counted in "
+                             "pdserve_gateway_rebalance_decisions")
     parser.add_argument("--jobs-url", default=None, help="jobs service that /v1/files and /v1/batches go to")
     parser.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL") or None,
                         help="Redis that keeps /v1/responses stored responses, shared by every gateway replica and "
@@ -246,7 +250,8 @@ def build(args: argparse.Namespace, siblings: Siblings | None = None):
                       HealthSettings(interval_s=args.health_check_interval))
     processes = args.gateway_workers
     backend = Backend(tokenizer, pool, Router(pool, args.routing_policy), GatewayMetrics(multiprocess=processes > 1),
-                      BackendSettings(max_queued_requests=args.max_queued_requests, processes=processes),
+                      BackendSettings(max_queued_requests=args.max_queued_requests, processes=processes,
+                                      rebalance_decode=args.rebalance_decode),
                       default_context_length=config.max_position_embeddings)
     served = args.served_model_name or given
     # One model per gateway: "default" always names it, as in SGLang's examples and clients written for them.

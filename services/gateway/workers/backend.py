@@ -52,6 +52,7 @@ class BackendSettings(GenerationSettings):
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED  # sequences waiting beyond the workers' (None: no limit)
     rpc_timeout_s: float = 10.0  # Abort, FlushCache and other small calls
     processes: int = 1  # gateway processes serving the port: each admits its share of the room
+    rebalance_decode: bool = False  # move running generations live from a full decode worker to an empty one
 
 
 class Door:
@@ -109,7 +110,7 @@ class Backend:
         self.default_context_length = default_context_length
         self.in_flight = 0
         self.generations: dict[str, Generation] = {}
-        self.mover = Mover(pool)  # live moves: off a draining decode worker, or asked (live_move.py)
+        self.mover = Mover(pool, metrics.rebalances)  # live moves: off a draining decode worker, or asked
         pool.on_draining.append(self.mover.draining)
         self.door = Door()
         self.recorder = FlightRecorder()  # the last requests' timelines (services/gateway/timelines.py)
@@ -244,8 +245,11 @@ class Backend:
     # ------------------------------------------------------------ the workers, as the handlers see them
     async def start(self) -> None:
         await self.pool.start()
+        if self.settings.rebalance_decode:
+            self.mover.start()
 
     async def close(self) -> None:
+        await self.mover.close()
         if self.feeds is not None:
             await self.feeds.close()
         await self.pool.close()

@@ -11,6 +11,7 @@ prefill's do.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from pdserve.services.worker.channel.messages import AddPeer, Fence, Freeze, MoveOut, RemovePeer
@@ -20,6 +21,9 @@ from pdserve.shared.transfer.fence import Fence as WriteFence
 
 log = logging.getLogger("pdserve.worker")
 ABORT_WAIT_S = 1.0  # a fence's revocation waits this long for the engine to drop the request, then reports it
+# Tests only: every KV write of a sender waits this long first (a write late past its request's abort, a worker
+# killed mid-move).
+WRITE_DELAY_ENV = "PDSERVE_TEST_KV_WRITE_DELAY_S"
 
 
 class KVSender:
@@ -58,6 +62,9 @@ class KVSender:
 
 
 class MoveOutCalls(KVSender):
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self._write_delay_s = float(os.environ.get(WRITE_DELAY_ENV) or 0)
     @handles(Freeze)
     def freeze(self, call: Freeze) -> tuple[list[str], list[str]]:
         engine = self.worker.engine
@@ -87,6 +94,8 @@ class MoveOutCalls(KVSender):
         pages = frozen.req.pages
         if len(call.dst_pages) != len(pages):
             raise ValueError(f"{len(call.dst_pages)} pages reserved for {call.source_rid}, which holds {len(pages)}")
+        if self._write_delay_s:
+            time.sleep(self._write_delay_s)
         t0 = time.perf_counter()
         try:
             w.transfer.write_pages(call.peer_name, list(pages), list(call.dst_pages),

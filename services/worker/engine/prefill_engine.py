@@ -15,15 +15,13 @@ from pdserve.services.worker.engine.colocated_engine import ColocatedEngine, ran
 from pdserve.services.worker.engine.engine_calls import params_of, trace_of, wire_lps
 from pdserve.services.worker.channel.messages import Prefill
 from pdserve.services.worker.engine.engine_worker import handles
-from pdserve.services.worker.engine.kv_sender import KVSender
+from pdserve.services.worker.engine.kv_sender import WRITE_DELAY_ENV, KVSender
 from pdserve.services.worker.channel.settings import transfer_backend
 from pdserve.shared.config import Role
 from pdserve.shared.req import Req, TransferTarget
 from pdserve.shared.transfer.fence import Fence as WriteFence
 
 log = logging.getLogger("pdserve.worker")
-# Tests only: every KV write of a prefill worker waits this long first (a write late past its request's abort).
-WRITE_DELAY_ENV = "PDSERVE_TEST_KV_WRITE_DELAY_S"
 
 
 class PrefillEngine(KVSender, ColocatedEngine):
