@@ -216,10 +216,11 @@ def test_pdserve_debug_lists_and_switches(stack):
 def test_a_worker_that_dies_mid_switch_is_taken_out_and_the_call_answers(stack):
     system, gw, paddr, daddrs = stack
     moving = daddrs[1]
-    # Long generations on the worker keep its drain going (5 s) while it is killed.
+    # Long generations on the worker keep its drain going (5 s) while it is killed: with two choices each, none
+    # can move to another worker live, so they run on there.
     busy = [threading.Thread(target=lambda: requests.post(gw.url + "/generate", json={
-        "text": "Write a long essay.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}, timeout=120))
-        for _ in range(4)]
+        "text": "Write a long essay.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "n": 2}},
+        timeout=120)) for _ in range(4)]
     for t in busy:
         t.start()
     wait_for(lambda: worker_call(moving, "Load").running > 0, 30)
