@@ -117,7 +117,7 @@ def describe_worker(w) -> dict:
     return {"address": w.address, "role": w.role, "healthy": w.healthy, "last_error": w.last_error or None,
             "in_flight": w.in_flight, "running": load.running if load else None,
             "queued": load.waiting if load else None, "kv": kv,
-            "spec": spec_figures(load)}
+            "spec": spec_figures(load), "live_moves": {"out": w.moved_out, "in": w.moved_in}}
 
 
 def spec_figures(load) -> dict | None:
@@ -241,7 +241,8 @@ svg { background: #fff; border: 1px solid #dde; border-radius: 6px; }
 </div>
 <h2>Workers</h2>
 <table><thead><tr><th>role</th><th>address</th><th>health</th><th>running</th><th>queued</th>
-  <th>in flight (this gateway)</th><th>KV use</th><th>speculation</th></tr></thead><tbody id="workers"></tbody></table>
+  <th>in flight (this gateway)</th><th>KV use</th><th>speculation</th><th>live moves out / in</th></tr></thead>
+  <tbody id="workers"></tbody></table>
 <h2>Planner</h2>
 <div class="muted" id="planner">–</div>
 <table id="planner-table"><thead><tr><th>time</th><th>decision</th><th>reason</th><th>pressure (prefill / decode)</th>
@@ -325,7 +326,8 @@ function render(s) {
       const health = w.healthy ? `<span class="healthy">healthy</span>`
                                : `<span class="down" title="${esc(w.last_error || "")}">down</span>`;
       rows += `<tr><td>${esc(role)}</td><td>${esc(w.address)}</td><td>${health}</td><td>${num(w.running)}</td>` +
-              `<td>${num(w.queued)}</td><td>${w.in_flight}</td><td>${kv}</td><td>${spec}</td></tr>`;
+              `<td>${num(w.queued)}</td><td>${w.in_flight}</td><td>${kv}</td><td>${spec}</td>` +
+              `<td>${w.live_moves.out} / ${w.live_moves.in}</td></tr>`;
     }
   }
   $("workers").innerHTML = rows || `<tr><td colspan="8" class="muted">no workers</td></tr>`;

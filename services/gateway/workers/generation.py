@@ -286,7 +286,7 @@ class Generation:
                     if pair.prefill is not None:  # its part is done: its death no longer concerns this request
                         self._release(pair.prefill, held)
                     if move is not None:  # the move is complete
-                        self.record.moved(move, pair.generate.address, msg.kv_moved_bytes)
+                        self.record.moved(move, pair.generate, msg.kv_moved_bytes)
                     if not resumed:  # usage and prompt logprobs describe the client's prompt
                         self._on_first(msg)
                         if self._attempts == 1:  # a retry's TTFT holds its failed attempts too

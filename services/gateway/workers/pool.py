@@ -59,6 +59,8 @@ class Worker:
     info: pb.InfoReply | None = None
     load: pb.LoadReply | None = None
     in_flight: int = 0  # requests this gateway has on the worker now
+    moved_out: int = 0  # this gateway's generations moved live off the worker, and onto it (live_move.py)
+    moved_in: int = 0
     last_error: str = ""
     draining: bool = False  # it said it is shutting down (or switching roles): no new requests, its own finish
     switching: bool = False  # this gateway is switching its role (role_switch.py)

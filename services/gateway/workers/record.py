@@ -17,6 +17,7 @@ from pdserve.services.gateway.timelines import Timeline
 from pdserve.services.gateway.tokenization import ModelTokenizer
 from pdserve.services.gateway.workers.job import Job
 from pdserve.services.gateway.workers.live_move import LiveMove
+from pdserve.services.gateway.workers.pool import Worker
 from pdserve.services.gateway.workers.router import Pair
 from pdserve.shared.logs import REQUEST_ID
 
@@ -98,9 +99,11 @@ class GenerationRecord:
         current_span().add_event(step, {"pdserve.reason": reason, "pdserve.workers": workers,
                                         "pdserve.tokens": tokens})
 
-    def moved(self, move: LiveMove, to: str, kv_bytes: int) -> None:
-        """A live move completed (its first output came from `to`): counted, timed, and an event of the trace."""
-        seconds = time.perf_counter() - move.since
+    def moved(self, move: LiveMove, dest: Worker, kv_bytes: int) -> None:
+        """A live move completed (its first output came from `dest`): counted, timed, and an event of the trace."""
+        seconds, to = time.perf_counter() - move.since, dest.address
+        move.source.moved_out += 1
+        dest.moved_in += 1
         self.metrics.migrations.labels("live", move.reason).inc()
         self.metrics.migration_seconds.labels("live").observe(seconds)
         self.metrics.migration_bytes.observe(kv_bytes)

@@ -189,7 +189,10 @@ worker's generations usually go sooner: the gateway, seeing it drain, has them m
             log.warning("drain timeout: cancelling %d sequence(s) still in progress", calls.count)
             return
         # Generations frozen for a live move (their streams ended) wait for the decode worker that takes their KV.
-        while time.monotonic() < deadline and await self._holds_frozen():
+        while await self._holds_frozen():
+            if time.monotonic() >= deadline:
+                log.warning("drain timeout: generations frozen for a live move were not taken: they are dropped")
+                return
             await asyncio.sleep(0.05)
 
     async def _holds_frozen(self) -> bool:

@@ -129,7 +129,7 @@ def test_page_asks_for_the_key_in_chromium(colocated, tmp_path):
 def test_a_worker_with_tiers_shows_their_occupancy():
     def worker(**load) -> SimpleNamespace:
         return SimpleNamespace(address="w:1", role="prefill", healthy=True, last_error="", in_flight=0,
-                               load=pb.LoadReply(total_pages=100, free_pages=40, **load))
+                               moved_out=0, moved_in=0, load=pb.LoadReply(total_pages=100, free_pages=40, **load))
 
     tiered = describe_worker(worker(storage_tier=True, storage_pages=1200, storage_bytes=1200 * 36928))
     assert tiered["kv"]["storage"] == {"pages": 1200, "bytes": 1200 * 36928}
