@@ -18,7 +18,7 @@ from pdserve.services.gateway.workers.pool import Worker, WorkerPool
 
 # SGLang's model gateway names a colocated worker "regular"; the pool's own role names are accepted too.
 WORKER_TYPES = {"prefill": "prefill", "decode": "decode", "regular": "colocated", "colocated": "colocated"}
-SWITCH_TIMEOUT_S = 60.0  # the worker's own drain is bounded tighter (its --role-switch-drain-s)
+SWITCH_TIMEOUT_S = 60.0  # the worker bounds its own drain tighter (front/role_switch.py: 5 s, then 10 s)
 
 
 def worker_type(role: str) -> str:
@@ -37,7 +37,9 @@ class SwitchRefused(ApiError):
 async def switch_role(pool: WorkerPool, address: str, worker_type: str) -> float:
     """Switch the worker at `address` to `worker_type` ("prefill", "decode" or "regular"): the seconds it took,
     measured from the call until the worker serves in its new role. Raises SwitchRefused (an ApiError) with a
-    named reason otherwise (see `refusal`); "worker_lost" (503) when the worker fails or dies during the switch."""
+    named reason otherwise: those of `refusal`, the worker's own, "drain_timeout" (503: it still held requests,
+    and serves in its old role again) and "worker_lost" (503: it failed or died during the switch, and is out of
+    rotation by the time this raises)."""
     role = WORKER_TYPES.get(worker_type)
     if role is None:
         raise SwitchRefused(400, "unknown_role", f"'worker_type' must be one of prefill, decode, regular; got "
