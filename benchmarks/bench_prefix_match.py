@@ -54,6 +54,20 @@ def main() -> None:
         exact_new = best_of(args.rounds, 200, lambda: cache.match_prefix(new, max_tokens=len(new) - 1))
         print(f"{prompts:>15} {whole:>12.1f} {exact:>13.1f} {exact - whole:>8.1f}   | "
               f"{whole_new:>8.1f} {exact_new:>9.1f} {exact_new - whole_new:>8.1f}")
+    # The children's sorted index has a price where pages come and go: 10,000 first pages that all start with
+    # one token (a BOS, or a chat template's first), inserted and then evicted.
+    for _ in range(2):
+        cache, t0 = RadixCache(s), time.perf_counter()
+        for i in range(10000):
+            cache.insert([1] + [rng.randrange(50000) for _ in range(s - 1)], [i])
+        t1 = time.perf_counter()
+        probe = cache.match_prefix([1, 2, 3] + [7] * 34, max_tokens=36)
+        t2 = time.perf_counter()
+        cache.evict(10000)
+        t3 = time.perf_counter()
+        print(f"10,000 first pages sharing their first token: insert {(t1 - t0) * 100:.1f} us a page, a new "
+              f"prompt's match {(t2 - t1) * 1e6:.0f} us, evict {(t3 - t2) * 100:.1f} us a page"
+              + ("" if probe.tail is not None else " (no partial page)"))
     # The default model's page: 30 layers x K/V x 16 tokens x 3 heads x 64 dims in bf16.
     pool = KVPool(KVLayout(64, s, 30, 3, 64, torch.bfloat16))
     copy = best_of(args.rounds, 2000, lambda: pool.copy_page(1, 2))

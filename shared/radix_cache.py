@@ -29,6 +29,7 @@ named as the routers name it (`route_hash`) and its coming and going recorded.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
@@ -44,9 +45,10 @@ class Node:
     page: int
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    # The children by the first token of their key (after the namespace, on a first page): the few a prompt
-    # that leaves a page part-way is compared with, where a root may hold thousands of children.
-    heads: dict[tuple, list[Node]] = field(default_factory=dict)
+    # The children's tokens, sorted, by namespace (on a first page; () elsewhere): the child sharing the most
+    # leading tokens with a prompt sorts next to it, so a match looks at two keys where a root may hold thousands
+    # of children, all starting with one token (a BOS or a chat template's first).
+    heads: dict[tuple, list[tuple]] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: float = 0.0
     # The storage tier's (kv_tiers.py): the page's key there, once asked for, and whether it is stored.
@@ -140,7 +142,8 @@ class RadixCache:
             if child is None:
                 child = Node(key=key, page=page, parent=node)
                 node.children[key] = child
-                node.heads.setdefault(_head(key), []).append(child)
+                lead, toks = _split(key)
+                bisect.insort(node.heads.setdefault(lead, []), toks)
                 self._leaves.pop(node, None)
                 self._leaves[child] = None
                 self._num_pages += 1
@@ -179,10 +182,11 @@ class RadixCache:
             gone.append(node)
             parent = node.parent
             del parent.children[node.key]
-            siblings = parent.heads[_head(node.key)]
-            siblings.remove(node)
+            lead, toks = _split(node.key)
+            siblings = parent.heads[lead]
+            del siblings[bisect.bisect_left(siblings, toks)]
             if not siblings:
-                del parent.heads[_head(node.key)]
+                del parent.heads[lead]
             del self._leaves[node]
             self._num_pages -= 1
             freed.append(node.page)
@@ -235,25 +239,27 @@ class RadixCache:
             yield node
 
 
-def _head(key: tuple) -> tuple:
-    """The key's namespace (on a first page) and first token: what `Node.heads` files it under."""
-    return key[:2] if isinstance(key[0], str) else key[:1]
+def _split(key: tuple) -> tuple[tuple, tuple]:
+    """(the namespace, as a 1-tuple, or (); the tokens) of a key."""
+    return (key[:1], key[1:]) if key and isinstance(key[0], str) else ((), key)
 
 
 def _furthest_child(node: Node, lead: tuple, want: list[int]) -> tuple[Node | None, int]:
     """The child of `node` whose key, after `lead` (the namespace, on the first page), starts with the most of
-    `want`, and how many; (None, 0) when none starts with its first token."""
-    best, most, skip = None, 0, len(lead)
-    if not want:
-        return best, most
-    for child in node.heads.get((*lead, want[0]), ()):
-        n = 1
-        for a, b in zip(child.key[skip + 1:], want[1:]):
+    `want`, and how many; (None, 0) when none starts with its first token. In sorted order the keys sharing
+    the most with `want` sit on either side of where it would go."""
+    keys = node.heads.get(lead)
+    if not keys or not want:
+        return None, 0
+    query = tuple(want)
+    at = bisect.bisect_left(keys, query)
+    best, most = None, 0
+    for key in keys[max(at - 1, 0):at + 1]:
+        n = 0
+        for a, b in zip(key, query):
             if a != b:
                 break
             n += 1
         if n > most:
-            best, most = child, n
-            if most == len(want):
-                break
-    return best, most
+            best, most = key, n
+    return (node.children[lead + best], most) if best is not None else (None, 0)

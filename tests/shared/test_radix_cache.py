@@ -2,6 +2,8 @@
 finished sequences leave, and matches exact to the token through the page a prompt leaves part-way."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdserve.shared.page_allocator import PageAllocator
@@ -156,3 +158,20 @@ def test_eviction_after_random_inserts_locks_and_evictions_takes_the_lru_unlocke
     evictable = cache.evictable_pages()
     assert len(cache.evict(10**6)) == evictable
     assert all(n.lock_ref > 0 for n in cache.nodes())
+
+
+def test_the_page_sharing_most_is_found_among_many_that_start_alike():
+    # Every prompt starts with one token (a BOS): the match must still find the page sharing the most, as a
+    # comparison with every page would.
+    rng = random.Random(5)
+    cache = RadixCache(8)
+    pages = [[1] + [rng.randrange(4) for _ in range(7)] for _ in range(300)]
+    for i, page in enumerate(pages):
+        cache.insert(page, [i])
+    for _ in range(200):
+        prompt = [1] + [rng.randrange(4) for _ in range(9)]
+        match = cache.match_prefix(prompt, max_tokens=7)
+        def shared(key):
+            return next((n for n, (a, b) in enumerate(zip(key, prompt[:7])) if a != b), min(len(key), 7))
+        most = max(shared(cache_key) for cache_key in {tuple(p) for p in pages})
+        assert match.tail_tokens == most and shared(match.tail.key) == most
