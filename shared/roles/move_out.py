@@ -11,7 +11,9 @@ decode worker that continues them, then handed over once.
     expire()       one nobody took within LEASE_S (or an abort, through `discard`) is dropped, its pages freed
 
 Only a step read at once freezes (an overlapped step's placeholder means the last token's KV is not there yet);
-n > 1 is refused at `freeze` (each choice has its own pages and state, which one held token cannot carry).
+n > 1 is refused at `freeze` (each choice has its own pages and state, which one held token cannot carry): asked
+to rebalance, it goes on here; asked because the worker drains, it ends at once with an error, which the gateway
+continues by recomputation (every choice resumed) rather than let the drain wait it out.
 Frozen generations belong to the decode role: their pages count as held (scheduler.PageHolder).
 """
 from __future__ import annotations
@@ -47,10 +49,13 @@ class MoveOut:
         marked, refused = [], []
         until = time.monotonic() + LEASE_S
         for req in reqs:
-            if req.rid in self.frozen or req.rid in self.asked:
-                continue
+            if req.rid in self.frozen or req.rid in self.asked or any(r.startswith(f"{req.rid}: ") for r in refused):
+                continue  # n > 1: one entry for all its choices
             if req.params.n > 1:
                 refused.append(f"{req.rid}: n > 1 (its choices move by recomputation)")
+                if reason == "drain":
+                    self.ops.abort(req.rid, error="this decode worker is shutting down: n > 1 choices move by "
+                                                  "recomputation")
                 continue
             self.asked[req.rid] = (reason, until)
             marked.append(req.rid)

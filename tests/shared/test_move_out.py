@@ -92,13 +92,39 @@ def test_the_caller_must_continue_from_the_frozen_tokens():
         src.role.moves.frozen_for("g", list(range(10, 17)) + sent[:-1])
 
 
-def test_n_above_one_is_refused_and_goes_on_here():
-    engine, outputs = make_engine(page_size=4, role=Role.DECODE), {}
+def n2_engine(outputs: dict):
+    engine = make_engine(page_size=4, role=Role.DECODE)
     engine.add_request(make_req("n2", list(range(10, 17)), outputs, max_new_tokens=6, n=2))
     engine.step()
     engine.role.kv_ready("n2", [FirstToken(17), FirstToken(17)], 0)
-    marked, refused = engine.role.moves.freeze(engine.scheduler.find("n2")[:1], "drain")
+    return engine
+
+
+def test_n_above_one_is_refused_a_rebalance_and_goes_on_here():
+    outputs = {}
+    engine = n2_engine(outputs)
+    marked, refused = engine.role.moves.freeze(engine.scheduler.find("n2")[:1], "rebalance")
     assert marked == [] and refused and "n > 1" in refused[0]
     run_until_idle(engine)
     assert tokens_of(outputs, "n2", 1) == list(range(17, 23))
     assert held(engine) == 0
+
+
+def test_n_above_one_ends_at_once_when_the_worker_drains():
+    """The drain does not wait it out: both choices end with an error the gateway continues by recomputation."""
+    outputs = {}
+    engine = n2_engine(outputs)
+    marked, refused = engine.role.moves.freeze(engine.scheduler.find("n2")[:1], "drain")
+    assert marked == [] and "n > 1" in refused[0]
+    for index in (0, 1):
+        last = outputs[("n2", index)][-1]
+        assert last.finish_reason == "abort" and "recomputation" in last.error
+    assert not engine.has_work() and held(engine) == 0
+    assert_integrity(engine)
+
+
+def test_every_choice_of_n_above_one_is_named_once():
+    outputs = {}
+    engine = n2_engine(outputs)
+    _, refused = engine.role.moves.freeze(engine.scheduler.find("n2"), "rebalance")
+    assert len(refused) == 1

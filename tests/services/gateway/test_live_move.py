@@ -226,6 +226,39 @@ async def test_a_client_gone_mid_move_frees_both_pools(stack):
     assert all(pool_clean(a) for a in (source, target))
 
 
+async def test_a_drain_ends_n_above_one_at_once_for_recomputation(stack):
+    """n = 2 does not move live (each choice has pages of its own): the draining worker ends it at once, and the
+    gateway resumes both choices elsewhere, so the drain does not wait for it."""
+    system, gw, paddr = stack
+    client = openai.AsyncOpenAI(base_url=gw.base, api_key="none", max_retries=0, timeout=300)
+    seen = asyncio.Event()
+
+    async def two(count: list[int] | None = None) -> list[str]:
+        texts = ["", ""]
+        stream = await client.completions.create(model="default", prompt="Two choices, one drain:", n=2,
+                                                 max_tokens=1000, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+            if count is not None:
+                count[0] += 1
+                if count[0] >= 40:
+                    seen.set()
+        return texts
+    reference = await two()
+    task = asyncio.create_task(two([0]))
+    await asyncio.wait_for(seen.wait(), 60)
+    (source,) = [w["address"] for w in server_info(gw)["workers"] if w["role"] == "decode" and w["in_flight"]]
+    proc = system.workers[source]
+    os.kill(proc.popen.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    await asyncio.to_thread(proc.popen.wait, 30)
+    assert time.monotonic() - signalled < 10
+    assert await asyncio.wait_for(task, 120) == reference
+    restart(system, gw, source)
+
+
 async def test_a_second_drain_during_the_first_finishes_every_stream(stack):
     """Both decode workers told to stop, one just after the other: the first's streams move to the second, whose
     drain has no peer left and lets them finish (as before live moves)."""
