@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pdserve.kernels import native
-from pdserve.shared.config import CacheConfig, RuntimeConfig
+from pdserve.shared.config import CacheConfig, RuntimeConfig, SpeculativeConfig
 from pdserve.shared.engine import Engine
 from pdserve.shared.grammar import Constraint
 from pdserve.shared.req import Req
@@ -118,6 +118,26 @@ def test_the_resume_state_is_the_undisturbed_runs(engine, prompt, undisturbed):
     assert all(choices[0].grammar.accept(t) for t in rest if t not in engine.model_config.eos_token_ids)
     assert choices[0].grammar.terminated or choices[0].grammar.matcher.is_completed()
     assert not choices[1].grammar.accept(ids[CUT])  # the sibling's matcher is its own, two tokens in
+
+
+def test_a_resumed_choice_drafts_from_its_carried_output_under_speculative_decoding(tiny_models):
+    """The n-gram drafter indexes prompt + output when it first drafts: a resumed choice's carried tokens are
+    draft material as its own would be, and the output stays the undisturbed run's (a tiny random model, whose
+    greedy output soon repeats itself)."""
+    model = tiny_models["llama"]
+
+    def engine_for(speculative: bool) -> Engine:
+        return Engine(RuntimeConfig(model_path=str(model), dtype="float32",
+                                    cache=CacheConfig(page_size=4, max_total_tokens=4 * 64),
+                                    speculative=SpeculativeConfig() if speculative else None))
+    prompt, params, seen = [5, 9, 17, 9, 5, 33, 2, 41], SamplingParams(temperature=0, max_new_tokens=48), Seen()
+    for rid, engine, resume in (("plain", engine_for(False), None), ("moved", engine_for(True), 16)):
+        carried = None if resume is None else [(0, seen.tokens["plain", 0][:resume])]
+        engine.add_request(Req(rid=rid, input_ids=prompt, params=params, on_output=seen), resume=carried)
+        while engine.has_work():
+            engine.step()
+    assert len(seen.tokens["plain", 0]) == 48 and seen.tokens["moved", 0] == seen.tokens["plain", 0][16:]
+    assert engine.speculator.verify_steps > 0  # drafts were verified, not only plain steps taken
 
 
 @pytest.mark.parametrize("resume, words", [
