@@ -1,5 +1,6 @@
-"""switch_role's refusals, decided from the gateway's view of its workers before any worker is asked (the worker's
-own refusals and the switch itself: test_role_switch.py, on real workers)."""
+"""switch_role's refusals, decided from the gateway's view of its workers before any worker is asked, and a role
+switched by another gateway (process or replica) learnt from the worker's health check (the worker's own refusals
+and the switch itself: test_role_switch.py, on real workers)."""
 from __future__ import annotations
 
 import asyncio
@@ -60,3 +61,25 @@ def test_switch_role_names_the_reason(worker_type, address, status, why):
         asyncio.run(switch_role(pd_pool(), address, worker_type))
     assert (refused.value.status, refused.value.reason) == (status, why)
     assert f"(reason: {why})" in refused.value.message
+
+
+class SwitchedWorkerStub:
+    """A worker that another gateway switched to prefill: what it answers to this gateway's health checks."""
+
+    async def Health(self, request, timeout=None, wait_for_ready=None):  # noqa: N802 (the stub's names)
+        return pb.HealthReply(ok=True, role="prefill")
+
+    async def Info(self, request, timeout=None):  # noqa: N802
+        return pb.InfoReply(role="prefill", max_running_requests=7)
+
+    async def Load(self, request, timeout=None):  # noqa: N802
+        return pb.LoadReply()
+
+
+def test_a_role_switched_elsewhere_is_learnt_at_the_next_health_check():
+    pool = pd_pool(prefill=1, decode=2)
+    worker = pool.workers["10.0.0.2:1"]
+    worker.stub = SwitchedWorkerStub()
+    assert asyncio.run(pool.check(worker))
+    assert worker.role == "prefill" and worker.info.max_running_requests == 7  # its Info asked again
+    assert worker in pool.healthy("prefill") and worker not in pool.healthy("decode")
