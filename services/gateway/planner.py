@@ -18,8 +18,8 @@ What the planner guarantees:
 - it switches only when a side has been at or past `high` for `sustain` ticks in a row (one bad window is
   noise), and the other side, the workers down, is predicted at or below `low` (hysteresis: `low < high`, so the
   switch never leaves the other side calling for the workers back). One decision moves as many workers as the
-  needy side wants (what would bring it to `low`) and the other side can spare so (at 64 workers, one at a time
-  would take a phase to follow a change of load);
+  needy side wants (what would bring it to `low`) and the other side can spare so, at most a quarter of that side
+  (one at a time, 64 workers would take a phase to follow a change of load; all at once over-reacts);
 - no role falls below `min_per_role` workers;
 - a worker that changed role keeps it for `dwell_s`, and after any switch none follows for `cooldown_s` (the
   window must see the new split before it is judged).
@@ -198,8 +198,9 @@ class Planner:
             return hold("dwell", f"{needy} at {shown[needy]} ({why}), but every {giver} worker changed role less "
                                  f"than {s.dwell_s:g} s ago")
         # As many as the needy side wants, the giver can spare (staying at `low`, above its floor) and may move.
-        k = 1
-        while (k < min(len(free), self.desired[needy] - counts[needy], counts[giver] - s.min_per_role)
+        k, most = 1, min(len(free), self.desired[needy] - counts[needy], counts[giver] - s.min_per_role,
+                         math.ceil(counts[giver] / 4))  # a quarter of the giving side at most: a latency window
+        while (k < most
                and found[giver].after(counts[giver], k + 1, s.itl_knee_batch) <= s.low):
             k += 1
         after = found[giver].after(counts[giver], k, s.itl_knee_batch)
