@@ -8,6 +8,7 @@ reason; a worker that dies mid-switch is taken out and the call answers an error
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import requests
 
 from harness import ADMIN_KEY, System, start_gateway, start_worker, worker_call
+from procs import children
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 
@@ -216,23 +218,18 @@ def test_pdserve_debug_lists_and_switches(stack):
 def test_a_worker_that_dies_mid_switch_is_taken_out_and_the_call_answers(stack):
     system, gw, paddr, daddrs = stack
     moving = daddrs[1]
-    # Long generations on the worker keep its drain going (5 s) while it is killed: with two choices each, none
-    # can move to another worker live, so they run on there.
-    busy = [threading.Thread(target=lambda: requests.post(gw.url + "/generate", json={
-        "text": "Write a long essay.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "n": 2}},
-        timeout=120)) for _ in range(4)]
-    for t in busy:
-        t.start()
-    wait_for(lambda: worker_call(moving, "Load").running > 0, 30)
+    proc = system.workers[moving]
+    engine, = children(proc.popen.pid)
+    os.kill(engine, signal.SIGSTOP)  # its engine takes no step: the switch is held under way until the kill
     answers = []
     caller = threading.Thread(target=lambda: answers.append(switch(gw, moving, "prefill", timeout=60)))
     started = time.monotonic()
     caller.start()
     time.sleep(1.0)
-    system.workers[moving].kill()
+    assert not answers and workers(gw)[moving]["switching"]
+    proc.kill()
     caller.join(60)
     assert answers and answers[0].status_code == 503 and "worker_lost" in answers[0].text, answers
     assert time.monotonic() - started < 30
     assert not workers(gw)[moving]["is_healthy"]  # out of rotation by the time the call answered
-    for t in busy:
-        t.join(120)
+    generate(gw, "Still serving?", 4)  # the others serve on
