@@ -7,7 +7,7 @@ prompt's pages answer only requests that a router cannot tell apart by their tok
 and records here, on the engine thread, the pages each tier gained and lost since the engine's last loop iteration:
 `device` (the pool), `host` (the host-memory tier) and `storage` (the storage tier's directory). The engine process
 sends them with the iteration's outputs; the worker's front adds them up (`HeldPages`) and streams them to every
-router that asks: all it holds first, then the changes (services/worker/front/kv_events.py).
+router that asks: all it holds first, then the changes (services/worker/front/kv_events_rpc.py).
 
 No torch here: the gateway imports this module.
 """

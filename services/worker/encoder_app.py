@@ -19,7 +19,7 @@ from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.encoder_metrics import EncoderMetrics
 from pdserve.services.worker.front.peers import GRPC_OPTIONS
 from pdserve.services.worker.channel.wire import RemoteError, error_kind
-from pdserve.services.worker.front.pooling import PoolingService
+from pdserve.services.worker.front.pooling_rpc import PoolingService
 from pdserve.shared.cluster_auth import server_interceptors
 from pdserve.shared.config import Role, RuntimeConfig
 from pdserve.shared.encoder import Encoder

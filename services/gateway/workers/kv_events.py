@@ -1,5 +1,5 @@
 """What the workers say their prefix caches hold, for the router: `HeldPrefixes` is the table, `CacheFeeds` keeps
-it filled from each worker's KVEvents stream (services/worker/front/kv_events.py).
+it filled from each worker's KVEvents stream (services/worker/front/kv_events_rpc.py).
 
 Device and host-memory pages are a worker's own. Stored pages belong to a storage domain: the workers whose storage
 tiers share a directory and the KV identity name it alike, and any of them reads a page another stored. A worker's

@@ -1,6 +1,6 @@
 """A role's engine side, and the plain case: a colocated worker's engine computes every prompt it decodes, holds no
 side of KV transfers and adds nothing to the engine. `prefill_engine.py` and `decode_engine.py` override what
-their role adds; the front's side of each role is its wiring (`colocated.py`, `prefill.py`, `decode.py`).
+their role adds; the front's side of each role is its wiring (`colocated_wiring.py`, `prefill_wiring.py`, `decode_wiring.py`).
 
 Plug points, all a role has to say:
 - `role`, `serves_pooling_models`, `ends_at_prefill` (its metrics count a request done once prefilled),

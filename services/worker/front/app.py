@@ -23,16 +23,16 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import compat_to_proto, weights_to_proto
 from pdserve.services.signals import install_signal_handlers
 from pdserve.services.worker.channel.wire import EngineGone, RemoteError
-from pdserve.services.worker.front.colocated import Colocated
-from pdserve.services.worker.front.decode import Decode
+from pdserve.services.worker.front.colocated_wiring import Colocated
+from pdserve.services.worker.front.decode_wiring import Decode
 from pdserve.services.worker.front.engine_link import EngineLink
 from pdserve.services.worker.channel.messages import (CacheChanged, CacheDomain, Load, Metrics, StatsSample,
                                                      TransferHealth)
-from pdserve.services.worker.front.kv_events import KVFeed
+from pdserve.services.worker.front.kv_events_rpc import KVFeed
 from pdserve.services.worker.front.peers import SERVER_OPTIONS, PeerError
-from pdserve.services.worker.front.pooling import PoolingService, engine_encode
+from pdserve.services.worker.front.pooling_rpc import PoolingService, engine_encode
 from pdserve.services.worker.front.rpc import Calls, Timeouts, WorkerService
-from pdserve.services.worker.front.prefill import Prefill
+from pdserve.services.worker.front.prefill_wiring import Prefill
 from pdserve.services.worker.front.prefill_rpc import PrefillGate
 from pdserve.services.worker.front.role_switch import RoleSwitch
 from pdserve.services.worker.channel.settings import worker_name

@@ -26,9 +26,9 @@ from pdserve.services.worker.front.admin_rpc import AdminRpcs
 from pdserve.services.worker.channel.wire import EngineGone, RemoteError
 from pdserve.services.worker.front.engine_link import EngineLink
 from pdserve.services.worker.channel.messages import Abort, Call, Generate, Trace
-from pdserve.services.worker.front.kv_events import KVEventsRpc
+from pdserve.services.worker.front.kv_events_rpc import KVEventsRpc
 from pdserve.services.worker.front.move_rpc import LiveMoves
-from pdserve.services.worker.front.multiplex import StepSink, serve_many
+from pdserve.services.worker.front.generate_many import StepSink, serve_many
 from pdserve.services.worker.front.weights_rpc import WeightUpdates
 from pdserve.shared.compat import Compat
 from pdserve.shared.outputs import ReqOutput, coalesce, is_moved
@@ -133,8 +133,8 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
         self._weights_lock = asyncio.Lock()  # one weight update step at a time
 
     @property
-    def prompts(self):  # where each generation's prompt KV comes from (wiring.Prompts, or decode's KVPull)
-        return self.wiring.prompts
+    def prompt_kv(self):  # where each generation's prompt KV comes from (wiring.ComputedHere, or decode's KVPull)
+        return self.wiring.prompt_kv
 
     async def _engine(self, call: Call, timeout: float | None = None):
         return await self.link.call(call, timeout or self.timeouts.engine_call)
@@ -182,7 +182,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
 
     async def GenerateMany(self, calls, context: grpc.aio.ServicerContext):
         """Generate for each call on one stream, every call's messages of one engine step in one message
-        (pdserve.services.worker.front.multiplex): what the gateway uses."""
+        (pdserve.services.worker.front.generate_many): what the gateway uses."""
         async with contextlib.aclosing(serve_many(self._generate_posting, calls, context)) as events:
             async for message in events:
                 yield message
@@ -239,7 +239,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
             request.traceparent = tracing.traceparent_of(span)  # the Prefill call (kv_pull) goes under it
         self.link.watch(request.rid, deliver)
         if not request.resume or request.kv_source_rid:  # a resumed generation is computed here, unless its KV
-            self.prompts.expect(request.rid, request)    # moves here live from the worker it froze on
+            self.prompt_kv.expect(request.rid, request)    # moves here live from the worker it froze on
         try:
             await self._call_or_abort(context, Generate(request.rid, list(request.input_ids),
                                                         request.sampling.SerializeToString(), arrived,
@@ -248,7 +248,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
         except BaseException:  # refused, or cancelled while the engine took it: it must not run on unwatched
             self.link.cast(Abort([request.rid]))
             self.link.unwatch(request.rid)
-            self.prompts.abort(request.rid)  # a Prefill call already started for it is cancelled
+            self.prompt_kv.abort(request.rid)  # a Prefill call already started for it is cancelled
             traced = self.traced.pop(request.rid, None)
             if traced is not None:  # the engine may have taken it first: its record of the request goes too
                 asyncio.ensure_future(self._end_span(request.rid, traced, False, time.monotonic()))
@@ -282,7 +282,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
             msg.handoff_s = now - out.first_token_time
         if rid in self.traced:
             self.traced[rid].first_sent = now
-        taken = self.prompts.take_reply(rid)
+        taken = self.prompt_kv.take_reply(rid)
         if taken is not None:
             timing, pull = taken
             msg.prefill_queue_s, msg.prefill_compute_s = timing.queue_s, timing.compute_s
@@ -313,7 +313,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
         traced = self.traced.pop(request.rid, None)
         if traced is not None:
             asyncio.ensure_future(self._end_span(request.rid, traced, len(finished) >= n, time.monotonic()))
-        self.prompts.take_reply(request.rid)
+        self.prompt_kv.take_reply(request.rid)
         if request.rid in self.moving:  # frozen, its pages kept for the decode worker that continues it
             self.moving.discard(request.rid)
         elif len(finished) < n:  # cancelled by the client, failed or timed out
@@ -333,7 +333,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
 
     def _abort_soon(self, rid: str) -> None:
         self.link.cast(Abort([rid]))
-        self.prompts.abort(rid)
+        self.prompt_kv.abort(rid)
 
     # ------------------------------------------------------------ Abort, Health
     async def Abort(self, request, context):
@@ -346,7 +346,7 @@ class WorkerService(WeightUpdates, AdminRpcs, KVEventsRpc, LiveMoves, pb_grpc.Wo
             targets = {request.rid: ""}
         found = await self._call_or_abort(context, Abort(list(targets)))
         for rid in targets:
-            self.prompts.abort(rid)
+            self.prompt_kv.abort(rid)
         return pb.AbortReply(found=bool(found), aborted=[targets[rid] for rid in found if targets[rid]])
 
     async def Health(self, request, context):

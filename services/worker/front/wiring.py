@@ -1,6 +1,6 @@
 """How a worker of one role is wired in its front: the services it serves, where Generate gets a prompt's KV from,
-and what it does once serving. Each role says it in one module: `colocated.py` (the plain case: these defaults),
-`prefill.py`, `decode.py`; its engine side is beside it (`colocated_engine.py`, `prefill_engine.py`,
+and what it does once serving. Each role says it in one module: `colocated_wiring.py` (the plain case: these defaults),
+`prefill_wiring.py`, `decode_wiring.py`; its engine side is beside it (`colocated_engine.py`, `prefill_engine.py`,
 `decode_engine.py`: the KV transfer side it holds, the calls only it serves); an embedding model's worker is
 `encoder_app.py`. `app.py` and `rpc.py` ask the wiring and hold no role checks of their own.
 """
@@ -11,7 +11,7 @@ import grpc
 from pdserve.shared.config import Role
 
 
-class Prompts:
+class ComputedHere:
     """Where a generation's prompt KV comes from: computed by this worker's engine, nothing to do here. A decode
     worker's prompts are pulled from prefill workers instead (`kv_pull.KVPull`, with the same calls)."""
 
@@ -34,7 +34,7 @@ class Wiring:
     moves_live = False  # it hands running generations over live with their KV (Migrate: move_rpc.py)
 
     def __init__(self) -> None:
-        self.prompts = Prompts()
+        self.prompt_kv = ComputedHere()
 
     def refuses_generate(self, request) -> tuple[grpc.StatusCode, str] | None:
         """Why this Generate call cannot be served here (the status and the message), or None."""

@@ -13,7 +13,7 @@ import openai
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.services.worker.front.multiplex import serve_many
+from pdserve.services.worker.front.generate_many import serve_many
 from procs import Proc, free_port, start_worker
 
 API_KEY = "sk-test-gateway-key"

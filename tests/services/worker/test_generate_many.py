@@ -12,7 +12,7 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.codec import params_to_proto
-from pdserve.services.worker.front.multiplex import StepSink
+from pdserve.services.worker.front.generate_many import StepSink
 from pdserve.shared.outputs import ReqOutput
 from pdserve.shared.sampling_params import SamplingParams
 from procs import start_worker

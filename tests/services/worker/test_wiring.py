@@ -1,5 +1,5 @@
-"""Each worker role is said in its own modules: its front's wiring (`services/worker/front/colocated.py`,
-`prefill.py`, `decode.py`: what it serves, how it takes a Generate call) and, beside it in the engine room, its
+"""Each worker role is said in its own modules: its front's wiring (`services/worker/front/colocated_wiring.py`,
+`prefill_wiring.py`, `decode_wiring.py`: what it serves, how it takes a Generate call) and, beside it in the engine room, its
 engine side (`engine/colocated_engine.py`, `prefill_engine.py`, `decode_engine.py`: which side of KV transfers it
 holds, the calls only it serves). Every call across the engine channel is a declared type with one handler marked
 with that type. The modules every role runs through keep no role checks, and nothing finds a handler by a name
@@ -26,7 +26,7 @@ from pdserve.shared.config import Role
 
 WORKER = Path(__file__).resolve().parents[3] / "services" / "worker"
 # Where a role may be told apart: its own modules, and the CLI's flags per command.
-ROLE_MODULES = {"colocated.py", "prefill.py", "decode.py", "wiring.py", "colocated_engine.py", "prefill_engine.py",
+ROLE_MODULES = {"colocated_wiring.py", "prefill_wiring.py", "decode_wiring.py", "wiring.py", "colocated_engine.py", "prefill_engine.py",
                 "decode_engine.py", "encoder_app.py", "cli.py"}  # encoder_app: the embedding worker, colocated only
 ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
 ONLY = {Role.COLOCATED: set(), Role.PREFILL: {Prefill, Fence, AddPeer, RemovePeer},

@@ -17,7 +17,7 @@ from pdserve.proto.codec import params_to_proto
 from pdserve.services.worker.channel.messages import Abort, Call, Generate
 from pdserve.services.worker.front.rpc import Calls, WorkerService
 from pdserve.shared.compat import Compat
-from pdserve.services.worker.front.colocated import Colocated
+from pdserve.services.worker.front.colocated_wiring import Colocated
 from pdserve.shared.sampling_params import SamplingParams
 
 COMPAT = Compat(model="tiny", dtype="float32", page_size=16, num_layers=2, num_kv_heads=2, head_dim=8,

@@ -37,9 +37,9 @@ class Decode(Wiring):
 
     async def serve(self, app, server, calls) -> None:
         self.peers = PrefillPeers(app.name, app.compat, await app.link.call(TransferMetadata()))
-        self.prompts = KVPull(app.link, self.peers, app.timeouts.engine_call, app.timeouts.prefill,
+        self.prompt_kv = KVPull(app.link, self.peers, app.timeouts.engine_call, app.timeouts.prefill,
                               lambda: self.peers.compat.weights_version)
-        app.link.on(PagesReserved, self.prompts.reserved)
+        app.link.on(PagesReserved, self.prompt_kv.reserved)
         # The Prefill service of a decode worker hands its frozen generations' KV to the decode worker that
         # continues them (a live move, shared/roles/move_out.py), registration and fences as a prefill worker's.
         self.service = PrefillService(app.link, app.compat, calls=calls, page_bytes=app.engine_info["page_bytes"],
