@@ -11,7 +11,9 @@ Starts a prefill worker, two decode workers and a gateway (real processes on loo
   computes prompt and output so far again.
 For each: the streams moved, the seconds from the signal to the worker's exit (live), the longest wait any stream
 saw for a token after the signal, the KV bytes written into the other worker's pool, the prompt tokens the other
-decode worker computed (what a move recomputes), and how many streams ended in an error (must be 0).
+decode worker computed (what a move recomputes), how many streams ended in an error (must be 0), and how the
+gateway continued them (live, or by recomputing when a live move failed). Each round's prompts are its own, so no
+round finds another's output in a cache.
 Not part of the test suite; tests/services/gateway/test_live_move.py is its short, checked version.
 """
 from __future__ import annotations
@@ -34,6 +36,9 @@ from procs import start_worker  # noqa: E402
 
 PROMPTS = ["Tell me a story about a dragon.", "Explain how a bicycle works.", "Write a poem about the sea.",
            "Describe a day in a busy city.", "What makes a good cup of tea?", "List facts about the moon."]
+
+
+KINDS = ("live", "recompute")  # how the gateway continued each stream (pdserve_gateway_migrations_total)
 
 
 def metric(url: str, name: str, match: str = "") -> float:
@@ -61,7 +66,7 @@ async def one_round(system: System, gw, decodes: list[str], how: str, args) -> d
 
     async def stream(i: int) -> str:
         try:
-            s = await client.completions.create(model="default", prompt=PROMPTS[i % len(PROMPTS)] + f" ({i})",
+            s = await client.completions.create(model="default", prompt=PROMPTS[i % len(PROMPTS)] + f" ({how} {i})",
                                                 max_tokens=args.tokens, temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
             last = None
@@ -83,6 +88,7 @@ async def one_round(system: System, gw, decodes: list[str], how: str, args) -> d
     victim = max(decodes, key=lambda a: on[a])
     other = next(a for a in decodes if a != victim)
     bytes_before = metric(gw.url + "/metrics", "pdserve_gateway_migration_bytes_sum")
+    kinds_before = {k: metric(gw.url + "/metrics", "pdserve_gateway_migrations_total", f'kind="{k}"') for k in KINDS}
     prefill_before = metric(metrics_url(system.workers[other]), "pdserve_worker_tokens_total", 'kind="prefill"')
     proc = system.workers[victim]
     signalled.append(time.monotonic())
@@ -98,7 +104,9 @@ async def one_round(system: System, gw, decodes: list[str], how: str, args) -> d
            "kv_bytes": metric(gw.url + "/metrics", "pdserve_gateway_migration_bytes_sum") - bytes_before,
            "prefill_recomputed": metric(metrics_url(system.workers[other]), "pdserve_worker_tokens_total",
                                         'kind="prefill"') - prefill_before,
-           "errors": sum(r != "ok" for r in results)}
+           "errors": sum(r != "ok" for r in results),
+           **{k: metric(gw.url + "/metrics", "pdserve_gateway_migrations_total", f'kind="{k}"') - kinds_before[k]
+              for k in KINDS}}
     proc.start()
     proc.wait_healthy(300)
     deadline = time.monotonic() + 60
@@ -136,11 +144,12 @@ async def main() -> int:
     print(f"{args.streams} streams of {args.tokens} tokens, the busier decode worker leaving after {args.after} "
           f"tokens each ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
     print(f"{'how':<10} {'moved':>5} {'exit s':>7} {'longest gap s':>14} {'KV MiB moved':>13} "
-          f"{'prefill recomputed':>19} {'errors':>6}")
+          f"{'prefill recomputed':>19} {'errors':>6} {'went live':>9} {'recomputed':>10}")
     for r in rows:
         exit_s = f"{r['exit_s']:.2f}" if r["exit_s"] is not None else "-"
         print(f"{r['how']:<10} {r['moved']:>5} {exit_s:>7} {r['longest_gap_s']:>14.2f} "
-              f"{r['kv_bytes'] / 2**20:>13.1f} {r['prefill_recomputed']:>19.0f} {r['errors']:>6}")
+              f"{r['kv_bytes'] / 2**20:>13.1f} {r['prefill_recomputed']:>19.0f} {r['errors']:>6} {r['live']:>9.0f} "
+              f"{r['recompute']:>10.0f}")
     return 1 if any(r["errors"] for r in rows) else 0
 
 
