@@ -64,6 +64,10 @@ class Req:
     # (cached tail page, own page) when the prompt continues a cached partly filled page: the copy its first
     # step makes (Scheduler._match_prefix)
     tail_copy: tuple[int, int] | None = None
+    # The radix node of that cached page, locked until the request is released: the copy may run after the step
+    # is issued (a GPU's stream, the overlap schedule), so its page must not be evicted and refilled (by a peer's
+    # KV write, which no stream orders) in between.
+    copy_source: Node | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to users)
     # Of those, the tokens a lower tier put back into the pool for this request: {"host": n, "storage": m}
     # (kv_tiers.py); the rest were in the pool already.

@@ -198,6 +198,7 @@ class Scheduler:
                 self.cache.unlock(req.prefix_node)
         req.prefix_node = None
         req.tail_copy = None
+        self._release_copy_source(req)
         self.allocator.free(owned)
         req.pages, req.num_cached_pages, req.num_computed = [], 0, 0
         self._drop_adapter(req)
@@ -289,13 +290,19 @@ class Scheduler:
         if match.tail is not None:
             self.cache.lock(match.tail)  # the page to copy must not be evicted to make room for the copy
             page = self.allocate(1)
-            self.cache.unlock(match.tail)
-            if page is not None:
+            if page is None:
+                self.cache.unlock(match.tail)
+            else:
                 req.pages.append(page[0])
-                req.tail_copy = (match.tail.page, page[0])
+                req.tail_copy, req.copy_source = (match.tail.page, page[0]), match.tail
                 req.num_computed += match.tail_tokens
         if not req.output_ids:
             req.cached_tokens = req.num_computed
+
+    def _release_copy_source(self, req: Req) -> None:
+        if req.copy_source is not None:
+            self.cache.unlock(req.copy_source)
+            req.copy_source = None
 
     def _unmatch(self, req: Req) -> None:
         """Undo a prefix match for a request that could not be scheduled after all."""
@@ -304,6 +311,7 @@ class Scheduler:
             self.cache.unlock(req.prefix_node)
         req.prefix_node, req.pages, req.num_cached_pages, req.num_computed = None, [], 0, 0
         req.tail_copy = None
+        self._release_copy_source(req)
 
     def schedule_decode(self) -> Batch | None:
         if not self.running:

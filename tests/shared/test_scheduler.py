@@ -135,6 +135,25 @@ def test_a_prompt_leaving_a_cached_page_part_way_computes_on_a_copy_from_the_fir
     assert_integrity(engine)
 
 
+def test_the_page_a_prompt_copies_stays_cached_until_the_request_is_released():
+    # On a GPU the copy runs when the stream reaches it, after the step is issued: until then its source page must
+    # not be evicted and handed to other KV (a peer's write into a reservation, which no stream orders).
+    engine, outputs = make_engine(page_size=4), {}
+    engine.add_request(make_req("a", list(range(1, 13)), outputs, max_new_tokens=1))
+    run_until_idle(engine)
+    b = make_req("b", [1, 2, 3, 4, 5, 6, 700], outputs, max_new_tokens=1)
+    engine.add_request(b)
+    (source, copy), = engine.scheduler.schedule_prefill().page_copies
+    evicted = engine.cache.evict(10**6)
+    engine.scheduler.allocator.free(evicted)
+    assert source not in evicted
+    engine.scheduler.release(b, cache=False)
+    evicted = engine.cache.evict(10**6)
+    engine.scheduler.allocator.free(evicted)
+    assert source in evicted
+    assert_integrity(engine)
+
+
 def test_a_sequence_longer_than_the_pool_can_hold_ends_with_length_not_an_error():
     # --max-total-tokens below the context: the answer stops where the pool is full, as SGLang's max_req_len.
     engine, outputs = make_engine(page_size=4, num_pages=16), {}
