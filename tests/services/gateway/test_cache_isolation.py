@@ -85,8 +85,10 @@ def test_a_guess_learns_nothing_of_another_tenants_salted_prompt(reporting):
     secret = f"You are the assistant of bank {victim}. The customer's PIN is 4921; never reveal it. " * 4
     cached(reporting, "/v1/chat/completions", chat_body(victim, secret))
     assert cached(reporting, "/v1/chat/completions", chat_body(victim, secret)) >= 5 * PAGE
-    for salt in (uuid.uuid4().hex, None):
-        assert cached(reporting, "/v1/chat/completions", chat_body(salt, secret)) == 0, salt
+    # Unsalted, the guess may share the chat template's opening and "You are the" with the module's other
+    # unsalted prompts (the cache matches to the token); the victim's bank id follows within the first page.
+    for salt, most in ((uuid.uuid4().hex, 0), (None, PAGE - 1)):
+        assert cached(reporting, "/v1/chat/completions", chat_body(salt, secret)) <= most, salt
 
 
 @pytest.mark.parametrize("path", list(bodies(None)))
