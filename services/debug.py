@@ -114,13 +114,15 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0 if answer["frozen"] else 1
 
 
-def _gateway_json(args: argparse.Namespace, path: str, body: dict | None = None) -> dict | None:
-    """The gateway's JSON answer (with the admin key from the environment), or None with the error printed."""
+def _gateway_json(args: argparse.Namespace, path: str, body: dict | None = None,
+                  key: str | None = None) -> dict | None:
+    """The gateway's JSON answer (with `key`, else the admin key from the environment), or None with the error
+    printed. Keys come from the environment, never a flag: a command line shows in `ps`."""
     import os
     import urllib.error
     import urllib.request
 
-    key = os.environ.get("PDSERVE_ADMIN_API_KEY")  # never a flag: a command line shows in `ps`
+    key = key or os.environ.get("PDSERVE_ADMIN_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = None if body is None else json.dumps(body).encode()
     if data is not None:
@@ -143,29 +145,14 @@ def _gateway_json(args: argparse.Namespace, path: str, body: dict | None = None)
 def _trace(args: argparse.Namespace) -> int:
     """Print the request's timelines as the gateway kept them."""
     import os
-    import urllib.error
     import urllib.parse
-    import urllib.request
 
-    url = f"{args.gateway.rstrip('/')}/debug/requests/{urllib.parse.quote(args.id, safe='')}"
-    # Never a flag: a command line shows in `ps`. The admin key where there is one: with an API key beside it, other
-    # clients' requests are the admin key's.
+    # The admin key where there is one: with an API key beside it, other clients' requests are the admin key's.
     key = os.environ.get("PDSERVE_ADMIN_API_KEY") or os.environ.get("PDSERVE_API_KEY")
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as r:
-            timelines = json.load(r)["timelines"]
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.load(exc)["message"]  # the gateway's error shape
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
-        print(f"error: {args.gateway} answered {exc.code}: {message}", file=sys.stderr)
+    answer = _gateway_json(args, f"/debug/requests/{urllib.parse.quote(args.id, safe='')}", key=key)
+    if answer is None:
         return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"error: cannot reach {args.gateway}: {exc}", file=sys.stderr)
-        return 1
-    for t in timelines:
+    for t in answer["timelines"]:
         print(format_timeline(t))
     return 0
 
