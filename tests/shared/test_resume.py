@@ -17,7 +17,7 @@ from pdserve.shared.req import Req
 from pdserve.shared.resume import resumed_choices
 from pdserve.shared.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native CPU kernels")
+pytestmark = pytest.mark.skipif(not native.available(), reason="deterministic inference needs the native CPU kernels")
 
 CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                          "population": {"type": "integer", "minimum": 0, "maximum": 99999}},
